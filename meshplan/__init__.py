@@ -1,0 +1,1 @@
+"""meshplan: automatic parallelization of PyTorch training (Alpa + HAP)."""

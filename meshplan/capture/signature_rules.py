@@ -1,0 +1,305 @@
+"""Per-op rules: aten op -> (normalized name, dimension signature, forward FLOPs).
+
+One registry of plain functions keyed by aten overload packet name. Each rule sees the shapes
+of the op's tensor operands and its output (from the fake tensors of the trace) and its non-tensor
+arguments, and returns a `Signature` over those tensor operands in argument order. An op missing
+here is planned replicated (see `meshplan.capture.to_ir`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from meshplan.ir.signatures import Dims, Signature, fresh_atoms
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What a rule sees: operand shapes (tensor args in order), output shape, all args."""
+
+    target: str
+    in_shapes: tuple[Shape, ...]
+    out_shape: Shape
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        if i < len(self.args):
+            return self.args[i]
+        return dict(self.kwargs).get(name, default)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    name: str
+    sig: Signature
+    flops: float
+
+
+Rule = Callable[[OpCall], OpRule]
+
+
+def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
+           kind: str, unsplittable: set[str] = frozenset(), mean: set[str] = frozenset()
+           ) -> Signature:
+    sizes: dict[str, int] = {}
+    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
+        for d, n in zip(dims, shape):
+            if len(d) == 1:
+                sizes.setdefault(d, n)
+    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
+        for d, n in zip(dims, shape):
+            for a in d:
+                sizes.setdefault(a, n)  # multi-atom dims: atoms sized by their own 1-atom dims
+    return Signature(tuple(tuple(d) for d in inputs), tuple(output), kind,
+                     frozenset(unsplittable), frozenset(mean), tuple(sizes.items()))
+
+
+# ---------------------------------------------------------------- contractions
+def mm_rule(c: OpCall) -> OpRule:
+    (i, k), (_, j) = c.in_shapes
+    return OpRule("mm", _sized(["ik", "kj"], "ij", c.in_shapes, c.out_shape, "contraction"),
+                  2.0 * i * k * j)
+
+
+def bmm_rule(c: OpCall) -> OpRule:
+    (b, i, k), (_, _, j) = c.in_shapes
+    sig = _sized(["bik", "bkj"], "bij", c.in_shapes, c.out_shape, "contraction")
+    return OpRule("bmm", sig, 2.0 * b * i * k * j)
+
+
+def sdpa_rule(c: OpCall) -> OpRule:
+    # All device variants of scaled-dot-product attention normalize to one op. Sequence and head
+    # dims pass through a softmax, so only batch and heads can be split.
+    q, k, v = c.in_shapes[:3]
+    lead = "".join(fresh_atoms(len(q) - 2, 600))
+    dims = [lead + "sd", lead + "te", lead + "tf"]
+    if len(c.in_shapes) > 3:
+        raise ValueError("attention with an explicit mask tensor is not supported yet")
+    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction",
+                 unsplittable={"s", "t", "d", "e", "f"})
+    batch = math.prod(q[:-2])
+    return OpRule("sdpa", sig, 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1]))
+
+
+def embedding_rule(c: OpCall) -> OpRule:
+    _, idx = c.in_shapes
+    lead = "".join(fresh_atoms(len(idx), 700))
+    sig = _sized(["vh", lead], lead + "h", c.in_shapes, c.out_shape, "contraction",
+                 unsplittable={"v"})
+    return OpRule("embedding", sig, 0.0)
+
+
+# ---------------------------------------------------------------- elementwise family
+def elementwise_rule(name: str) -> Rule:
+    def rule(c: OpCall) -> OpRule:
+        out = fresh_atoms(len(c.out_shape))
+        dims: list[Dims] = []
+        pinned: set[str] = set()
+        for k, shape in enumerate(c.in_shapes):
+            off = len(c.out_shape) - len(shape)
+            d = []
+            for pos, n in enumerate(shape):
+                if n == c.out_shape[off + pos]:
+                    d.append(out[off + pos])
+                else:  # broadcast size-1 dim: its own atom, never split
+                    a = fresh_atoms(1, 900 + 16 * k + pos)[0]
+                    pinned.add(a)
+                    d.append(a)
+            dims.append(tuple(d))
+        sig = _sized(dims, out, c.in_shapes, c.out_shape, "elementwise", pinned)
+        return OpRule(name, sig, float(math.prod(c.out_shape)))
+    return rule
+
+
+def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -> Rule:
+    """Ops that normalize over some dims (softmax over `dim`, layer norm over the trailing ones)."""
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        atoms = fresh_atoms(len(x))
+        if dim_arg is None:  # layer norm: normalized_shape = trailing dims
+            nd = len(c.arg(1, "normalized_shape"))
+            fixed = set(atoms[len(x) - nd:])
+            extra = [atoms[len(x) - nd:]] * (len(c.in_shapes) - 1)
+        else:
+            fixed = {atoms[c.arg(dim_arg, "dim") % len(x)]}
+            extra = []
+        sig = _sized([atoms, *extra], atoms, c.in_shapes, c.out_shape, "elementwise", fixed)
+        return OpRule(name, sig, flops_per_elem * math.prod(x))
+    return rule
+
+
+# ---------------------------------------------------------------- reductions and losses
+def reduction_rule(name: str, mean: bool) -> Rule:
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        atoms = fresh_atoms(len(x))
+        dims = c.arg(1, "dim")
+        dims = range(len(x)) if dims is None or dims == [] else [d % len(x) for d in dims]
+        keep = bool(c.arg(2, "keepdim", False))
+        red = {atoms[d] for d in dims}
+        kept = fresh_atoms(len(x), 400)
+        out = tuple((kept[i] if keep else None) if a in red else a for i, a in enumerate(atoms))
+        out = tuple(a for a in out if a is not None)
+        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "reduction",
+                     unsplittable=set(kept), mean=red if mean else set())
+        return OpRule(name, sig, float(math.prod(x)))
+    return rule
+
+
+def nll_loss_rule(c: OpCall) -> OpRule:
+    x = c.in_shapes[0]
+    if len(c.in_shapes) > 2:
+        raise ValueError("nll_loss with class weights is not supported yet")
+    reduction = c.arg(3, "reduction", 1)
+    if len(x) != 2 or reduction not in (1, 2):
+        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
+    sig = _sized(["nc", "n"], (), c.in_shapes, c.out_shape, "reduction", {"c"},
+                 mean={"n"} if reduction == 1 else set())
+    return OpRule("nll_loss", sig, float(x[0]))
+
+
+def mse_loss_rule(c: OpCall) -> OpRule:
+    x = c.in_shapes[0]
+    atoms = fresh_atoms(len(x))
+    reduction = c.arg(2, "reduction", 1)
+    if reduction not in (1, 2):
+        raise ValueError("mse_loss is supported with reduction mean or sum")
+    sig = _sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
+                 mean=set(atoms) if reduction == 1 else set())
+    return OpRule("mse_loss", sig, 3.0 * math.prod(x))
+
+
+# ---------------------------------------------------------------- views and data movement
+def _view_dims(src: Shape, dst: Shape) -> tuple[list[str], list[str], set[str]]:
+    """Factor a reshape into atoms: blocks of dims with equal products on both sides."""
+    src_dims: list[str] = []
+    dst_dims: list[str] = []
+    pinned: set[str] = set()
+    atoms = iter(fresh_atoms(2 * (len(src) + len(dst)) + 2))
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            a = next(atoms); pinned.add(a); src_dims.append(a); i += 1; continue
+        if j < len(dst) and dst[j] == 1:
+            a = next(atoms); pinned.add(a); dst_dims.append(a); j += 1; continue
+        i0, j0, ps, pd = i, j, src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                ps *= src[i]; i += 1
+            else:
+                pd *= dst[j]; j += 1
+        if i - i0 == 1:  # one source dim split into several: atoms are the destination dims
+            block = [next(atoms) for _ in range(j - j0)]
+            src_dims.append("".join(block)); dst_dims.extend(block)
+        elif j - j0 == 1:  # several source dims merged into one
+            block = [next(atoms) for _ in range(i - i0)]
+            dst_dims.append("".join(block)); src_dims.extend(block)
+        else:  # a many-to-many regrouping: nothing in it can stay split
+            for _ in range(i - i0):
+                a = next(atoms); pinned.add(a); src_dims.append(a)
+            for _ in range(j - j0):
+                a = next(atoms); pinned.add(a); dst_dims.append(a)
+    return src_dims, dst_dims, pinned
+
+
+def view_rule(c: OpCall) -> OpRule:
+    src_dims, dst_dims, pinned = _view_dims(c.in_shapes[0], c.out_shape)
+    sig = _sized([src_dims], dst_dims, c.in_shapes, c.out_shape, "view", pinned)
+    if sig.reduced_atoms - pinned:
+        raise AssertionError(f"view factorization lost atoms: {c.in_shapes[0]} -> {c.out_shape}")
+    return OpRule("view", _sized_view(sig, c), 0.0)
+
+
+def _sized_view(sig: Signature, c: OpCall) -> Signature:
+    # Atom sizes of merged dims come from the side where the atom is a whole dim.
+    sizes = dict(sig.atom_sizes)
+    for dims, shape in ((sig.inputs[0], c.in_shapes[0]), (sig.output, c.out_shape)):
+        for d, n in zip(dims, shape):
+            if len(d) == 1:
+                sizes[d] = n
+    return Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
+                     tuple(sizes.items()))
+
+
+def permute_rule(c: OpCall) -> OpRule:
+    x = c.in_shapes[0]
+    atoms = fresh_atoms(len(x))
+    if c.target == "t":
+        order = list(reversed(range(len(x))))
+    elif c.target == "transpose":
+        order = list(range(len(x)))
+        a, b = c.arg(1, "dim0") % len(x), c.arg(2, "dim1") % len(x)
+        order[a], order[b] = order[b], order[a]
+    else:
+        order = [d % len(x) for d in c.arg(1, "dims")]
+    sig = _sized([atoms], [atoms[d] for d in order], c.in_shapes, c.out_shape, "view")
+    return OpRule(c.target, sig, 0.0)
+
+
+def expand_rule(c: OpCall) -> OpRule:
+    x, out = c.in_shapes[0], c.out_shape
+    out_atoms = fresh_atoms(len(out))
+    off = len(out) - len(x)
+    dims, pinned = [], set()
+    for pos, n in enumerate(x):
+        if n == out[off + pos]:
+            dims.append(out_atoms[off + pos])
+        else:
+            a = fresh_atoms(1, 300 + pos)[0]; pinned.add(a); dims.append(a)
+    sig = _sized([dims], out_atoms, c.in_shapes, c.out_shape, "view", pinned)
+    return OpRule("expand", sig, 0.0)
+
+
+def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
+    """Ops that keep shapes except along one dim, which must stay whole (cat, slice, split)."""
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        atoms = list(fresh_atoms(len(x)))
+        d = c.arg(dim_arg, dim_name, 0) % len(x)
+        fixed = set()
+        ins = []
+        for k in range(len(c.in_shapes)):
+            a = list(atoms); a[d] = fresh_atoms(1, 500 + k)[0]; fixed.add(a[d]); ins.append(a)
+        out = list(atoms); out[d] = fresh_atoms(1, 499)[0]; fixed.add(out[d])
+        sig = _sized(ins, out, c.in_shapes, c.out_shape, "view", fixed)
+        return OpRule(name, sig, 0.0)
+    return rule
+
+
+UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
+         "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
+         "lift_fresh_copy", "square", "erf", "reciprocal")
+BINARY = ("add", "sub", "mul", "div", "where", "maximum", "minimum", "eq", "ne", "lt", "gt",
+          "le", "ge", "masked_fill", "rsub")
+
+RULES: dict[str, Rule] = {
+    "mm": mm_rule, "bmm": bmm_rule, "embedding": embedding_rule,
+    "_scaled_dot_product_flash_attention_for_cpu": sdpa_rule,
+    "_scaled_dot_product_flash_attention": sdpa_rule,
+    "_scaled_dot_product_efficient_attention": sdpa_rule,
+    "_scaled_dot_product_attention_math": sdpa_rule,
+    "_scaled_dot_product_cudnn_attention": sdpa_rule,
+    "native_layer_norm": normalize_last_rule("layer_norm", 8.0, None),
+    "_softmax": normalize_last_rule("softmax", 5.0, 1),
+    "_log_softmax": normalize_last_rule("log_softmax", 5.0, 1),
+    "sum": reduction_rule("sum", mean=False), "mean": reduction_rule("mean", mean=True),
+    "nll_loss_forward": nll_loss_rule, "mse_loss": mse_loss_rule,
+    "view": view_rule, "_unsafe_view": view_rule, "reshape": view_rule,
+    "unsqueeze": view_rule, "squeeze": view_rule, "flatten": view_rule,
+    "t": permute_rule, "transpose": permute_rule, "permute": permute_rule,
+    "expand": expand_rule,
+    "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
+    "split": dim_pinned_rule("split", 2, "dim"),
+    "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
+    **{n: elementwise_rule(n) for n in UNARY + BINARY},
+}
+
+# Ops that create tensors from nothing: planned as replicated constants.
+CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor",
+                          "zeros_like", "ones_like", "full_like", "empty_like", "tensor"})

@@ -1,0 +1,108 @@
+"""Trace forward + loss of an ``nn.Module`` into an aten-level fx graph on fake tensors.
+
+This is the one module that touches torch's tracing internals (``make_fx`` and
+``FakeTensorMode``), so a torch upgrade breaks in one place. Nothing is allocated: parameters,
+buffers and the example batch become fake *CPU* tensors (fake CUDA breaks autograd on a CPU
+build), so a model built on the ``meta`` device traces at any size.
+
+The traced function is ``loss_fn(functional_call(model, state, inputs), target)``; its
+placeholders are, in order, every parameter, every buffer, every input and the target. The
+backward pass is not traced: at run time autograd differentiates the sharded forward program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Traced:
+    """An fx graph of forward + loss and the meaning of its placeholders.
+
+    ``placeholders[i]`` is ``(role, name)`` for the i-th placeholder node, where ``role`` is
+    ``"param"``, ``"buffer"``, ``"input"`` or ``"target"`` and ``name`` the state-dict name (for
+    params/buffers) or ``"input{i}"`` / ``"target"``.
+    """
+
+    graph_module: GraphModule
+    placeholders: tuple[tuple[str, str], ...]
+
+
+def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                     beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    # The bias of a row-parallel linear must be added after the partial sums are reduced, so
+    # the planner needs the matmul and the bias add as two ops (Alpa and Megatron do the same).
+    out = aten.mm.default(a, b)
+    if alpha != 1:
+        out = aten.mul.Tensor(out, alpha)
+    if beta != 1:
+        bias = aten.mul.Tensor(bias, beta)
+    return aten.add.Tensor(out, bias)
+
+
+def _decompositions() -> dict[Any, Callable]:
+    return {aten.addmm.default: _addmm_as_mm_add}
+
+
+def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    # torch.empty inside the mode gives a fake CPU tensor whatever device t lives on (meta too).
+    with mode:
+        return torch.empty(t.shape, dtype=t.dtype)
+
+
+def _check_batch(example_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
+        raise TypeError("example_batch must be a pair (inputs, target) with inputs a tuple of "
+                        f"tensors; got {type(example_batch).__name__}")
+    inputs, target = example_batch
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not all(isinstance(t, torch.Tensor) for t in inputs) or not isinstance(target, torch.Tensor):
+        raise TypeError("example_batch = (inputs, target): inputs must be a tuple of tensors and "
+                        "target a tensor")
+    return tuple(inputs), target
+
+
+def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+          example_batch: Sequence[Any]) -> Traced:
+    """Trace ``loss_fn(model(*inputs), target)`` at aten level without allocating memory.
+
+    Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
+    """
+    inputs, target = _check_batch(example_batch)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
+    fake_inputs = [_as_fake(mode, t) for t in inputs]
+    fake_target = _as_fake(mode, target)
+    names = list(fake_state)
+
+    def step(state_list: list[torch.Tensor], batch: list[torch.Tensor], tgt: torch.Tensor
+             ) -> torch.Tensor:
+        out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
+        return loss_fn(out, tgt)
+
+    with mode:
+        gm = make_fx(step, decomposition_table=_decompositions())(
+            list(fake_state.values()), fake_inputs, fake_target)
+    loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    if isinstance(loss, (list, tuple)) and len(loss) == 1:
+        loss = loss[0]
+    val = loss.meta.get("val") if isinstance(loss, torch.fx.Node) else None
+    if val is None or tuple(val.shape) != ():
+        raise ValueError("loss_fn must return a scalar tensor (e.g. a mean-reduced loss); got "
+                         f"{None if val is None else tuple(val.shape)}")
+    roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
+             + [("input", f"input{i}") for i in range(len(inputs))] + [("target", "target")])
+    return Traced(gm, tuple(roles))

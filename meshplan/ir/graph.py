@@ -1,0 +1,92 @@
+"""meshplan's graph IR: the forward + loss program as plain, hashable data.
+
+A `Graph` is a topologically ordered tuple of `Node`s. Each node produces one tensor (multi-output
+aten ops are represented by their first output, which is the only one a forward program uses).
+Its `sig` says how the op's dimensions relate (see `signatures.py`); the planner derives every
+sharding strategy from it. Nodes keep the name of the fx node they came from, so a plan can be
+bound back to the traced program.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from meshplan.ir.signatures import Signature
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+               "bool": 1, "uint8": 1, "int8": 1}
+
+# Roles of nodes that have no inputs.
+SOURCE_ROLES = ("param", "buffer", "input", "target", "constant")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor (dtype by name, e.g. ``"float32"``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One op of the forward + loss program.
+
+    ``role`` is one of SOURCE_ROLES for sources, else ``"op"``. ``op`` is the normalized op name
+    (``"mm"``, ``"add"``, ``"sdpa"``…; the role for sources). ``inputs`` are the names of the
+    tensor operands in argument order. ``flops`` counts forward FLOPs; ``nbytes`` the bytes the
+    op reads and writes. ``requires_grad`` is true when the value depends on a parameter.
+    ``state_name`` is the state-dict name of a parameter or buffer.
+    """
+
+    name: str
+    role: str
+    op: str
+    inputs: tuple[str, ...]
+    out: TensorInfo
+    sig: Signature | None
+    flops: float = 0.0
+    nbytes: float = 0.0
+    requires_grad: bool = False
+    state_name: str | None = None
+
+    @property
+    def is_source(self) -> bool:
+        return self.role in SOURCE_ROLES
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A topologically ordered program; ``loss`` names the node producing the scalar loss."""
+
+    nodes: tuple[Node, ...]
+    loss: str
+    unsupported_ops: tuple[str, ...] = field(default=())
+
+    @cached_property
+    def by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def users(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in dict.fromkeys(n.inputs):
+                out[i].append(n.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def params(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.role == "param")
+
+    def num_params(self) -> int:
+        return sum(n.out.numel for n in self.params())

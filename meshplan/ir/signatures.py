@@ -1,0 +1,82 @@
+"""Dimension signatures: each op's semantics as an einsum-like relation between dims.
+
+A signature names the *atoms* of an op's iteration space. Every tensor dim is a string of one or
+more atoms: ``mm`` is ``ik,kj->ij`` (dims ``"i"``, ``"k"`` / ``"k"``, ``"j"`` / ``"i"``, ``"j"``);
+a view that merges batch and sequence is ``("b","s","h") -> ("bs","h")``. Splitting an atom over a
+mesh axis splits every dim whose *leading* atom it is (a contiguous block) — an atom that is not the
+leading atom of some dim it appears in cannot be split. Atoms absent from the output are reduced:
+splitting one leaves the output as a partial sum (state ``P``). ``unsplittable`` atoms (softmax's
+dim, layer norm's normalized dims, attention's sequence) are never split. ``mean_atoms`` are reduced
+by a mean rather than a sum, so a split one divides by the global count.
+
+Signatures are plain data; `meshplan.capture.signature_rules` derives them from aten ops, and the
+planner derives all strategies (Alpa's Table 3) from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Dims = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How an op's operand dims and output dims relate (see the module docstring).
+
+    ``kind`` is ``"contraction"`` (matmul-like: heavy, gets free strategies), ``"elementwise"``,
+    ``"view"``, ``"reduction"`` or ``"replicated"`` (an op without a real signature: every operand
+    and the output replicated).
+    """
+
+    inputs: tuple[Dims, ...]
+    output: Dims
+    kind: str
+    unsplittable: frozenset[str] = frozenset()
+    mean_atoms: frozenset[str] = frozenset()
+    atom_sizes: tuple[tuple[str, int], ...] = ()
+
+    def size(self, atom: str) -> int:
+        return dict(self.atom_sizes)[atom]
+
+    @property
+    def atoms(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for dims in (*self.inputs, self.output):
+            for d in dims:
+                seen.update(dict.fromkeys(d))
+        return tuple(seen)
+
+    @property
+    def reduced_atoms(self) -> frozenset[str]:
+        out = set("".join(self.output))
+        return frozenset(a for a in self.atoms if a not in out)
+
+    def splittable_atoms(self) -> tuple[str, ...]:
+        """Atoms that may carry a mesh axis: not unsplittable and leading in every dim they touch."""
+        ok = []
+        for a in self.atoms:
+            if a in self.unsplittable or dict(self.atom_sizes).get(a, 2) < 2:
+                continue
+            if all(d[0] == a for dims in (*self.inputs, self.output) for d in dims if a in d):
+                ok.append(a)
+        return tuple(ok)
+
+
+def replicated_signature(num_inputs_dims: tuple[int, ...], out_ndim: int) -> Signature:
+    """The signature of an op meshplan knows nothing about: all dims unsplittable."""
+    letters = iter(_fresh_atoms())
+    inputs = tuple(tuple(next(letters) for _ in range(n)) for n in num_inputs_dims)
+    output = tuple(next(letters) for _ in range(out_ndim))
+    sig = Signature(inputs, output, "replicated")
+    return Signature(inputs, output, "replicated", unsplittable=frozenset(sig.atoms))
+
+
+def _fresh_atoms() -> list[str]:
+    # Atoms are single characters so a dim is just the concatenation of its atoms.
+    return [chr(c) for c in range(0x100, 0x100 + 4096)]
+
+
+def fresh_atoms(n: int, start: int = 0) -> tuple[str, ...]:
+    """``n`` distinct one-character atoms (offset ``start`` keeps two sets apart)."""
+    return tuple(chr(0x100 + start + i) for i in range(n))
