@@ -1,0 +1,117 @@
+"""Load a user's model from ``path/to/file.py:fn``, where ``fn()`` returns the workload parts.
+
+The file is imported under a private module name that is registered in ``sys.modules`` only while
+the file executes (dataclasses and typing resolve annotations through it), then removed, so loading
+a file named ``model.py`` never shadows or clobbers an importable ``model`` module. The file's own
+directory is not put on ``sys.path``: sibling imports must be importable already.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+Parts = tuple[nn.Module, Callable[..., Tensor], tuple[tuple[Tensor, ...], Tensor]]
+
+_EXPECTED = "(model: nn.Module, loss_fn: callable, (inputs: tuple of Tensors, target: Tensor))"
+
+
+def is_file_spec(text: str, *, zoo_kinds: tuple[str, ...]) -> bool:
+    """True if ``text`` names a Python file (``x.py`` or ``x.py:fn``) rather than a zoo kind."""
+    stripped = text.strip()
+    if stripped.partition(":")[0].strip() in zoo_kinds:
+        return False
+    return stripped.endswith(".py") or stripped.rpartition(":")[0].strip().endswith(".py")
+
+
+def split_file_spec(text: str) -> tuple[Path, str]:
+    """Split ``path/to/file.py:fn`` into the path and the function name.
+
+    Raises ValueError if the ``:fn`` part is missing, is not an identifier, or the path does not
+    end in ``.py``.
+    """
+    path_text, sep, fn_name = text.strip().rpartition(":")
+    if not sep or not path_text.strip().endswith(".py"):
+        raise ValueError(f"model file spec {text!r} must be 'path/to/file.py:fn' naming the function to call")
+    fn_name = fn_name.strip()
+    if not fn_name.isidentifier():
+        raise ValueError(f"function name {fn_name!r} in model file spec {text!r} is not a Python identifier")
+    return Path(path_text.strip()), fn_name
+
+
+def _import_file(path: Path) -> ModuleType:
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    name = f"_meshplan_user_model_{digest}"
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"cannot import model file {str(path)!r} as Python source")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def _check_result(result: object, where: str) -> Parts:
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"{where} returned {problem}; expected {_EXPECTED}")
+
+    if not isinstance(result, (tuple, list)):
+        raise fail(f"a {type(result).__name__}")
+    if len(result) != 3:
+        raise fail(f"a {type(result).__name__} of length {len(result)}")
+    model, loss_fn, batch = result
+    if not isinstance(model, nn.Module):
+        raise fail(f"a model of type {type(model).__name__}, not an nn.Module")
+    if not callable(loss_fn):
+        raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise fail(f"an example_batch of type {type(batch).__name__}, not an (inputs, target) pair")
+    inputs, target = batch
+    if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        raise fail(
+            f"inputs of type {type(inputs).__name__}, not a non-empty tuple of Tensors (wrap one tensor as (x,))"
+        )
+    if not isinstance(target, Tensor):
+        raise fail(f"a target of type {type(target).__name__}, not a Tensor")
+    return model, loss_fn, (tuple(inputs), target)
+
+
+def load_model_file(text: str, *, device: str, seed: int) -> Parts:
+    """Import ``path/to/file.py:fn``, call ``fn()`` and return its checked ``(model, loss_fn, batch)``.
+
+    ``fn`` runs with ``device`` as the default device (so a plain model built on "meta" allocates
+    nothing) and with the global RNG seeded by ``seed`` inside ``fork_rng`` (the caller's RNG state
+    is untouched). Tensors the function places on an explicit device stay there.
+    Raises ValueError if the spec is malformed, the file is missing, it has no callable ``fn``, or
+    ``fn()`` returns the wrong structure. Exceptions raised by the user's code propagate unchanged.
+    """
+    path, fn_name = split_file_spec(text)
+    if not path.is_file():
+        raise ValueError(f"model file {str(path)!r} (from {text!r}) does not exist or is not a file")
+    module = _import_file(path)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        defined = sorted(
+            name for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__
+        )
+        raise ValueError(f"model file {str(path)!r} has no function {fn_name!r}; functions defined there: {defined}")
+    if not callable(fn):
+        raise ValueError(f"{fn_name!r} in model file {str(path)!r} is a {type(fn).__name__}, not a function")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            result = fn()
+    return _check_result(result, f"{str(path)}:{fn_name}()")
