@@ -1,0 +1,133 @@
+"""The logical 2-D device mesh the planner works on, with latency α and inverse bandwidth β per axis.
+
+Devices are numbered host-major; mesh position (i, j) of an (r, c) mesh is device i·c + j. Axis 1
+(the fast axis) groups c consecutive devices, axis 0 groups devices with stride c. An axis whose
+groups all stay inside one host uses the cluster's intra-host link, otherwise the inter-host link.
+
+Inter-host bandwidth is per host, and every group of the axis that crosses hosts runs its collective
+at the same time as the others, so they share each host's network: with g such groups touching one
+host, each gets bandwidth/g (β = g/bandwidth). On a (hosts, 8) mesh, axis 0 has 8 groups per host,
+each using one eighth of the host's links — on a DGX A100 exactly one 200 Gb/s NIC per GPU; a ring
+over all devices of the cluster shares nothing (g = 1), matching NCCL's multi-ring bus bandwidth.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshplan.cost.checks import check_count, check_nonnegative
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.devices import Link
+
+
+def _pair(value: object, what: str) -> tuple[Any, Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"{what} must be a pair (axis 0, axis 1), got {value!r}")
+    return (value[0], value[1])
+
+
+def _shape_pair(value: object) -> tuple[int, int]:
+    rows, cols = _pair(value, "mesh shape")
+    return (check_count(rows, "mesh shape[0]"), check_count(cols, "mesh shape[1]"))
+
+
+def _cost_pair(value: object, what: str) -> tuple[float, float]:
+    first, second = _pair(value, what)
+    return (check_nonnegative(first, f"{what}[0]"), check_nonnegative(second, f"{what}[1]"))
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """A 2-D logical mesh `shape` = (rows, cols); axis 1 is the fast axis.
+
+    `alpha[k]` is the latency of a collective on axis k (seconds, or abstract units) and `beta[k]`
+    its inverse bandwidth (seconds per byte, or abstract units per byte). Sequences are stored as
+    tuples so the mesh is hashable. Raises TypeError/ValueError on malformed fields.
+    """
+
+    shape: tuple[int, int]
+    alpha: tuple[float, float]
+    beta: tuple[float, float]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", _shape_pair(self.shape))
+        object.__setattr__(self, "alpha", _cost_pair(self.alpha, "alpha"))
+        object.__setattr__(self, "beta", _cost_pair(self.beta, "beta"))
+
+    @property
+    def num_devices(self) -> int:
+        """Number of devices, rows × cols."""
+        return self.shape[0] * self.shape[1]
+
+    def axis_size(self, axis: int) -> int:
+        """Number of devices along mesh axis `axis` (0 or 1); ValueError otherwise."""
+        if axis not in (0, 1) or isinstance(axis, bool):
+            raise ValueError(f"mesh axis must be 0 or 1, got {axis!r}")
+        return self.shape[axis]
+
+
+def factor_pairs(n: int) -> list[tuple[int, int]]:
+    """All (r, c) with r·c = n, r ascending: the valid mesh shapes for n devices."""
+    return [(r, n // r) for r in range(1, n + 1) if n % r == 0]
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """Parse "RxC" (e.g. "2x4") into (R, C); ValueError naming the text and the expected form."""
+    if not isinstance(text, str):
+        raise TypeError(f"mesh shape must be a string like '2x4', got {text!r}")
+    match = re.fullmatch(r"\s*([1-9]\d*)\s*[xX]\s*([1-9]\d*)\s*", text, re.ASCII)
+    if match is None:
+        raise ValueError(f"bad mesh shape {text!r}: expected RxC with positive integers, e.g. '2x4'")
+    return (int(match.group(1)), int(match.group(2)))
+
+
+def _axis_groups(shape: tuple[int, int], axis: int) -> list[range]:
+    rows, cols = shape
+    if axis == 1:
+        return [range(i * cols, (i + 1) * cols) for i in range(rows)]
+    return [range(j, rows * cols, cols) for j in range(cols)]
+
+
+def _axis_alpha_beta(cluster: Cluster, shape: tuple[int, int], axis: int) -> tuple[float, float]:
+    """(α, β) of mesh axis `axis` on `cluster`: its link, and for inter-host links the sharing."""
+    per_host = cluster.devices_per_host
+    crossing = [g for g in _axis_groups(shape, axis) if g[0] // per_host != g[-1] // per_host]
+    if not crossing:
+        return _alpha_beta(cluster.intra_host, 1)
+    groups_on_host = [0] * cluster.num_hosts
+    for group in crossing:
+        for host in {device // per_host for device in group}:
+            groups_on_host[host] += 1
+    return _alpha_beta(cluster.inter_host, max(groups_on_host))
+
+
+def _alpha_beta(link: Link, sharing: int) -> tuple[float, float]:
+    return (link.latency, sharing / link.bandwidth)
+
+
+def logical_mesh(
+    cluster: Cluster,
+    shape: tuple[int, int] | None = None,
+    alpha: tuple[float, float] | None = None,
+    beta: tuple[float, float] | None = None,
+) -> LogicalMesh:
+    """View all devices of `cluster` as a mesh of `shape` (default: cluster.default_mesh_shape()).
+
+    α and β per axis come from the links the axis uses (module docstring) unless `alpha` / `beta`
+    give both axes explicitly. Raises ValueError if rows × cols != cluster.num_devices, listing
+    the valid shapes."""
+    shape = cluster.default_mesh_shape() if shape is None else _shape_pair(shape)
+    if shape[0] * shape[1] != cluster.num_devices:
+        raise ValueError(
+            f"mesh shape {shape} has {shape[0] * shape[1]} devices but cluster {cluster.name!r} has "
+            f"{cluster.num_devices}; valid shapes: {factor_pairs(cluster.num_devices)}"
+        )
+    derived = [_axis_alpha_beta(cluster, shape, axis) for axis in (0, 1)]
+    return LogicalMesh(
+        shape,
+        alpha if alpha is not None else (derived[0][0], derived[1][0]),
+        beta if beta is not None else (derived[0][1], derived[1][1]),
+    )
