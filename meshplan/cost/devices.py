@@ -55,11 +55,12 @@ class DeviceType:
         pairs = self.peak_flops.items() if isinstance(self.peak_flops, Mapping) else self.peak_flops
         peaks = tuple(sorted((str(k), check_positive(v, f"peak_flops[{k!r}]")) for k, v in pairs))
         unknown = [k for k, _ in peaks if k not in DTYPE_NAMES]
-        if unknown or not peaks:
+        if unknown:
             raise ValueError(
-                f"DeviceType {self.name!r}: peak_flops needs at least one of {list(DTYPE_NAMES)}, "
-                f"got {[k for k, _ in peaks]}"
+                f"DeviceType {self.name!r}: unknown dtypes {unknown} in peak_flops; valid: {list(DTYPE_NAMES)}"
             )
+        if not peaks:
+            raise ValueError(f"DeviceType {self.name!r}: peak_flops needs one of {list(DTYPE_NAMES)}")
         object.__setattr__(self, "peak_flops", peaks)
         object.__setattr__(self, "memory_bytes", check_positive(self.memory_bytes, "memory_bytes"))
         object.__setattr__(self, "mem_bandwidth", check_positive(self.mem_bandwidth, "mem_bandwidth"))
