@@ -143,6 +143,8 @@ def test_collective_cost_dispatch_and_errors() -> None:
     [
         ((2,), 10, ValueError, "axes must be one of"),
         ((0, 0), 10, ValueError, "axes must be one of"),
+        ((0, 1.0), 10, ValueError, "axes must be one of"),
+        ((True,), 10, ValueError, "axes must be one of"),
         ("01", 10, TypeError, "axes must be a tuple"),
         ((1,), -1, ValueError, "nbytes"),
         ((1,), float("inf"), ValueError, "nbytes"),

@@ -29,10 +29,9 @@ def _check_axes(mesh: LogicalMesh, axes: Sequence[int]) -> tuple[int, ...]:
         raise TypeError(f"mesh must be a LogicalMesh, got {mesh!r}")
     if isinstance(axes, (str, bytes)) or not isinstance(axes, Sequence):
         raise TypeError(f"axes must be a tuple of mesh axes, one of (), (0,), (1,), (0, 1); got {axes!r}")
-    normalized = tuple(sorted(axes))
-    if normalized not in ((), (0,), (1,), (0, 1)) or any(isinstance(a, bool) for a in axes):
+    if not all(type(a) is int for a in axes) or tuple(sorted(axes)) not in ((), (0,), (1,), (0, 1)):
         raise ValueError(f"axes must be one of (), (0,), (1,), (0, 1); got {axes!r}")
-    return normalized
+    return tuple(sorted(axes))
 
 
 def group_size(mesh: LogicalMesh, axes: Sequence[int]) -> int:
