@@ -1,0 +1,216 @@
+"""The choices of every node of a graph: roots with their own strategies, followers merged in.
+
+Contractions, sources (parameters, inputs) and replicated ops are *roots*: each gets a list of
+choices and, in the ILP, one decision. Every other op *follows* its main operand, so its choice
+at index p is derived from its root's choice p (Alpa's follower merging). A parameter's choice is
+its layout *and* its update mode (replicated, ZeRO-2, ZeRO-3): the update mode is a strategy.
+
+`resolve_choices` applies the planning options (forced data parallelism, the batch dim pinned to a
+mesh axis, tensor parallelism on one axis, forced update modes) by restricting root choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from meshplan.ir.graph import Graph, Node
+from meshplan.planner.intra.layout import Axes, Layout, active_axes
+from meshplan.planner.intra.strategies import (Strategy, enumerate_strategies, follow,
+                                               replicated_strategy, source_layouts)
+
+UPDATE_MODES = ("replicated", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class IntraOptions:
+    """Options of the intra-operator pass (Alpa's, plus update modes).
+
+    ``force_data_parallel``: batch split over every device, parameters replicated.
+    ``force_batch_axis``: the batch dim of every op is split over this mesh axis (ignored if the
+    axis has one device). ``tensor_axis``: batch dims may not use this axis (Megatron-style: data
+    parallel on the other axis, tensor parallel on this one). ``update_mode``: force this mode on
+    every parameter that has a data-parallel axis. ``prefer_reduce_scatter`` = ZeRO-2 updates.
+    ``memory_budget``: bytes per device, None for no limit. ``include_compute``: add roofline
+    compute time to the objective (off when α/β are abstract units, as in Alpa).
+    """
+
+    force_data_parallel: bool = False
+    force_batch_axis: int | None = None
+    tensor_axis: int | None = None
+    update_mode: str | None = None
+    prefer_reduce_scatter: bool = False
+    memory_budget: float | None = None
+    include_compute: bool = True
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.update_mode is not None and self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
+        for name in ("force_batch_axis", "tensor_axis"):
+            v = getattr(self, name)
+            if v is not None and v not in (0, 1):
+                raise ValueError(f"{name} must be a mesh axis, 0 or 1; got {v!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a node does at one index of its root: a strategy, and an update mode for params."""
+
+    strategy: Strategy
+    mode: str | None = None
+
+
+@dataclass
+class NodeChoices:
+    """Roots, followers and the per-index choices of every node of one graph on one mesh."""
+
+    graph: Graph
+    mesh_shape: tuple[int, int]
+    root_of: dict[str, str] = field(default_factory=dict)
+    main_of: dict[str, int] = field(default_factory=dict)
+    choices: dict[str, list[Choice]] = field(default_factory=dict)
+    batch_dims: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    @property
+    def roots(self) -> list[str]:
+        return [n.name for n in self.graph.nodes if self.root_of[n.name] == n.name]
+
+
+def is_root(node: Node) -> bool:
+    return node.is_source or node.sig is None or node.sig.kind in ("contraction", "replicated")
+
+
+def main_operand(node: Node, graph: Graph) -> int:
+    """The operand a follower takes its layout from: the largest, latest one of full rank."""
+    best, key = 0, None
+    for i, name in enumerate(node.inputs):
+        inp = graph.by_name[name]
+        k = (len(inp.out.shape) == len(node.out.shape), not inp.is_source, inp.out.numel, i)
+        if key is None or k > key:
+            best, key = i, k
+    return best
+
+
+def batch_dims(graph: Graph) -> dict[str, frozenset[int]]:
+    """Which dims of each value carry the batch (dim 0 of inputs and target, propagated)."""
+    out: dict[str, frozenset[int]] = {}
+    for n in graph.nodes:
+        if n.role in ("input", "target"):
+            out[n.name] = frozenset({0}) if n.out.shape else frozenset()
+        elif n.is_source or n.sig is None:
+            out[n.name] = frozenset()
+        else:
+            atoms = {dims[d][0] for dims, name in zip(n.sig.inputs, n.inputs)
+                     for d in out[name] if dims[d]}
+            out[n.name] = frozenset(d for d, dims in enumerate(n.sig.output)
+                                    if dims and dims[0] in atoms)
+    return out
+
+
+def _op_batch_atoms(node: Node, bdims: dict[str, frozenset[int]]) -> set[str]:
+    return {dims[d][0] for dims, name in zip(node.sig.inputs, node.inputs)
+            for d in bdims[name] if dims[d]}
+
+
+def _allowed(assign: dict[str, Axes], batch_atoms: set[str], axes: Axes, opts: IntraOptions
+             ) -> bool:
+    """Whether an atom->axes assignment respects the batch options."""
+    on_batch = {a for atom, ax in assign.items() if atom in batch_atoms for a in ax}
+    if not batch_atoms:
+        return True
+    if opts.force_data_parallel:
+        return on_batch == set(axes)
+    if opts.force_batch_axis is not None and opts.force_batch_axis in axes:
+        if opts.force_batch_axis not in on_batch:
+            return False
+    if opts.tensor_axis is not None and opts.tensor_axis in on_batch:
+        return False
+    return True
+
+
+def _op_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: IntraOptions,
+                bdims: dict[str, frozenset[int]]) -> list[Choice]:
+    if node.sig.kind == "replicated":
+        return [Choice(replicated_strategy(node.sig))]
+    full = not opts.include_compute
+    batch_atoms = _op_batch_atoms(node, bdims)
+    for full_split in ((True, False) if full else (False,)):
+        strategies = [s for s in enumerate_strategies(node.sig, axes, mesh_shape,
+                                                      full_split=full_split)
+                      if _allowed(dict(s.assign), batch_atoms, axes, opts)]
+        if strategies:
+            return [Choice(s) for s in strategies]
+    return [Choice(replicated_strategy(node.sig))]
+
+
+def _source_strategy(layout: Layout) -> Strategy:
+    return Strategy((), (), layout, ())
+
+
+def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: IntraOptions
+                    ) -> list[Choice]:
+    shape = node.out.shape
+    if node.role == "constant" or not axes:
+        layouts = [Layout.replicated(len(shape))]
+    else:
+        layouts = source_layouts(len(shape), shape, axes, mesh_shape)
+    if node.role in ("input", "target") and shape:
+        layouts = [l for l in layouts if _allowed({"b": l.dims[0]}, {"b"}, axes, opts)
+                   and not any(l.dims[1:])] or layouts
+    if node.role != "param":
+        return [Choice(_source_strategy(l)) for l in layouts]
+    if opts.force_data_parallel:
+        layouts = [l for l in layouts if not l.split_axes]
+    out = []
+    for lay in layouts:
+        for mode in param_modes(lay, shape, axes, mesh_shape, opts):
+            out.append(Choice(_source_strategy(lay), mode))
+    return out
+
+
+def param_modes(layout: Layout, shape: Sequence[int], axes: Axes, mesh_shape: tuple[int, int],
+                opts: IntraOptions) -> list[str]:
+    """Update modes open to a parameter in ``layout``: ZeRO needs a replicated axis to shard over."""
+    dp = [a for a in axes if a not in layout.split_axes]
+    group = 1
+    for a in dp:
+        group *= mesh_shape[a]
+    local0 = shape[0] // max(1, _split_of(layout, 0, mesh_shape)) if shape else 0
+    can_shard = group > 1 and local0 >= group
+    forced = opts.update_mode or ("zero2" if opts.prefer_reduce_scatter else None)
+    if forced and forced != "replicated" and can_shard:
+        return [forced]
+    if forced:
+        return ["replicated"]
+    if opts.memory_budget is None or not can_shard:
+        return ["replicated"]  # without a memory limit, ZeRO only adds latency
+    return list(UPDATE_MODES)
+
+
+def _split_of(layout: Layout, dim: int, mesh_shape: tuple[int, int]) -> int:
+    n = 1
+    for a in layout.dims[dim]:
+        n *= mesh_shape[a]
+    return n
+
+
+def resolve_choices(graph: Graph, mesh_shape: tuple[int, int], opts: IntraOptions) -> NodeChoices:
+    """Roots' choices from signatures and options; followers' choices derived from their root."""
+    axes = active_axes(mesh_shape)
+    nc = NodeChoices(graph, mesh_shape, batch_dims=batch_dims(graph))
+    for node in graph.nodes:
+        if is_root(node):
+            nc.root_of[node.name] = node.name
+            nc.choices[node.name] = (_source_choices(node, axes, mesh_shape, opts)
+                                     if node.is_source else
+                                     _op_choices(node, axes, mesh_shape, opts, nc.batch_dims))
+            continue
+        main = main_operand(node, graph)
+        producer = node.inputs[main]
+        nc.main_of[node.name] = main
+        nc.root_of[node.name] = nc.root_of[producer]
+        nc.choices[node.name] = [
+            Choice(follow(node.sig, main, c.strategy.output, mesh_shape))
+            for c in nc.choices[producer]]
+    return nc
