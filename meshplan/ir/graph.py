@@ -9,6 +9,7 @@ bound back to the traced program.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -84,6 +85,12 @@ class Graph:
             for i in dict.fromkeys(n.inputs):
                 out[i].append(n.name)
         return {k: tuple(v) for k, v in out.items()}
+
+    def fingerprint(self) -> str:
+        """A short hash of ops, shapes and dtypes: equal for equal programs."""
+        text = "\n".join(f"{n.name}|{n.role}|{n.op}|{n.inputs}|{n.out.shape}|{n.out.dtype}"
+                         for n in self.nodes)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def params(self) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.role == "param")

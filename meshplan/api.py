@@ -1,0 +1,115 @@
+"""Python front door: ``meshplan.plan(model, loss_fn, optimizer, example_batch, cluster)``.
+
+The whole intra-operator pipeline, one named pass per line: capture -> choices -> ILP -> plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from meshplan.capture.to_ir import capture
+from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
+from meshplan.cost.mesh import LogicalMesh, logical_mesh
+from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
+from meshplan.plan.plan import Plan
+from meshplan.planner.intra.choices import IntraOptions, resolve_choices
+from meshplan.planner.intra.extract import extract
+from meshplan.planner.intra.formulate import CostContext, formulate
+from meshplan.planner.intra.ilp import min_memory, solve
+from meshplan.runtime.optim import optimizer_spec
+
+METHODS = ("auto", "data", "zero2", "zero3", "megatron")
+
+
+def method_options(method: str, *, force_batch_dim: int | None = None,
+                   prefer_reduce_scatter: bool = False) -> dict[str, Any]:
+    """IntraOptions fields of a planning method (``auto`` is the unconstrained ILP)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
+    opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
+                            "prefer_reduce_scatter": prefer_reduce_scatter}
+    if method in ("data", "zero2", "zero3"):
+        opts["force_data_parallel"] = True
+        if method != "data":
+            opts["update_mode"] = method
+    elif method == "megatron":
+        opts.update(force_batch_axis=0, tensor_axis=1)
+    return opts
+
+
+def _cluster(cluster: Cluster | str) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        return parse_cluster_spec(cluster)
+    raise TypeError(f"cluster must be a meshplan Cluster or a spec string such as 'local:4', "
+                    f"got {type(cluster).__name__}")
+
+
+def _budget(memory_budget_gb: float | None, cluster: Cluster) -> float | None:
+    if memory_budget_gb is None:
+        return float(cluster.device.memory_bytes)
+    if memory_budget_gb < 0:
+        raise ValueError(f"memory budget must be >= 0 GB (0 = no budget), got {memory_budget_gb}")
+    return None if memory_budget_gb == 0 else memory_budget_gb * 2**30
+
+
+def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any,
+         cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
+         alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
+         method: str = "auto", force_batch_dim: int | None = None,
+         prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
+         axis_weights: Sequence[Sequence[float]] | None = None, name: str = "model") -> Plan:
+    """Find the optimal intra-operator plan of one training step on ``cluster``.
+
+    ``optimizer`` is a torch optimizer (SGD, Adam, AdamW) or its name. ``alpha``/``beta`` (per
+    mesh axis) switch the objective to those abstract units with compute left out, as in Alpa;
+    otherwise it is seconds on the cluster. ``memory_budget_gb`` defaults to the device memory;
+    0 means no budget. ``axis_weights`` gives uneven shard weights per mesh axis (HAP-style
+    ratios; planned as even). Raises ValueError on bad input and InfeasiblePlanError when no
+    plan fits the budget.
+    """
+    t0 = time.perf_counter()
+    cl = _cluster(cluster)
+    real_mesh = logical_mesh(cl, tuple(mesh_shape) if mesh_shape else None)
+    abstract = alpha is not None or beta is not None
+    if abstract and (alpha is None or beta is None):
+        raise ValueError("give both alpha and beta (one value per mesh axis), or neither")
+    mesh = LogicalMesh(real_mesh.shape, tuple(alpha), tuple(beta)) if abstract else real_mesh
+    opt = optimizer_spec(optimizer)
+    budget = _budget(memory_budget_gb, cl)
+    opts = IntraOptions(**method_options(method, force_batch_dim=force_batch_dim,
+                                         prefer_reduce_scatter=prefer_reduce_scatter),
+                        memory_budget=budget, include_compute=not abstract, optimizer=opt.kind)
+    _, graph = capture(model, loss_fn, example_batch)
+    choices = resolve_choices(graph, tuple(mesh.shape), opts)
+    ctx = CostContext(mesh, None if abstract else cl.device, opt.state_bytes_per_param())
+    form = formulate(choices, ctx, budget)
+    try:
+        sol = solve(form.problem)
+    except InfeasibleIlpError:
+        if budget is None:
+            raise
+        raise InfeasiblePlanError(budget, min_memory(form.problem)) from None
+    search = time.perf_counter() - t0
+    real = CostContext(real_mesh, cl.device, opt.state_bytes_per_param())
+    result = extract(form, sol.choices, real)
+    weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
+    return Plan(
+        model=name, graph_fingerprint=graph.fingerprint(), mesh_shape=tuple(mesh.shape),
+        alpha=tuple(mesh.alpha), beta=tuple(mesh.beta), cluster=cluster_to_dict(cl),
+        method=method, optimizer=opt.to_dict(), ops=result.ops, params=result.params,
+        sources=result.sources, collectives=result.collectives, objective=sol.objective,
+        objective_units="alpha-beta units" if abstract else "seconds",
+        search_time_s=search,
+        ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,
+             "solve_time_s": sol.solve_time_s},
+        predicted={"step_time_s": result.step_time_s,
+                   "peak_memory_bytes": result.peak_memory_bytes},
+        loss_partial_axes=result.loss_partial_axes, axis_weights=weights,
+        options={k: v for k, v in asdict(opts).items() if k != "memory_budget"}
+        | {"memory_budget_bytes": budget, "unsupported_ops": list(graph.unsupported_ops)})

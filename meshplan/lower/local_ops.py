@@ -1,0 +1,93 @@
+"""Emit one traced op into a rank's local program, with local arguments where the op needs them.
+
+Most aten ops run unchanged on local shards. The exceptions are ops whose arguments name global
+sizes (views and expands take the rank's local shape) and means over a split dim, which become a
+local sum divided by the global count so the result is a partial sum.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from meshplan.ir.graph import Node
+
+aten = torch.ops.aten
+
+SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand"})
+
+
+def _packet(target: Any) -> str:
+    return getattr(target, "__name__", str(target)).split(".")[0]
+
+
+def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple[tuple, dict]:
+    """Replace the traced operand nodes, in order of appearance, by the local ones."""
+    it = iter(operands)
+
+    def sub(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return next(it)
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    new_args = tuple(sub(a) for a in args)
+    new_kwargs = {k: sub(v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def nll_loss_split_mean(x: torch.Tensor, target: torch.Tensor, weight: Any, ignore_index: int,
+                        count: int) -> torch.Tensor:
+    """This rank's share of a mean NLL over a batch split across ranks."""
+    if bool((target == ignore_index).any()):
+        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
+                         "the batch is split: the mean's divisor would depend on other ranks' data")
+    return aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0] / count
+
+
+def mse_loss_split_mean(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
+    return aten.mse_loss(a, b, 2) / count
+
+
+def sum_split_mean(x: torch.Tensor, dims: Any, keepdim: bool, count: int) -> torch.Tensor:
+    if dims is None or len(dims) == 0:
+        return aten.sum.default(x) / count
+    return aten.sum.dim_IntList(x, dims, keepdim) / count
+
+
+def _split_mean(g: fx.Graph, packet: str, node: Node, args: tuple) -> fx.Node:
+    count = math.prod(node.sig.size(a) for a in node.sig.mean_atoms)
+    if packet == "nll_loss_forward":
+        return g.call_function(nll_loss_split_mean, (args[0], args[1], args[2], args[4], count))
+    if packet == "mse_loss":
+        return g.call_function(mse_loss_split_mean, (args[0], args[1], count))
+    if packet == "mean":
+        dims = args[1] if len(args) > 1 else None
+        keep = args[2] if len(args) > 2 else False
+        return g.call_function(sum_split_mean, (args[0], dims, keep, count))
+    raise AssertionError(f"no split-mean rule for {packet}")
+
+
+def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
+         out_shape: tuple[int, ...], partial: bool) -> fx.Node:
+    """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value."""
+    if orig.target is operator.getitem:  # one piece of a split
+        parent = orig.args[0]
+        args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
+        pieces = g.call_function(parent.target, args, kwargs)
+        return g.call_function(operator.getitem, (pieces, orig.args[1]))
+    args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
+    packet = _packet(orig.target)
+    if packet in SHAPE_ARG_OPS:
+        args = (args[0], list(out_shape), *args[2:])
+    if partial and node.sig is not None and node.sig.mean_atoms:
+        return _split_mean(g, packet, node, args)
+    value = g.call_function(orig.target, args, kwargs)
+    if isinstance(orig.meta.get("val"), (tuple, list)):
+        value = g.call_function(operator.getitem, (value, 0))
+    return value

@@ -1,0 +1,148 @@
+"""Lowering: a plan and a traced program -> one local fx program per rank.
+
+The local program runs the traced aten ops on plain local tensors. Before each op, every operand
+is resharded from its producer's layout to the layout the op's strategy needs, by exactly the
+steps of `meshplan.planner.intra.reshard` (autograd-aware collectives from
+`meshplan.runtime.collectives`). A few ops need local arguments: views and expands get the
+rank's local shape; means over split dims become local sums divided by the global count, so their
+result is a partial sum like any other split reduction.
+
+The program's signature is ``(comm, *params, *buffers, *inputs, target) -> local loss``; for a
+parameter the trainer passes its local compute tensor (gathered first under ZeRO-3). Parameter
+gradients are not synchronized here: the trainer does that once per step, in buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from meshplan.capture.trace import Traced
+from meshplan.ir.graph import Graph, Node
+from meshplan.lower import local_ops
+from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
+                                   source_sharded, split_more, with_partial)
+from meshplan.plan.plan import Plan
+from meshplan.planner.intra.formulate import param_roots
+from meshplan.planner.intra.layout import Layout
+from meshplan.planner.intra.reshard import Step, reshard
+from meshplan.runtime import collectives as C
+
+
+@dataclass(frozen=True)
+class LocalProgram:
+    """One rank's program and the meaning of its placeholders (after ``comm``)."""
+
+    graph_module: fx.GraphModule
+    placeholders: tuple[tuple[str, str], ...]   # (role, state name / input name)
+    values: dict[str, Sharded]                  # layout and piece sizes of every IR value
+    loss_partial: tuple[int, ...]
+
+
+def _layout(spec: str, ndim: int) -> Layout:
+    return Layout.parse(spec, ndim)
+
+
+class _Lowerer:
+    def __init__(self, traced: Traced, graph: Graph, plan: Plan, pos: MeshPos) -> None:
+        self.traced, self.graph, self.plan, self.pos = traced, graph, plan, pos
+        self.fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+        self.out = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.values: dict[str, Sharded] = {}
+        self.param_root = param_roots(graph)
+        self.sources = {s.node: s.spec for s in plan.sources}
+        self.params = {p.node: p for p in plan.params}
+        self.ops = {o.node: o for o in plan.ops}
+        self.comm = self.out.placeholder("comm")
+
+    def run(self) -> LocalProgram:
+        phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
+               if n.is_source and n.role != "constant"]
+        for node in self.graph.nodes:
+            if node.is_source:
+                self._source(node)
+            else:
+                self._op(node)
+        self.out.output(self.env[self.graph.loss])
+        gm = fx.GraphModule(torch.nn.Module(), self.out)
+        return LocalProgram(gm, tuple(phs), self.values, self.values[self.graph.loss].layout.partial)
+
+    # ---------------------------------------------------------------- sources
+    def _source(self, node: Node) -> None:
+        if node.role == "constant":
+            orig = self.fx_nodes[node.name]
+            self.env[node.name] = self.out.call_function(orig.target, orig.args, dict(orig.kwargs))
+            self.values[node.name] = source_sharded(node.out.shape, Layout.replicated(
+                len(node.out.shape)), self.pos)
+            return
+        self.env[node.name] = self.out.placeholder(node.name)
+        if node.role == "param":
+            spec = self.params[node.name].spec
+        elif node.role == "buffer":
+            spec = Layout.replicated(len(node.out.shape)).spec()
+        else:
+            spec = self.sources[node.name]
+        self.values[node.name] = source_sharded(node.out.shape,
+                                                _layout(spec, len(node.out.shape)), self.pos)
+
+    # ---------------------------------------------------------------- ops
+    def _op(self, node: Node) -> None:
+        dec = self.ops[node.name]
+        operands, shardeds = [], []
+        for j, name in enumerate(node.inputs):
+            want = _layout(dec.inputs[j], len(self.graph.by_name[name].out.shape))
+            val, fxn = self._reshard(name, want, dec.grad_partial[j])
+            operands.append(fxn)
+            shardeds.append(val)
+        out_layout = _layout(dec.output, len(node.out.shape))
+        result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
+        self.values[node.name] = result
+        self.env[node.name] = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
+                                             local_shape(result, self.pos), bool(out_layout.partial))
+
+    def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...]
+                 ) -> tuple[Sharded, fx.Node]:
+        producer = self.graph.by_name[name]
+        val, fxn = self.values[name], self.env[name]
+        recipe = reshard(val.layout, want, producer.out.nbytes, self.plan.mesh_shape,
+                         tuple(grad_partial), producer.requires_grad, name in self.param_root)
+        for step in recipe.steps:
+            val, fxn = self._step(step, val, fxn)
+        return val, fxn
+
+    def _step(self, s: Step, val: Sharded, x: fx.Node) -> tuple[Sharded, fx.Node]:
+        call, pos, comm = self.out.call_function, self.pos, self.comm
+        if s.op == "all_reduce":
+            remaining = tuple(a for a in val.layout.partial if a not in s.axes)
+            return with_partial(val, remaining), call(C.all_reduce, (comm, x, s.axes),
+                                                      {"backward": s.backward})
+        if s.op == "grad_all_reduce":
+            return val, call(C.grad_all_reduce, (comm, x, s.axes))
+        if s.op == "reduce_scatter":
+            new, sizes = split_more(with_partial(val, ()), s.dim, s.axes, pos)
+            return new, call(C.reduce_scatter, (comm, x, s.axes, s.dim, sizes))
+        if s.op == "all_gather":
+            new, sizes = gathered(val, s.dim, s.axes, pos)
+            return new, call(C.all_gather, (comm, x, s.axes, s.dim, sizes),
+                             {"backward": s.backward})
+        if s.op == "split":
+            new, sizes = split_more(val, s.dim, s.axes, pos)
+            return new, call(C.split, (comm, x, s.axes, s.dim, sizes), {"backward": s.backward})
+        if s.op == "all_to_all":
+            mid, concat_sizes = gathered(val, s.dim, s.axes, pos)
+            new, split_sizes = split_more(mid, s.dim2, s.axes, pos)
+            return new, call(C.all_to_all, (comm, x, s.axes, s.dim2, split_sizes, s.dim,
+                                            concat_sizes))
+        raise AssertionError(f"unknown reshard step {s.op}")
+
+
+def lower(traced: Traced, graph: Graph, plan: Plan, rank: int,
+          weights: tuple[tuple[float, ...], tuple[float, ...]]) -> LocalProgram:
+    """The local program of ``rank`` (see the module docstring)."""
+    return _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run()
+
+
+__all__ = ["LocalProgram", "lower"]

@@ -1,0 +1,156 @@
+"""The plan: everything needed to run, explain and replay a parallel training step.
+
+A `Plan` is plain data with a versioned JSON form: no process group, solver or fx graph is needed
+to read, save, explain or diff one. It binds to a program by node names of the traced graph and
+carries a fingerprint of that graph, so a plan replayed on another model fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class OpDecision:
+    """One op's chosen strategy and what it costs (seconds, or abstract α/β units)."""
+
+    node: str
+    op: str
+    strategy: str
+    inputs: tuple[str, ...]        # sharding spec each operand is consumed in
+    output: str                    # sharding spec of the result
+    grad_partial: tuple[tuple[int, ...], ...]  # per operand: axes its gradient is partial over
+    compute: float
+    communication: float           # resharding of this op's operands, forward + backward
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class ParamDecision:
+    """A parameter's compute layout (``spec``), how it is kept (``storage``) and updated."""
+
+    name: str
+    node: str
+    spec: str
+    storage: str
+    update: str
+    sync_axes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SourceDecision:
+    """How a batch tensor (an input or the target) is split across devices."""
+
+    node: str
+    role: str
+    spec: str
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    """``count`` collectives of one kind, size and phase on the same mesh axes."""
+
+    kind: str
+    bytes: int
+    mesh_axes: tuple[int, ...]
+    phase: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An intra-operator parallel plan on one logical mesh (see the module docstring)."""
+
+    model: str
+    graph_fingerprint: str
+    mesh_shape: tuple[int, int]
+    alpha: tuple[float, float]
+    beta: tuple[float, float]
+    cluster: dict[str, Any]
+    method: str
+    optimizer: dict[str, Any]
+    ops: tuple[OpDecision, ...]
+    params: tuple[ParamDecision, ...]
+    sources: tuple[SourceDecision, ...]
+    collectives: tuple[CollectiveEntry, ...]
+    objective: float
+    objective_units: str
+    search_time_s: float
+    ilp: dict[str, float]
+    predicted: dict[str, float]
+    loss_partial_axes: tuple[int, ...] = ()
+    axis_weights: tuple[tuple[float, ...], ...] = ()
+    version: int = PLAN_VERSION
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh_shape[0] * self.mesh_shape[1]
+
+    def op(self, node: str) -> OpDecision:
+        return self._ops_by_node()[node]
+
+    def _ops_by_node(self) -> dict[str, OpDecision]:
+        return {o.node: o for o in self.ops}
+
+    def param(self, name: str) -> ParamDecision:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"no parameter {name!r} in this plan")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document of the plan (the CLI's ``--json``)."""
+        d = asdict(self)
+        d["params"] = {p.name: {k: v for k, v in asdict(p).items() if k != "name"}
+                       for p in self.params}
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def explain(self) -> str:
+        from meshplan.plan.explain import explain
+        return explain(self)
+
+
+def _tuples(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x
+
+
+def plan_from_json(d: dict[str, Any]) -> Plan:
+    """Rebuild a plan from its JSON document. Raises ValueError on another version or a bad file."""
+    if d.get("version") != PLAN_VERSION:
+        raise ValueError(f"plan version {d.get('version')!r} is not supported; this meshplan "
+                         f"reads version {PLAN_VERSION}")
+    try:
+        params = tuple(ParamDecision(name=k, **{f: _tuples(v) for f, v in p.items()})
+                       for k, p in d["params"].items())
+        ops = tuple(OpDecision(**{f: _tuples(v) for f, v in o.items()}) for o in d["ops"])
+        sources = tuple(SourceDecision(**s) for s in d["sources"])
+        colls = tuple(CollectiveEntry(**{f: _tuples(v) for f, v in c.items()})
+                      for c in d["collectives"])
+        rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
+                else v for k, v in d.items()
+                if k not in ("params", "ops", "sources", "collectives")}
+        return Plan(ops=ops, params=params, sources=sources, collectives=colls, **rest)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a meshplan plan document: {e}") from e
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan saved with `Plan.save`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"plan file {str(p)!r} does not exist")
+    try:
+        return plan_from_json(json.loads(p.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"plan file {str(p)!r} is not valid JSON: {e}") from e

@@ -1,0 +1,111 @@
+"""Read an ILP solution back into plan decisions: per-op strategies, parameters, collectives.
+
+The collective list is derived from the same resharding recipes the ILP priced and lowering
+emits, plus the update-phase buckets of the gradient synchronization: one bucket per kind and
+mesh axes (replicated: all-reduce; ZeRO-2: reduce-scatter then all-gather of the new values;
+ZeRO-3: reduce-scatter, with each parameter all-gathered before the forward pass).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from meshplan.cost.collectives import collective_cost
+from meshplan.planner.intra.formulate import CostContext, Formulation, _Costs, local_bytes
+from meshplan.planner.intra.layout import Layout
+from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
+
+
+@dataclass(frozen=True)
+class IntraResult:
+    ops: tuple[OpDecision, ...]
+    params: tuple[ParamDecision, ...]
+    sources: tuple[SourceDecision, ...]
+    collectives: tuple[CollectiveEntry, ...]
+    loss_partial_axes: tuple[int, ...]
+    peak_memory_bytes: float
+    step_time_s: float
+
+
+def node_indices(form: Formulation, choices: tuple[int, ...]) -> dict[str, int]:
+    """Each node's index into its own choice list (a follower shares its root's index)."""
+    by_root = dict(zip(form.roots, choices))
+    return {n.name: by_root[form.choices.root_of[n.name]] for n in form.choices.graph.nodes}
+
+
+def storage_layout(spec: Layout, mode: str, sync_axes: tuple[int, ...]) -> Layout:
+    """ZeRO-3 keeps dim 0 of the local tensor further split over the data-parallel axes."""
+    if mode != "zero3" or not spec.dims:
+        return spec
+    return Layout(((*spec.dims[0], *sync_axes), *spec.dims[1:]))
+
+
+def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> IntraResult:
+    """Decisions, collectives and predictions of the assignment ``choices``.
+
+    ``real`` prices the prediction on the cluster's own bandwidths with the compute roofline,
+    whatever units the ILP used.
+    """
+    nc, g = form.choices, form.choices.graph
+    idx = node_indices(form, choices)
+    costs, real_costs = _Costs(nc, form.ctx), _Costs(nc, real)
+    counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
+    sync: dict[str, set[int]] = {}
+    ops, memory, compute = [], 0.0, 0.0
+    for node in g.nodes:
+        choice = nc.choices[node.name][idx[node.name]]
+        memory += costs.memory(node, choice)
+        compute += real_costs.compute_cost(node, choice)
+        if node.is_source:
+            continue
+        comm = 0.0
+        for j, name in enumerate(node.inputs):
+            recipe = costs.operand_recipe(node, j, idx[name], idx[node.name])
+            comm += costs.operand_cost(node, j, idx[name], idx[node.name])
+            for step in recipe.steps:
+                for kind, phase in step.collectives(g.by_name[name].requires_grad):
+                    counts[(kind, step.nbytes, step.axes, phase)] += 1
+            if recipe.sync_axes:
+                sync.setdefault(costs.param_root[name], set()).update(recipe.sync_axes)
+        s = choice.strategy
+        ops.append(OpDecision(node.name, node.op, s.describe(), tuple(l.spec() for l in s.inputs),
+                              s.output.spec(), s.grad_partial, costs.compute_cost(node, choice),
+                              comm, costs.memory(node, choice)))
+    params = _params(form, idx, sync, counts)
+    sources = tuple(SourceDecision(n.name, n.role,
+                                   nc.choices[n.name][idx[n.name]].strategy.output.spec())
+                    for n in g.nodes if n.role in ("input", "target"))
+    colls = tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(counts.items()))
+    comm_time = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
+                    for c in colls)
+    loss = nc.choices[g.loss][idx[g.loss]].strategy.output
+    return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory,
+                       compute + comm_time)
+
+
+def _params(form: Formulation, idx: dict[str, int], sync: dict[str, set[int]],
+            counts: Counter) -> tuple[ParamDecision, ...]:
+    nc, g = form.choices, form.choices.graph
+    shape = tuple(form.ctx.mesh.shape)
+    buckets: Counter[tuple[str, tuple[int, ...], str]] = Counter()
+    out = []
+    for n in g.params():
+        choice = nc.choices[n.name][idx[n.name]]
+        axes = tuple(sorted(sync.get(n.name, ())))
+        mode = choice.mode if axes else "replicated"
+        spec = choice.strategy.output
+        nbytes = local_bytes(n, spec, shape)
+        if axes and mode == "replicated":
+            buckets[("all_reduce", axes, "update")] += nbytes
+        elif axes:
+            buckets[("reduce_scatter", axes, "update")] += nbytes
+            if mode == "zero2":
+                buckets[("all_gather", axes, "update")] += nbytes
+            else:
+                counts[("all_gather", nbytes, axes, "forward")] += 1
+        out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
+                                 storage_layout(spec, mode, axes).spec(), mode, axes))
+    for (kind, axes, phase), nbytes in buckets.items():
+        counts[(kind, nbytes, axes, phase)] += 1
+    return tuple(out)

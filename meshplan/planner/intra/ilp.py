@@ -1,0 +1,117 @@
+r"""Alpa's intra-op ILP (Alpa §4.2, eq. 1), linearized and solved to a proven optimum.
+
+Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with resharding matrices
+``R_uv``, choose one strategy per node::
+
+    min   sum_v c_v^T s_v  +  sum_{(u,v) in E} sum_{p,q} R_uv[p,q] e_uv[p,q]           (eq. 1)
+
+    s.t.  sum_p s_v[p] = 1                          for every node v     build_choice_rows
+          sum_q e_uv[p,q] = s_u[p]                  for every p          build_edge_rows
+          sum_p e_uv[p,q] = s_v[q]                  for every q          build_edge_rows
+          sum_{v in L} sum_p mem_v[p] s_v[p] <= budget   per live set L  build_memory_rows
+          objective <= max_cost                     (when given)         build_max_cost_row
+          s_u = s_v                                 per alias (u, v)     merge_aliases
+          s_v[p] in {0, 1},  e_uv[p,q] >= 0
+
+The marginal constraints replace the quadratic ``s_u^T R_uv s_v``: once ``s_u`` and ``s_v`` are
+one-hot, ``e_uv`` is forced to the one-hot pair, so ``e`` may be continuous and only ``s`` is
+branched on. This local-polytope form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
+``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all.
+
+Before building, exact reductions (``meshplan.planner.intra.ilp_reduce``) merge aliased nodes
+into one set of variables, sum parallel edges, fold a node with one allowed strategy into
+constants, turn an edge with a fixed end or a separable matrix into node costs, and forbid a
+strategy with no allowed partner. ``min_memory`` solves ``min M`` subject to
+``sum_{v in L} mem_v^T s_v <= M`` over the same feasible set, ignoring costs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
+from meshplan.planner.intra.ilp_model import MemorySpec, build_model, extract_choices
+from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, evaluate,
+                                                peak_memory)
+from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
+
+__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "evaluate", "min_memory", "peak_memory",
+           "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
+
+DEFAULT_SOLVER = "highs"
+DEFAULT_LP_FIRST = False
+
+
+def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
+          solver: str = DEFAULT_SOLVER, lp_first: bool = DEFAULT_LP_FIRST) -> IlpSolution:
+    """Return a minimum-cost assignment of ``problem`` with zero optimality gap.
+
+    ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
+    best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
+    (``highspy``) or ``"scipy"`` (``scipy.optimize.milp``); ``lp_first`` tries the LP relaxation
+    before branch and bound. Raises InfeasibleIlpError when no assignment satisfies the
+    constraints (forbidden entries, aliases, memory budget, ``max_cost``), TimeoutError when the
+    limit passes before any feasible assignment, ValueError for a bad option.
+    """
+    start = time.perf_counter()
+    _check_options(time_limit_s, solver)
+    reduced = reduce_for_costs(problem)
+    memory = _memory_spec(problem, problem.memory_budget) if problem.live_sets and (
+        problem.memory_budget is not None) else None
+    model = build_model(reduced, memory=memory, max_cost=problem.max_cost)
+    raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s)
+    choices = extract_choices(reduced, model, raw.x)
+    node_cost, edge_cost = evaluate(problem, choices)
+    return IlpSolution(choices=choices, objective=node_cost + edge_cost, node_cost=node_cost,
+                       edge_cost=edge_cost, num_variables=model.num_cols,
+                       num_constraints=model.num_rows, solve_time_s=time.perf_counter() - start,
+                       solver=raw.how, gap=raw.gap)
+
+
+def min_memory(problem: IlpProblem, *, time_limit_s: float | None = None,
+               solver: str = DEFAULT_SOLVER) -> float:
+    """Return the smallest achievable peak live-set memory (bytes) over allowed assignments.
+
+    Costs, ``memory_budget`` and ``max_cost`` are ignored; forbidden entries and aliases are
+    respected. Returns 0.0 when the problem has no live sets. Raises InfeasibleIlpError when no
+    assignment is allowed at all, TimeoutError/ValueError as ``solve`` does.
+    """
+    _check_options(time_limit_s, solver)
+    if not problem.live_sets:
+        return 0.0
+    masks = [np.where(np.isinf(np.asarray(row, dtype=np.float64)), np.inf, 0.0)
+             for row in problem.node_costs]
+    edges = [(e.u, e.v, np.where(np.isinf(np.asarray(e.costs, dtype=np.float64)), np.inf, 0.0))
+             for e in problem.edges]
+    reduced = reduce_problem(masks, edges, problem.aliases)
+    model = build_model(reduced, memory=_memory_spec(problem, None))
+    raw = run_model(model, solver=solver, lp_first=False, time_limit_s=time_limit_s)
+    return peak_memory(problem, extract_choices(reduced, model, raw.x))
+
+
+def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
+    """Apply the exact reductions to ``problem``'s costs (see ``ilp_reduce``).
+
+    Exposed so benchmarks can build the model themselves. Raises InfeasibleIlpError.
+    """
+    nodes = [np.asarray(row, dtype=np.float64) for row in problem.node_costs]
+    edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
+    return reduce_problem(nodes, edges, problem.aliases)
+
+
+def _memory_spec(problem: IlpProblem, budget: float | None) -> MemorySpec:
+    assert problem.node_memory is not None  # IlpProblem validation requires it with live sets
+    memory = tuple(np.asarray(row, dtype=np.float64) for row in problem.node_memory)
+    return MemorySpec(memory, problem.live_sets, budget)
+
+
+def _check_options(time_limit_s: float | None, solver: str) -> None:
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
+    if time_limit_s is not None and not (isinstance(time_limit_s, (int, float))
+                                         and math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be a positive number of seconds or None, "
+                         f"got {time_limit_s!r}")

@@ -1,0 +1,141 @@
+"""Run a ``MilpModel`` on HiGHS, either through ``highspy`` directly or ``scipy.optimize.milp``.
+
+Both are asked for a proven optimum: relative and absolute MIP gaps 0 on ``highspy``; scipy
+exposes only the relative gap, so HiGHS's default absolute gap (1e-6 cost units) applies there.
+``lp_first`` solves the LP relaxation first and stops when its optimum is already integral
+(an integral LP optimum is a MIP optimum).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from meshplan.errors import InfeasibleIlpError
+from meshplan.planner.intra.ilp_model import MilpModel
+
+SOLVERS = ("highs", "scipy")
+
+# A binary counts as integral when within this distance of 0 or 1 (HiGHS's own MIP tolerance).
+_INTEGRALITY_TOL = 1e-6
+
+
+@dataclass(frozen=True, eq=False)
+class RawSolution:
+    """Column values of a solved model, the relative gap left (0 = optimal) and how it ended."""
+
+    x: np.ndarray
+    gap: float
+    how: str
+
+
+def run_model(model: MilpModel, *, solver: str, lp_first: bool,
+              time_limit_s: float | None) -> RawSolution:
+    """Solve ``model`` to optimality with the named backend.
+
+    Raises ValueError for an unknown solver, InfeasibleIlpError when the model has no feasible
+    point, TimeoutError when ``time_limit_s`` passes before any feasible point is found.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
+    if model.num_cols == 0:
+        return RawSolution(np.zeros(0), 0.0, "presolve")
+    run = _run_highs if solver == "highs" else _run_scipy
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    if lp_first:
+        relaxed = run(model, relax=True, deadline=deadline)
+        if _is_integral(relaxed.x, model.integral):
+            return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
+    return run(model, relax=False, deadline=deadline)
+
+
+def _is_integral(x: np.ndarray, integral: np.ndarray) -> bool:
+    values = x[integral]
+    return bool(np.all(np.minimum(values, 1.0 - values) <= _INTEGRALITY_TOL))
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
+    return left
+
+
+def _to_csc(model: MilpModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Column-wise (start, index, value) arrays of the constraint matrix."""
+    order = np.lexsort((model.rows, model.cols))
+    counts = np.bincount(model.cols, minlength=model.num_cols)
+    start = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    return start, model.rows[order].astype(np.int32), model.vals[order]
+
+
+def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None) -> RawSolution:
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
+    lp.col_cost_ = model.cost
+    lp.offset_ = model.offset
+    lp.col_lower_, lp.col_upper_ = np.zeros(model.num_cols), model.upper
+    lp.row_lower_, lp.row_upper_ = model.row_lower, model.row_upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = _to_csc(model)
+    h = highspy.Highs()
+    for name, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0)):
+        h.setOptionValue(name, value)
+    left = _remaining(deadline)
+    if left is not None:
+        h.setOptionValue("time_limit", left)
+    h.passModel(lp)
+    if not relax:
+        binaries = np.flatnonzero(model.integral).astype(np.int32)
+        h.changeColsIntegrality(binaries.size, binaries, np.ones(binaries.size, dtype=np.uint8))
+    h.run()
+    status = h.getModelStatus()
+    how = "highs:lp" if relax else "highs:mip"
+    if status == highspy.HighsModelStatus.kOptimal:
+        return RawSolution(np.asarray(h.getSolution().col_value), 0.0, how)
+    if status in (highspy.HighsModelStatus.kInfeasible,
+                  highspy.HighsModelStatus.kUnboundedOrInfeasible):
+        raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS "
+                                 f"proved the {'LP relaxation' if relax else 'MILP'} infeasible)")
+    info = h.getInfo()
+    found = info.primal_solution_status == highspy.kSolutionStatusFeasible
+    if status == highspy.HighsModelStatus.kTimeLimit and found:
+        return RawSolution(np.asarray(h.getSolution().col_value), float(info.mip_gap), how)
+    if status == highspy.HighsModelStatus.kTimeLimit:
+        raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
+    raise RuntimeError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
+
+
+def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None) -> RawSolution:
+    from scipy.optimize import Bounds, LinearConstraint, milp  # optional dependency
+    from scipy.sparse import csr_array
+
+    matrix = csr_array((model.vals, (model.rows, model.cols)),
+                       shape=(model.num_rows, model.num_cols))
+    options: dict[str, float | bool] = {"mip_rel_gap": 0.0, "presolve": True}
+    left = _remaining(deadline)
+    if left is not None:
+        options["time_limit"] = left
+    constraints = (LinearConstraint(matrix, model.row_lower, model.row_upper)
+                   if model.num_rows else ())
+    result = milp(model.cost, integrality=np.zeros(model.num_cols) if relax else model.integral,
+                  bounds=Bounds(np.zeros(model.num_cols), model.upper),
+                  constraints=constraints, options=options)
+    how = "scipy:lp" if relax else "scipy:mip"
+    if result.status == 0:
+        return RawSolution(np.asarray(result.x), 0.0, how)
+    if result.status == 2:
+        raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS via "
+                                 "scipy proved the model infeasible)")
+    if result.status == 1 and result.x is not None:
+        gap = getattr(result, "mip_gap", None)
+        return RawSolution(np.asarray(result.x), float(gap) if gap is not None else np.inf, how)
+    if result.status == 1:
+        raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
+    raise RuntimeError(f"scipy.optimize.milp stopped with status {result.status}: "
+                       f"{result.message}")

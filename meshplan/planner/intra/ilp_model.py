@@ -1,0 +1,277 @@
+"""Build the linearized MILP (Alpa eq. 1) from a reduced problem, in bulk numpy arrays.
+
+Columns: one binary ``s[g, p]`` per free group and allowed strategy, then continuous edge
+variables, then (memory objective only) one continuous ``M``. Rows, each family built by one
+function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
+
+- ``build_choice_rows``: one-hot, ``sum_p s[g, p] = 1``;
+- ``build_edge_rows``: marginal form (default) or the 3-inequality McCormick form (kept only to
+  measure against). Strategies whose matrix rows (columns) are identical share a *class*, and edge
+  variables exist per finite class pair, which is exact and often much smaller;
+- ``build_memory_rows``: ``sum_{v in L} sum_p mem[v, p] s[v, p] <= budget`` per live set ``L``
+  (or ``<= M`` when minimizing memory); rows that can never bind are skipped;
+- ``build_max_cost_row``: ``c^T x + offset <= max_cost``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.errors import InfeasibleIlpError
+from meshplan.planner.intra.ilp_reduce import ReducedIlp
+
+EDGE_FORMS = ("marginal", "mccormick")
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Memory data for the model: per-node bytes per strategy and the live sets.
+
+    ``budget`` in bytes caps every live set; None means "minimize the largest live set" instead.
+    """
+
+    node_memory: tuple[np.ndarray, ...]
+    live_sets: tuple[tuple[int, ...], ...]
+    budget: float | None
+
+
+@dataclass(frozen=True, eq=False)
+class MilpModel:
+    """``min cost^T x + offset`` s.t. ``row_lower <= A x <= row_upper``, ``0 <= x <= upper``.
+
+    ``A`` is given as COO triplets ``(rows, cols, vals)``; ``integral[j]`` marks binaries.
+    ``choice_cols[g]`` is the first column of free group ``g``'s ``s`` block (-1 when fixed).
+    """
+
+    cost: np.ndarray
+    offset: float
+    upper: np.ndarray
+    integral: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    choice_cols: np.ndarray
+
+    @property
+    def num_cols(self) -> int:
+        """Number of variables."""
+        return int(self.cost.size)
+
+    @property
+    def num_rows(self) -> int:
+        """Number of constraints."""
+        return int(self.row_lower.size)
+
+
+class _Coo:
+    """Accumulates columns, rows and nonzeros while one model is being built."""
+
+    def __init__(self) -> None:
+        self.cost: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.integral: list[np.ndarray] = []
+        self.entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.lower_rows: list[np.ndarray] = []
+        self.upper_rows: list[np.ndarray] = []
+        self.num_cols = 0
+        self.num_rows = 0
+
+    def add_cols(self, cost: np.ndarray, upper: float, integral: bool) -> int:
+        self.cost.append(np.asarray(cost, dtype=np.float64))
+        self.upper.append(np.full(cost.size, upper))
+        self.integral.append(np.full(cost.size, integral))
+        self.num_cols += cost.size
+        return self.num_cols - cost.size
+
+    def add_rows(self, lower: np.ndarray | float, upper: np.ndarray | float, count: int) -> int:
+        self.lower_rows.append(np.broadcast_to(np.asarray(lower, dtype=np.float64), (count,)))
+        self.upper_rows.append(np.broadcast_to(np.asarray(upper, dtype=np.float64), (count,)))
+        self.num_rows += count
+        return self.num_rows - count
+
+    def add_entries(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | float) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        self.entries.append((rows, np.asarray(cols, dtype=np.int64),
+                             np.broadcast_to(np.asarray(vals, dtype=np.float64), rows.shape)))
+
+    def finish(self, offset: float, choice_cols: np.ndarray) -> MilpModel:
+        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+        rows, cols, vals = (cat([e[i] for e in self.entries], t)
+                            for i, t in ((0, np.int64), (1, np.int64), (2, np.float64)))
+        return MilpModel(cat(self.cost, np.float64), offset, cat(self.upper, np.float64),
+                         cat(self.integral, np.bool_), rows, cols, vals,
+                         cat(self.lower_rows, np.float64), cat(self.upper_rows, np.float64),
+                         choice_cols)
+
+
+def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
+                max_cost: float | None = None, edge_form: str = "marginal") -> MilpModel:
+    """Build the MILP of a reduced problem; see the module docstring for the layout.
+
+    With ``memory.budget is None`` the objective becomes the memory bound ``M`` (node and edge
+    costs are then expected to be 0/inf masks). Raises InfeasibleIlpError when a constraint
+    without variables is violated, ValueError for an unknown ``edge_form``.
+    """
+    if edge_form not in EDGE_FORMS:
+        raise ValueError(f"edge_form {edge_form!r} is not one of {EDGE_FORMS}")
+    coo = _Coo()
+    choice_cols, offset = build_choice_rows(coo, reduced)
+    build_edge_rows(coo, reduced, choice_cols, edge_form)
+    if memory is not None:
+        build_memory_rows(coo, reduced, choice_cols, memory)
+    if max_cost is not None:
+        build_max_cost_row(coo, max_cost - offset)
+    return coo.finish(offset, choice_cols)
+
+
+def build_choice_rows(coo: _Coo, reduced: ReducedIlp) -> tuple[np.ndarray, float]:
+    """Add the ``s`` binaries and one-hot rows; return (first column per group, fixed offset)."""
+    choice_cols = np.full(len(reduced.costs), -1, dtype=np.int64)
+    offset = 0.0
+    for g, cost in enumerate(reduced.costs):
+        allowed = reduced.allowed(g)
+        if allowed.size == 1:
+            offset += float(cost[allowed[0]])
+            continue
+        start = coo.add_cols(cost[allowed], 1.0, True)
+        row = coo.add_rows(1.0, 1.0, 1)
+        coo.add_entries(np.full(allowed.size, row), start + np.arange(allowed.size), 1.0)
+        choice_cols[g] = start
+    return choice_cols, offset
+
+
+def build_edge_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                    edge_form: str) -> None:
+    """Add the variables and rows that linearize ``s_u^T R s_v`` for every remaining edge."""
+    for gu, gv, r in reduced.edges:
+        allowed_u, allowed_v = reduced.allowed(gu), reduced.allowed(gv)
+        block = r[np.ix_(allowed_u, allowed_v)]
+        row_first, row_class = np.unique(block, axis=0, return_index=True, return_inverse=True)[1:]
+        col_first, col_class = np.unique(block.T, axis=0, return_index=True,
+                                         return_inverse=True)[1:]
+        classes = block[np.ix_(row_first, col_first)]
+        s_u = choice_cols[gu] + np.arange(allowed_u.size)
+        s_v = choice_cols[gv] + np.arange(allowed_v.size)
+        build = _marginal_rows if edge_form == "marginal" else _mccormick_rows
+        build(coo, classes, (row_class.ravel(), s_u), (col_class.ravel(), s_v))
+
+
+def _marginal_rows(coo: _Coo, classes: np.ndarray, side_u: tuple[np.ndarray, np.ndarray],
+                   side_v: tuple[np.ndarray, np.ndarray]) -> None:
+    """``sum_Q e[P, Q] = sum_{p in P} s_u[p]`` per row class, and the same per column class."""
+    pair_p, pair_q = np.nonzero(np.isfinite(classes))
+    e = coo.add_cols(classes[pair_p, pair_q], 1.0, False) + np.arange(pair_p.size)
+    for pair_class, (class_of, s_cols), count in ((pair_p, side_u, classes.shape[0]),
+                                                  (pair_q, side_v, classes.shape[1])):
+        base = coo.add_rows(0.0, 0.0, count)
+        coo.add_entries(base + pair_class, e, 1.0)
+        coo.add_entries(base + class_of, s_cols, -1.0)
+
+
+def _mccormick_rows(coo: _Coo, classes: np.ndarray, side_u: tuple[np.ndarray, np.ndarray],
+                    side_v: tuple[np.ndarray, np.ndarray]) -> None:
+    """``e <= S_P``, ``e <= S_Q``, ``S_P + S_Q - e <= 1`` per finite pair; ``S_P + S_Q <= 1``
+    per forbidden pair, where ``S_P`` sums the ``s`` of class ``P``."""
+    finite = np.isfinite(classes)
+    pair_p, pair_q = np.nonzero(finite)
+    e = coo.add_cols(classes[pair_p, pair_q], 1.0, False) + np.arange(pair_p.size)
+    for sign_u, sign_v, sign_e, upper in ((-1, 0, 1, 0.0), (0, -1, 1, 0.0), (1, 1, -1, 1.0)):
+        base = coo.add_rows(-np.inf, upper, pair_p.size)
+        _add_class_sums(coo, base, pair_p, side_u, sign_u)
+        _add_class_sums(coo, base, pair_q, side_v, sign_v)
+        coo.add_entries(base + np.arange(pair_p.size), e, float(sign_e))
+    bad_p, bad_q = np.nonzero(~finite)
+    base = coo.add_rows(-np.inf, 1.0, bad_p.size)
+    _add_class_sums(coo, base, bad_p, side_u, 1)
+    _add_class_sums(coo, base, bad_q, side_v, 1)
+
+
+def _add_class_sums(coo: _Coo, base: int, wanted: np.ndarray,
+                    side: tuple[np.ndarray, np.ndarray], sign: int) -> None:
+    """Row ``base + k`` gets ``sign * s`` for every strategy in class ``wanted[k]``."""
+    if sign == 0 or wanted.size == 0:
+        return
+    class_of, s_cols = side
+    order = np.argsort(class_of, kind="stable")
+    sizes = np.bincount(class_of)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    counts = sizes[wanted]
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    members = order[np.repeat(starts[wanted], counts) + within]
+    coo.add_entries(base + np.repeat(np.arange(wanted.size), counts), s_cols[members],
+                    float(sign))
+
+
+def build_memory_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                      memory: MemorySpec) -> None:
+    """Add one row per distinct live set that can bind (or every row when minimizing ``M``).
+
+    Raises InfeasibleIlpError when a live set exceeds the budget under every assignment.
+    """
+    m_col = -1 if memory.budget is not None else coo.add_cols(np.ones(1), np.inf, False)
+    for live in dict.fromkeys(frozenset(s) for s in memory.live_sets):
+        per_group: dict[int, np.ndarray] = {}
+        for v in live:
+            g = int(reduced.group_of_node[v])
+            per_group[g] = per_group.get(g, 0.0) + memory.node_memory[v]
+        const, cols, coefs, slack = 0.0, [], [], [0.0, 0.0]
+        for g, mem in per_group.items():
+            allowed = reduced.allowed(g)
+            if choice_cols[g] < 0:
+                const += float(mem[allowed[0]])
+                continue
+            cols.append(choice_cols[g] + np.arange(allowed.size))
+            coefs.append(mem[allowed])
+            slack[0] += float(mem[allowed].min())
+            slack[1] += float(mem[allowed].max())
+        if m_col >= 0:
+            cols.append(np.array([m_col]))
+            coefs.append(np.array([-1.0]))
+            _add_row(coo, cols, coefs, -const)
+        elif const + slack[0] > memory.budget * (1 + 1e-12):
+            raise InfeasibleIlpError(f"live set {sorted(live)} needs at least "
+                                     f"{const + slack[0]:.6g} bytes > budget {memory.budget:.6g}")
+        elif const + slack[1] > memory.budget:
+            _add_row(coo, cols, coefs, memory.budget - const)
+
+
+def _add_row(coo: _Coo, cols: list[np.ndarray], coefs: list[np.ndarray], upper: float) -> None:
+    row = coo.add_rows(-np.inf, upper, 1)
+    cols_all = np.concatenate(cols)
+    coo.add_entries(np.full(cols_all.size, row), cols_all, np.concatenate(coefs))
+
+
+def build_max_cost_row(coo: _Coo, upper: float) -> None:
+    """``sum_j cost_j x_j <= upper`` over the columns added so far (``upper`` net of offset).
+
+    Raises InfeasibleIlpError when the fixed part alone already exceeds it.
+    """
+    cost = np.concatenate(coo.cost) if coo.cost else np.zeros(0)
+    nonzero = np.flatnonzero(cost)
+    if nonzero.size == 0:
+        if upper < -1e-9 * max(1.0, abs(upper)):
+            raise InfeasibleIlpError(f"fixed strategies already cost {-upper:.6g} more than "
+                                     "max_cost")
+        return
+    _add_row(coo, [nonzero], [cost[nonzero]], upper)
+
+
+def extract_choices(reduced: ReducedIlp, model: MilpModel, x: np.ndarray) -> tuple[int, ...]:
+    """Map solved column values back to one strategy index per original node."""
+    group_choice = []
+    for g in range(len(reduced.costs)):
+        allowed = reduced.allowed(g)
+        start = int(model.choice_cols[g])
+        if start < 0:
+            group_choice.append(int(allowed[0]))
+            continue
+        block = x[start:start + allowed.size]
+        assert block.max() > 0.5, f"group {g} has no strategy selected: {block}"
+        group_choice.append(int(allowed[int(np.argmax(block))]))
+    return tuple(group_choice[g] for g in reduced.group_of_node)

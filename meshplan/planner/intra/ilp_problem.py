@@ -1,0 +1,235 @@
+"""The intra-op ILP's interface values: problem, edge and solution dataclasses, plus evaluation.
+
+Only numbers cross this boundary (STYLE §4): node indices, per-strategy costs, resharding cost
+matrices, aliases and memory. A problem validates its shape when it is constructed, so every
+function downstream may assume a well-formed problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+Matrix = tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class IlpEdge:
+    """Resharding cost between node ``u``'s strategies (rows) and node ``v``'s (columns).
+
+    ``costs[p][q]`` is the cost (any consistent unit, e.g. seconds) paid when ``u`` picks ``p``
+    and ``v`` picks ``q``; ``math.inf`` forbids the pair. Raises ValueError for an empty or ragged
+    matrix, NaN or -inf entries, or ``u == v``; TypeError when ``costs`` is not a tuple of tuples.
+    """
+
+    u: int
+    v: int
+    costs: Matrix
+
+    def __post_init__(self) -> None:
+        _check_index(self.u, "IlpEdge.u")
+        _check_index(self.v, "IlpEdge.v")
+        if self.u == self.v:
+            raise ValueError(f"IlpEdge joins node {self.u} to itself; use distinct nodes")
+        _check_matrix(self.costs, f"IlpEdge({self.u}, {self.v}).costs", rectangular=True)
+
+
+@dataclass(frozen=True)
+class IlpProblem:
+    """A strategy-choice problem: pick one strategy per node minimizing node plus edge costs.
+
+    ``node_costs[v][p]`` is node ``v``'s cost under strategy ``p`` (``math.inf`` forbids it).
+    ``aliases`` pairs must pick the same strategy index (they need equal strategy counts).
+    ``node_memory[v][p]`` is bytes held by ``v`` under ``p``; each live set's chosen memory must
+    not exceed ``memory_budget`` (bytes) when that is given. ``max_cost`` caps the objective.
+    Raises ValueError naming the bad index for wrong matrix sizes, out-of-range node indices,
+    aliases between nodes with different strategy counts, or memory settings without
+    ``node_memory``; TypeError for lists where tuples are expected.
+    """
+
+    node_costs: Matrix
+    edges: tuple[IlpEdge, ...] = ()
+    aliases: tuple[tuple[int, int], ...] = ()
+    node_memory: Matrix | None = None
+    live_sets: tuple[tuple[int, ...], ...] = ()
+    memory_budget: float | None = None
+    max_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_matrix(self.node_costs, "node_costs")
+        counts = self.num_strategies
+        _check_tuple(self.edges, "edges")
+        for i, edge in enumerate(self.edges):
+            _check_edge(edge, i, counts)
+        _check_aliases(self.aliases, counts)
+        _check_memory(self, counts)
+        if self.max_cost is not None and math.isnan(self.max_cost):
+            raise ValueError("max_cost is NaN; give a number or None")
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return len(self.node_costs)
+
+    @property
+    def num_strategies(self) -> tuple[int, ...]:
+        """Strategy count of each node."""
+        return tuple(len(row) for row in self.node_costs)
+
+
+@dataclass(frozen=True)
+class IlpSolution:
+    """The chosen strategy per node and how it was found.
+
+    ``objective = node_cost + edge_cost`` recomputed exactly from ``choices`` on the original
+    problem. ``num_variables``/``num_constraints`` count the model after presolve-style
+    reductions (fixed nodes, merged aliases). ``solve_time_s`` is wall time of the whole
+    ``solve`` call in seconds. ``solver`` names the backend and whether the LP relaxation
+    sufficed (``"highs:lp"``), branch and bound ran (``"highs:mip"``) or no variable was left
+    (``"presolve"``). ``gap`` is the relative MIP gap left when a time limit stopped the search
+    (0.0 = proven optimal).
+    """
+
+    choices: tuple[int, ...]
+    objective: float
+    node_cost: float
+    edge_cost: float
+    num_variables: int
+    num_constraints: int
+    solve_time_s: float
+    solver: str
+    gap: float = 0.0
+
+
+def evaluate(problem: IlpProblem, choices: tuple[int, ...]) -> tuple[float, float]:
+    """Return ``(node_cost, edge_cost)`` of a fixed assignment, in the problem's cost unit.
+
+    Raises ValueError when ``choices`` has the wrong length or an out-of-range index, violates an
+    alias, or picks a forbidden (infinite) strategy or pair. Memory is not checked here; see
+    ``peak_memory``.
+    """
+    _check_choices(problem, choices)
+    for a, b in problem.aliases:
+        if choices[a] != choices[b]:
+            raise ValueError(f"alias ({a}, {b}) violated: strategies {choices[a]} != {choices[b]}")
+    node_terms = [problem.node_costs[v][p] for v, p in enumerate(choices)]
+    for v, cost in enumerate(node_terms):
+        if math.isinf(cost):
+            raise ValueError(f"node {v} picks forbidden strategy {choices[v]}")
+    edge_terms = [edge.costs[choices[edge.u]][choices[edge.v]] for edge in problem.edges]
+    for i, cost in enumerate(edge_terms):
+        if math.isinf(cost):
+            edge = problem.edges[i]
+            raise ValueError(f"edge {i} ({edge.u}, {edge.v}) picks forbidden pair "
+                             f"({choices[edge.u]}, {choices[edge.v]})")
+    return math.fsum(node_terms), math.fsum(edge_terms)
+
+
+def peak_memory(problem: IlpProblem, choices: tuple[int, ...]) -> float:
+    """Return the largest live-set memory (bytes) of an assignment; 0.0 without live sets.
+
+    Raises ValueError for malformed ``choices`` or when the problem has live sets but no
+    ``node_memory``.
+    """
+    _check_choices(problem, choices)
+    if not problem.live_sets:
+        return 0.0
+    memory = problem.node_memory
+    assert memory is not None  # guaranteed by IlpProblem validation
+    return max(math.fsum(memory[v][choices[v]] for v in live) for live in problem.live_sets)
+
+
+def _check_choices(problem: IlpProblem, choices: tuple[int, ...]) -> None:
+    if len(choices) != problem.num_nodes:
+        raise ValueError(f"choices has {len(choices)} entries; the problem has "
+                         f"{problem.num_nodes} nodes")
+    for v, (p, k) in enumerate(zip(choices, problem.num_strategies)):
+        if not 0 <= p < k:
+            raise ValueError(f"choice {p} of node {v} is out of range; valid: 0..{k - 1}")
+
+
+def _check_index(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int node index, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be a node index >= 0, got {value}")
+
+
+def _check_tuple(value: object, name: str) -> None:
+    if not isinstance(value, tuple):
+        raise TypeError(f"{name} must be a tuple (hashable), got {type(value).__name__}")
+
+
+def _check_matrix(rows: Matrix, name: str, *, rectangular: bool = False,
+                  finite: bool = False) -> None:
+    """Tuple of non-empty tuples of numbers; no NaN, no -inf (no inf at all when ``finite``)."""
+    _check_tuple(rows, name)
+    if not rows:
+        raise ValueError(f"{name} is empty; give at least one row")
+    width = len(rows[0]) if rectangular else None
+    for i, row in enumerate(rows):
+        _check_tuple(row, f"{name}[{i}]")
+        if not row or (width is not None and len(row) != width):
+            raise ValueError(f"{name}[{i}] has {len(row)} entries; expected "
+                             f"{width if width is not None else 'at least 1'}")
+    flat = np.fromiter((x for row in rows for x in row), dtype=np.float64)
+    bad = np.isnan(flat) | (flat == -np.inf) | (np.isinf(flat) if finite else False)
+    if bad.any():
+        raise ValueError(f"{name} holds {flat[bad][0]}; entries must be numbers, "
+                         f"{'finite' if finite else 'possibly +inf (forbidden)'}")
+
+
+def _check_edge(edge: IlpEdge, i: int, counts: tuple[int, ...]) -> None:
+    if not isinstance(edge, IlpEdge):
+        raise TypeError(f"edges[{i}] must be an IlpEdge, got {type(edge).__name__}")
+    for end in (edge.u, edge.v):
+        if end >= len(counts):
+            raise ValueError(f"edges[{i}] names node {end}; valid nodes: 0..{len(counts) - 1}")
+    shape = (len(edge.costs), len(edge.costs[0]))
+    if shape != (counts[edge.u], counts[edge.v]):
+        raise ValueError(f"edges[{i}] ({edge.u}, {edge.v}) costs are {shape[0]}x{shape[1]}; "
+                         f"the nodes have {counts[edge.u]}x{counts[edge.v]} strategies")
+
+
+def _check_aliases(aliases: tuple[tuple[int, int], ...], counts: tuple[int, ...]) -> None:
+    _check_tuple(aliases, "aliases")
+    for i, pair in enumerate(aliases):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"aliases[{i}] must be a (u, v) tuple, got {pair!r}")
+        for end in pair:
+            _check_index(end, f"aliases[{i}]")
+            if end >= len(counts):
+                raise ValueError(f"aliases[{i}] names node {end}; valid: 0..{len(counts) - 1}")
+        u, v = pair
+        if counts[u] != counts[v]:
+            raise ValueError(f"aliases[{i}] joins node {u} ({counts[u]} strategies) and node "
+                             f"{v} ({counts[v]}); aliased nodes need equal strategy counts")
+
+
+def _check_memory(problem: IlpProblem, counts: tuple[int, ...]) -> None:
+    if problem.node_memory is None:
+        if problem.live_sets or problem.memory_budget is not None:
+            raise ValueError("live_sets/memory_budget need node_memory (bytes per strategy)")
+        return
+    _check_matrix(problem.node_memory, "node_memory", finite=True)
+    if len(problem.node_memory) != len(counts):
+        raise ValueError(f"node_memory has {len(problem.node_memory)} rows; expected one per "
+                         f"node ({len(counts)})")
+    for v, row in enumerate(problem.node_memory):
+        if len(row) != counts[v]:
+            raise ValueError(f"node_memory[{v}] has {len(row)} entries; node {v} has "
+                             f"{counts[v]} strategies")
+    _check_tuple(problem.live_sets, "live_sets")
+    for i, live in enumerate(problem.live_sets):
+        _check_tuple(live, f"live_sets[{i}]")
+        for v in live:
+            _check_index(v, f"live_sets[{i}]")
+            if v >= len(counts):
+                raise ValueError(f"live_sets[{i}] names node {v}; valid: 0..{len(counts) - 1}")
+        if len(set(live)) != len(live):
+            raise ValueError(f"live_sets[{i}] lists a node twice: {live}")
+    budget = problem.memory_budget
+    if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget)):
+        raise ValueError(f"memory_budget must be a finite number of bytes or None, got {budget!r}")

@@ -1,0 +1,189 @@
+"""Exact reductions applied before the ILP is built; they shrink it without changing its optimum.
+
+1. ``merge_aliases``: aliased nodes become one *group* with summed node costs, so they share
+   one set of variables; an edge inside a group adds its diagonal to the group's costs.
+2. ``merge_edges``: parallel edges between the same two groups are summed into one matrix.
+3. ``propagate``: arc consistency and folding, repeated until nothing changes:
+   - a strategy with no allowed partner across some edge is forbidden;
+   - an edge with a fixed end (a group with one allowed strategy) becomes node costs on the
+     other end;
+   - an edge whose allowed block is separable, ``R[p, q] = a[p] + b[q]`` (all-zero included),
+     becomes node costs ``a`` and ``b`` on its ends.
+A group with no allowed strategy left proves the problem infeasible.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.errors import InfeasibleIlpError
+
+EdgeKey = tuple[int, int]
+
+# Relative tolerance for "R equals a[p] + b[q]": folding then moves the objective by at most
+# this fraction of the edge's largest cost, far below any solver tolerance.
+_SEPARABLE_RTOL = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class ReducedIlp:
+    """Groups of aliased nodes with pruned costs and the edges that still need variables.
+
+    ``group_of_node[v]`` is node ``v``'s group; ``costs[g][p]`` the group's cost of strategy
+    ``p`` with folded edges included (``inf`` = forbidden); ``edges`` join two free groups
+    (more than one allowed strategy) as ``(gu, gv, R)`` with ``gu < gv``.
+    """
+
+    group_of_node: np.ndarray
+    costs: tuple[np.ndarray, ...]
+    edges: tuple[tuple[int, int, np.ndarray], ...]
+
+    def allowed(self, group: int) -> np.ndarray:
+        """Indices of the group's allowed strategies."""
+        return np.flatnonzero(np.isfinite(self.costs[group]))
+
+
+def reduce_problem(node_costs: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
+                   aliases: tuple[tuple[int, int], ...]) -> ReducedIlp:
+    """Apply every reduction of the module docstring to validated arrays.
+
+    Raises InfeasibleIlpError naming a node once some node has no allowed strategy left.
+    """
+    group_of_node = merge_aliases(len(node_costs), aliases)
+    num_groups = int(group_of_node.max()) + 1
+    costs = [np.zeros(0)] * num_groups
+    for v, cost in enumerate(node_costs):
+        g = group_of_node[v]
+        costs[g] = cost.astype(np.float64) if costs[g].size == 0 else costs[g] + cost
+    merged = merge_edges(edges, group_of_node, costs)
+    first_node = np.unique(group_of_node, return_index=True)[1]
+    propagate(costs, merged, first_node)
+    kept = tuple((gu, gv, r) for (gu, gv), r in sorted(merged.items()))
+    return ReducedIlp(group_of_node, tuple(costs), kept)
+
+
+def merge_aliases(num_nodes: int, aliases: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Union-find over alias pairs; return each node's group id, numbered 0.. in node order."""
+    parent = list(range(num_nodes))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in aliases:
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    roots = np.array([root(v) for v in range(num_nodes)], dtype=np.int64)
+    return np.unique(roots, return_inverse=True)[1]
+
+
+def merge_edges(edges: list[tuple[int, int, np.ndarray]], group_of_node: np.ndarray,
+                costs: list[np.ndarray]) -> dict[EdgeKey, np.ndarray]:
+    """Sum edges per unordered group pair (rows = smaller group); fold intra-group edges.
+
+    Mutates ``costs`` (the working copy owned by ``reduce_problem``) for intra-group edges.
+    """
+    merged: dict[EdgeKey, np.ndarray] = {}
+    for u, v, r in edges:
+        gu, gv = int(group_of_node[u]), int(group_of_node[v])
+        if gu == gv:
+            costs[gu] = costs[gu] + np.diagonal(r)
+            continue
+        key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
+        merged[key] = merged[key] + mat if key in merged else np.array(mat, dtype=np.float64)
+    return merged
+
+
+def propagate(costs: list[np.ndarray], edges: dict[EdgeKey, np.ndarray],
+              first_node: np.ndarray) -> None:
+    """Run arc consistency and edge folding to a fixed point, editing ``costs`` and ``edges``.
+
+    Both arguments are working copies owned by ``reduce_problem``. Raises InfeasibleIlpError.
+    """
+    for g, cost in enumerate(costs):
+        _check_alive(cost, g, first_node)
+    incident: dict[int, set[EdgeKey]] = defaultdict(set)
+    for key in edges:
+        incident[key[0]].add(key)
+        incident[key[1]].add(key)
+    pending = list(edges)
+    while pending:
+        key = pending.pop()
+        if key not in edges:
+            continue
+        changed = _visit_edge(key, costs, edges, first_node)
+        if key not in edges:
+            incident[key[0]].discard(key)
+            incident[key[1]].discard(key)
+        for g in changed:
+            pending.extend(incident[g] - {key})
+
+
+def _visit_edge(key: EdgeKey, costs: list[np.ndarray], edges: dict[EdgeKey, np.ndarray],
+                first_node: np.ndarray) -> list[int]:
+    """Prune, then fold the edge if possible; return groups whose allowed set shrank."""
+    gu, gv = key
+    r = edges[key]
+    pair_ok = np.isfinite(r) & np.isfinite(costs[gu])[:, None] & np.isfinite(costs[gv])[None, :]
+    changed = [g for g, keep in ((gu, pair_ok.any(axis=1)), (gv, pair_ok.any(axis=0)))
+               if _restrict(costs, g, keep, first_node)]
+    allowed_u, allowed_v = np.flatnonzero(np.isfinite(costs[gu])), np.flatnonzero(
+        np.isfinite(costs[gv]))
+    if allowed_u.size == 1 or allowed_v.size == 1:
+        if allowed_u.size == 1:
+            costs[gv] = costs[gv] + r[allowed_u[0], :]
+            changed += [gv] if _now_smaller(costs[gv], allowed_v, gv, first_node) else []
+        else:
+            costs[gu] = costs[gu] + r[:, allowed_v[0]]
+            changed += [gu] if _now_smaller(costs[gu], allowed_u, gu, first_node) else []
+        del edges[key]
+        return changed
+    split = _separable(r[np.ix_(allowed_u, allowed_v)])
+    if split is not None:
+        a, b = split
+        costs[gu] = costs[gu].copy()
+        costs[gu][allowed_u] += a
+        costs[gv] = costs[gv].copy()
+        costs[gv][allowed_v] += b
+        del edges[key]
+    return changed
+
+
+def _restrict(costs: list[np.ndarray], g: int, keep: np.ndarray, first_node: np.ndarray) -> bool:
+    """Forbid the strategies of group ``g`` outside ``keep``; return whether any was allowed."""
+    drop = np.isfinite(costs[g]) & ~keep
+    if not drop.any():
+        return False
+    costs[g] = np.where(drop, np.inf, costs[g])
+    _check_alive(costs[g], g, first_node)
+    return True
+
+
+def _now_smaller(cost: np.ndarray, before: np.ndarray, g: int, first_node: np.ndarray) -> bool:
+    _check_alive(cost, g, first_node)
+    return int(np.isfinite(cost).sum()) < before.size
+
+
+def _check_alive(cost: np.ndarray, g: int, first_node: np.ndarray) -> None:
+    if not np.isfinite(cost).any():
+        raise InfeasibleIlpError(
+            f"node {int(first_node[g])} (with its aliases) has no allowed strategy left: every "
+            "strategy is forbidden by its own cost or by an edge's forbidden pairs")
+
+
+def _separable(block: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return ``(a, b)`` with ``block[p, q] == a[p] + b[q]`` when that holds, else None."""
+    if not np.isfinite(block).all():
+        return None
+    a = block[:, 0]
+    b = block[0, :] - block[0, 0]
+    scale = max(1.0, float(np.abs(block).max()))
+    if np.abs(block - a[:, None] - b[None, :]).max() > _SEPARABLE_RTOL * scale:
+        return None
+    return a, b

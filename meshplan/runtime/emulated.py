@@ -1,0 +1,183 @@
+"""N ranks emulated in one process: one thread per rank, collectives through a shared exchange.
+
+Each group of the mesh (every row, column and the whole mesh) owns one :class:`_Exchange`: a
+``threading.Barrier`` for its members and two slot lists. A member posts its payload into the
+slot list of its collective's parity, waits on the barrier, then reads every member's payload.
+Alternating two slot lists is enough because a member can only reuse a list after passing the
+barrier of the next collective, by which time every member has finished reading this one.
+
+torch.autograd runs a CPU backward in the thread that calls it, so backward collectives
+rendezvous exactly like forward ones. Nothing global is set: the exchange lives only for one
+:func:`run_emulated` call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from meshplan.runtime.comm import Comm, all_groups, check_mesh_shape
+
+
+class _Exchange:
+    """Rendezvous of one group: a barrier and two alternating slot lists (see module doc)."""
+
+    def __init__(self, num_members: int, timeout_s: float) -> None:
+        self.barrier = threading.Barrier(num_members, timeout=timeout_s)
+        self.slots: tuple[list[Any], list[Any]] = ([None] * num_members, [None] * num_members)
+
+
+class _World:
+    """State shared by the threads of one emulated run: exchanges and the first failure."""
+
+    def __init__(self, mesh_shape: tuple[int, int], timeout_s: float) -> None:
+        self.mesh_shape = mesh_shape
+        self.timeout_s = timeout_s
+        self.exchanges = {
+            ranks: _Exchange(len(ranks), timeout_s)
+            for groups in all_groups(mesh_shape).values()
+            for ranks in groups
+        }
+        self._lock = threading.Lock()
+        self.failure: tuple[int, BaseException] | None = None
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        """Keep the first failure and break every barrier so the other ranks stop waiting."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = (rank, exc)
+        for exchange in self.exchanges.values():
+            exchange.barrier.abort()
+
+
+class _PeerFailed(RuntimeError):
+    """Raised in a rank whose collective was aborted because another rank failed first."""
+
+
+class EmulatedComm(Comm):
+    """:class:`Comm` for one emulated rank; built by :func:`run_emulated`, not by users.
+
+    Besides the Comm checks, every collective verifies that all members issued the same kind
+    with matching shapes, and raises RuntimeError naming the mismatch otherwise (a bug in the
+    rank programs that a real backend would turn into a hang or garbage).
+    """
+
+    def __init__(self, rank: int, mesh_shape: Sequence[int], world: _World) -> None:
+        super().__init__(rank, mesh_shape)
+        self._world = world
+        self._seq: dict[tuple[int, ...], int] = {}
+
+    def _all_reduce(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        posted = self._rendezvous("all_reduce", axes, buf)
+        _check_same_shape("all_reduce", posted)
+        return _sum_in_order(posted)
+
+    def _all_gather(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        posted = self._rendezvous("all_gather", axes, buf)
+        _check_same_shape("all_gather", posted)
+        return torch.stack(posted)
+
+    def _reduce_scatter(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        posted = self._rendezvous("reduce_scatter", axes, buf)
+        _check_same_shape("reduce_scatter", posted)
+        me = self._index(axes)
+        return _sum_in_order([p[me] for p in posted])
+
+    def _all_to_all(
+        self, flat: torch.Tensor, in_splits: list[int], out_splits: list[int], axes: tuple[int, ...]
+    ) -> torch.Tensor:
+        posted = self._rendezvous("all_to_all", axes, (flat, in_splits))
+        me = self._index(axes)
+        pieces = []
+        for m, (their_flat, their_splits) in enumerate(posted):
+            if their_splits[me] != out_splits[m]:
+                raise RuntimeError(
+                    f"all_to_all: member {m} sends {their_splits[me]} elements to member {me}, "
+                    f"which expects {out_splits[m]} (split or concat sizes disagree across ranks)"
+                )
+            pieces.append(their_flat.narrow(0, sum(their_splits[:me]), their_splits[me]))
+        return torch.cat(pieces)
+
+    def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
+        return list(self._rendezvous("gather_ints", axes, value))
+
+    def _rendezvous(self, kind: str, axes: tuple[int, ...], payload: Any) -> list[Any]:
+        """Post ``payload``, wait for the whole group, return every member's payload in order."""
+        ranks = self.group_ranks(axes)
+        exchange = self._world.exchanges[ranks]
+        seq = self._seq.get(ranks, 0)
+        self._seq[ranks] = seq + 1
+        slots = exchange.slots[seq % 2]
+        slots[ranks.index(self.rank)] = (kind, payload)
+        try:
+            exchange.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise self._broken(kind, ranks) from None
+        posted = list(slots)
+        kinds = [k for k, _ in posted]
+        if len(set(kinds)) > 1:
+            raise RuntimeError(f"collective mismatch in group {ranks}: members issued {kinds}")
+        return [p for _, p in posted]
+
+    def _broken(self, kind: str, ranks: tuple[int, ...]) -> Exception:
+        if self._world.failure is not None:
+            return _PeerFailed(f"rank {self.rank}: {kind} aborted because another rank failed")
+        return TimeoutError(
+            f"rank {self.rank}: {kind} in group {ranks} timed out after "
+            f"{self._world.timeout_s} s waiting for the other members"
+        )
+
+
+def run_emulated(
+    fn: Callable[..., Any], mesh_shape: Sequence[int], *args: Any, timeout_s: float = 30.0
+) -> list[Any]:
+    """Run ``fn(comm, *args)`` for every rank of ``mesh_shape``, each in its own thread.
+
+    Returns the results in rank order. If a rank raises, the barriers are broken so the others
+    fail fast, and the first rank's exception is re-raised with a note naming the rank. A
+    collective that waits more than ``timeout_s`` seconds raises TimeoutError. Raises ValueError
+    on a bad ``mesh_shape`` or ``timeout_s``.
+    """
+    shape = check_mesh_shape(mesh_shape)
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    world = _World(shape, float(timeout_s))
+    num_ranks = shape[0] * shape[1]
+    results: list[Any] = [None] * num_ranks
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(EmulatedComm(rank, shape, world), *args)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller's thread
+            world.fail(rank, exc)
+
+    threads = [
+        threading.Thread(target=body, args=(rank,), name=f"meshplan-rank{rank}", daemon=True)
+        for rank in range(num_ranks)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if world.failure is not None:
+        rank, exc = world.failure
+        exc.add_note(f"raised on emulated rank {rank} of mesh {shape}")
+        raise exc
+    return results
+
+
+def _check_same_shape(kind: str, posted: list[torch.Tensor]) -> None:
+    shapes = [(tuple(p.shape), p.dtype) for p in posted]
+    if len(set(shapes)) > 1:
+        raise RuntimeError(f"{kind}: members posted different shapes/dtypes {shapes}")
+
+
+def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum in member order, so every member computes bitwise the same result."""
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total

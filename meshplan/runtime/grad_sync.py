@@ -1,0 +1,130 @@
+"""Gradient synchronization buckets for the update phase (DESIGN.md §3 decision 5).
+
+Each function issues ONE collective per dtype present (tensors are flattened into one buffer per
+dtype, in order of first appearance), recorded with phase "update" and ``nbytes`` = the total
+bytes of the full tensors. Replicated update: :func:`all_reduce_grads`. ZeRO: shards are dim-0
+pieces with ``torch.tensor_split`` semantics over the group (member m holds
+``tensor_split(p, n, dim=0)[m]``); :func:`reduce_scatter_grads` produces them from full
+gradients, :func:`all_gather_params` rebuilds full tensors from them.
+
+The bucket layout for the sharded pair is member-major: member m's pieces of every tensor are
+contiguous, so a single (uneven) reduce-scatter or all-gather along the flat buffer moves them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from meshplan.runtime.collectives import shard_sizes
+from meshplan.runtime.comm import Comm
+
+
+def all_reduce_grads(comm: Comm, grads: Sequence[torch.Tensor], axes: Sequence[int]) -> None:
+    """Sum every gradient over the group in place (one bucketed all-reduce per dtype).
+
+    Raises TypeError if an entry is not a tensor, ValueError on bad axes.
+    """
+    grads = _check_tensors("grads", grads)
+    if comm.group_size(axes) == 1:
+        return
+    with torch.no_grad():
+        for bucket in _dtype_buckets(grads):
+            tensors = [grads[i] for i in bucket]
+            flat = torch.cat([g.reshape(-1) for g in tensors])
+            summed = comm.all_reduce(flat, axes, phase="update")
+            for g, piece in zip(tensors, summed.split([g.numel() for g in tensors])):
+                g.copy_(piece.view(g.shape))
+
+
+def reduce_scatter_grads(
+    comm: Comm, grads: Sequence[torch.Tensor], axes: Sequence[int]
+) -> list[torch.Tensor]:
+    """My dim-0 shard of each gradient summed over the group (one bucketed reduce-scatter per
+    dtype); entry k has shape ``tensor_split(grads[k], n, dim=0)[my index].shape``.
+
+    Raises TypeError if an entry is not a tensor, ValueError on a 0-dim tensor or bad axes.
+    """
+    grads = _check_tensors("grads", grads, need_dim0=True)
+    n, me = comm.group_size(axes), comm.group_index(axes)
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    with torch.no_grad():
+        for bucket in _dtype_buckets(grads):
+            shards = [torch.tensor_split(grads[i].detach(), n, dim=0) for i in bucket]
+            flat = torch.cat([s[m].reshape(-1) for m in range(n) for s in shards])
+            sizes = [sum(s[m].numel() for s in shards) for m in range(n)]
+            mine = comm.reduce_scatter(flat, axes, 0, sizes, phase="update")
+            pieces = mine.split([s[me].numel() for s in shards])
+            for i, s, piece in zip(bucket, shards, pieces):
+                out[i] = piece.view(s[me].shape)
+    return out  # type: ignore[return-value]  # every slot is filled by exactly one bucket
+
+
+def all_gather_params(
+    comm: Comm,
+    shards: Sequence[torch.Tensor],
+    full_shapes: Sequence[Sequence[int]],
+    axes: Sequence[int],
+) -> list[torch.Tensor]:
+    """Full tensors rebuilt from every member's dim-0 shards (one bucketed all-gather per
+    dtype); ``full_shapes[k]`` is the full shape of tensor k.
+
+    Raises TypeError if an entry is not a tensor, ValueError if the lists differ in length or a
+    shard's shape is not my ``tensor_split`` piece of its full shape.
+    """
+    shards = _check_tensors("shards", shards)
+    if len(full_shapes) != len(shards):
+        raise ValueError(f"got {len(shards)} shards but {len(full_shapes)} full_shapes")
+    n, me = comm.group_size(axes), comm.group_index(axes)
+    rows = [_check_shard(k, s, full_shapes[k], n, me) for k, s in enumerate(shards)]
+    out: list[torch.Tensor | None] = [None] * len(shards)
+    with torch.no_grad():
+        for bucket in _dtype_buckets(shards):
+            row_numel = [math.prod(full_shapes[i][1:]) for i in bucket]
+            counts = [[rows[i][m] * k for i, k in zip(bucket, row_numel)] for m in range(n)]
+            flat = torch.cat([shards[i].detach().reshape(-1) for i in bucket])
+            whole = comm.all_gather(flat, axes, 0, [sum(c) for c in counts], phase="update")
+            chunks = whole.split([sum(c) for c in counts])
+            per_member = [chunk.split(c) for chunk, c in zip(chunks, counts)]
+            for k, i in enumerate(bucket):
+                tail = tuple(full_shapes[i][1:])
+                pieces = [per_member[m][k].view(rows[i][m], *tail) for m in range(n)]
+                out[i] = torch.cat(pieces, dim=0)
+    return out  # type: ignore[return-value]  # every slot is filled by exactly one bucket
+
+
+def _check_tensors(
+    name: str, tensors: Sequence[torch.Tensor], *, need_dim0: bool = False
+) -> list[torch.Tensor]:
+    items = list(tensors)
+    for k, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{k}] must be a torch.Tensor, got {type(t).__name__}")
+        if need_dim0 and t.dim() == 0:
+            raise ValueError(f"{name}[{k}] is 0-dim; ZeRO shards cut dim 0, so it needs >= 1 dim")
+    return items
+
+
+def _check_shard(k: int, shard: torch.Tensor, full: Sequence[int], n: int, me: int) -> list[int]:
+    """Rows of tensor k held by each member; ValueError if ``shard`` is not my piece."""
+    full = tuple(full)
+    if len(full) == 0 or not all(isinstance(d, int) and d >= 0 for d in full):
+        raise ValueError(f"full_shapes[{k}] must be a non-empty shape of ints >= 0, got {full!r}")
+    rows = shard_sizes(full[0], n)
+    expected = (rows[me], *full[1:])
+    if tuple(shard.shape) != expected:
+        raise ValueError(
+            f"shards[{k}] has shape {tuple(shard.shape)}, but member {me} of {n} holds "
+            f"{expected} of full shape {full}"
+        )
+    return rows
+
+
+def _dtype_buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, groups in order of first appearance."""
+    buckets: dict[torch.dtype, list[int]] = {}
+    for k, t in enumerate(tensors):
+        buckets.setdefault(t.dtype, []).append(k)
+    return list(buckets.values())

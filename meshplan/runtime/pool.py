@@ -1,0 +1,250 @@
+"""A persistent pool of N local worker processes sharing one gloo process group.
+
+Spawning a rank costs a torch import (seconds on 2 cores), so tests and benchmarks start the N
+workers once and send them many functions. Each worker initializes torch.distributed (gloo,
+``tcp://127.0.0.1:PORT``, a short timeout so a lost peer fails a collective instead of hanging),
+then loops: receive ``(fn, args)``, run ``fn(rank, nprocs, *args)``, send the result back.
+
+Messages travel as plain pickles over one pipe per worker (not multiprocessing's pickler, which
+would move tensors through shared-memory handles). The parent never blocks without a deadline:
+it waits on the pipes and the process sentinels together. When a worker fails, the culprit is
+chosen as: a worker that died without a message first (its death makes the others' collectives
+fail), else the error raised earliest (a raise makes the peers' collectives fail later); all
+workers are then stopped and :class:`~meshplan.errors.WorkerError` is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import TracebackType
+from typing import Any
+
+from meshplan.errors import WorkerError
+
+_STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class WorkerPool:
+    """``nprocs`` spawned worker processes with torch.distributed (gloo) initialized once.
+
+    ``run(fn, *args)`` runs ``fn(rank, nprocs, *args)`` on every rank and returns the results in
+    rank order; ``fn`` must be a picklable top-level function and its results picklable. Each
+    worker uses one torch thread. Startup and each run must finish within ``timeout_s`` seconds
+    (TimeoutError otherwise); collectives time out after ``collective_timeout_s``. If a worker
+    raises or dies, every worker is stopped, the pool is closed and WorkerError is raised;
+    using a closed pool raises RuntimeError. Raises ValueError on bad arguments.
+    """
+
+    def __init__(
+        self, nprocs: int, *, timeout_s: float = 600.0, collective_timeout_s: float = 30.0
+    ) -> None:
+        if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+            raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+        limits = {"timeout_s": timeout_s, "collective_timeout_s": collective_timeout_s}
+        for name, value in limits.items():
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.nprocs = nprocs
+        self.timeout_s = float(timeout_s)
+        self._closed = False
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        ctx = get_context("spawn")
+        port = find_free_port()
+        for rank in range(nprocs):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, nprocs, port, float(collective_timeout_s), child_end),
+                name=f"meshplan-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        self._collect(time.monotonic() + self.timeout_s)  # every worker reports "ready"
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(rank, nprocs, *args)`` on every worker; results in rank order.
+
+        ``timeout_s`` overrides the pool's timeout for this run. Raises TypeError if ``fn`` or
+        ``args`` cannot be pickled, WorkerError if a worker fails, TimeoutError past the
+        deadline, RuntimeError if the pool is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this WorkerPool is closed (close() was called or a worker failed)")
+        try:
+            task = pickle.dumps((fn, args))
+        except Exception as exc:
+            raise TypeError(f"fn and args must be picklable (fn top-level): {exc}") from exc
+        for conn in self._conns:
+            try:
+                conn.send_bytes(task)
+            except OSError:
+                pass  # that worker died; _collect reports it with its exit code
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        return self._collect(time.monotonic() + limit)
+
+    def close(self) -> None:
+        """Ask the workers to leave, then terminate whoever is still alive. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass  # that worker is already gone
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._stop()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _collect(self, deadline: float) -> list[Any]:
+        """One message from every worker; stops everything and raises on any failure."""
+        results: list[Any] = [None] * self.nprocs
+        pending = set(range(self.nprocs))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._closed = True
+                self._stop()
+                raise TimeoutError(f"workers {sorted(pending)} did not answer before the deadline")
+            conns = [self._conns[r] for r in pending]
+            sentinels = [self._procs[r].sentinel for r in pending]
+            connection.wait(conns + sentinels, timeout=min(remaining, 1.0))
+            failures: list[tuple[int, float, int, str, str]] = []
+            for rank in sorted(pending):
+                outcome = self._poll(rank)
+                if outcome is None:
+                    continue
+                if outcome[0] == "ok":
+                    results[rank] = outcome[1]
+                    pending.discard(rank)
+                else:
+                    failures.append(outcome[1])
+            if failures:
+                self._closed = True
+                self._stop()
+                _, _, rank, message, trace = min(failures)
+                raise WorkerError(rank, message, trace)
+        return results
+
+    def _poll(self, rank: int) -> tuple[str, Any] | None:
+        """("ok", result), ("fail", sort key + details) or None if rank has nothing to say."""
+        conn, proc = self._conns[rank], self._procs[rank]
+        if conn.poll():
+            try:
+                kind, *body = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                kind, body = "died", []
+            if kind in ("ok", "ready"):
+                return ("ok", body[0] if body else None)
+            if kind == "error":
+                message, trace, when = body
+                return ("fail", (1, when, rank, message, trace))
+        elif proc.is_alive():
+            return None
+        proc.join(1.0)
+        # Death without a message ranks first: it is what breaks the peers' collectives.
+        return ("fail", (0, 0.0, rank, _describe_exit(proc.exitcode), ""))
+
+    def _stop(self) -> None:
+        """Terminate, then kill, every worker still alive; close the pipes."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "process stopped answering"
+    if code < 0:
+        return f"process was killed by signal {-code}"
+    return f"process exited with code {code} without a result"
+
+
+def _worker_main(
+    rank: int, nprocs: int, port: int, collective_timeout_s: float, conn: Connection
+) -> None:
+    """Body of worker ``rank``: init gloo, then serve tasks until told to stop."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 cores shared by N workers
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=nprocs,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        conn.send_bytes(pickle.dumps(("ready",)))
+    except BaseException as exc:  # noqa: BLE001 — reported to the parent
+        _fail(conn, exc)
+    while True:
+        try:
+            task = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            os._exit(0)  # the parent is gone; nobody wants our results
+        except BaseException as exc:  # noqa: BLE001 — e.g. fn not importable here
+            _fail(conn, exc)
+        if task is None:
+            break
+        fn, args = task
+        try:
+            reply = pickle.dumps(("ok", fn(rank, nprocs, *args)))
+        except BaseException as exc:  # noqa: BLE001 — reported to the parent
+            _fail(conn, exc)
+        conn.send_bytes(reply)
+    dist.destroy_process_group()
+
+
+def _fail(conn: Connection, exc: BaseException) -> None:
+    """Send the error to the parent and exit at once (peers may be stuck in a collective)."""
+    message = f"{type(exc).__name__}: {exc}"
+    trace = "".join(traceback.format_exception(exc))
+    try:
+        conn.send_bytes(pickle.dumps(("error", message, trace, time.time())))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,0 +1,192 @@
+"""Run a plan on one rank: local parameter shards, the local program, gradient sync, the update.
+
+One `Trainer` per rank. It traces the model (cheap: fake tensors), checks the trace is the
+program the plan was made for, lowers the plan to this rank's local program, and keeps only the
+rank's shards of every parameter. A step runs the local forward (ZeRO-3 parameters gathered
+first), autograd's backward through the program's collectives, one bucketed synchronization per
+(update mode, mesh axes), and the optimizer on the local update tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from meshplan.capture.to_ir import capture
+from meshplan.capture.trace import Traced
+from meshplan.ir.graph import Graph
+from meshplan.lower.program import lower
+from meshplan.lower.shards import MeshPos, even_weights, take_local
+from meshplan.plan.plan import Plan
+from meshplan.runtime.comm import Comm
+from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads,
+                                        reduce_scatter_grads)
+from meshplan.runtime.optim import OptimizerSpec, make_optimizer
+
+
+class _Param:
+    """One parameter on this rank: the tensor the program uses and the one the optimizer steps."""
+
+    def __init__(self, name: str, node: str, local: torch.Tensor, mode: str,
+                 axes: tuple[int, ...], comm: Comm) -> None:
+        self.name, self.node, self.mode, self.axes = name, node, mode, axes
+        self.full_shape = tuple(local.shape)
+        self.compute: torch.Tensor | None = None
+        if mode == "replicated":
+            self.compute = local.detach().clone().requires_grad_(True)
+            self.update = self.compute
+        else:
+            n, me = comm.group_size(axes), comm.group_index(axes)
+            shard = torch.tensor_split(local.detach(), n, dim=0)[me].clone()
+            self.update = shard.requires_grad_(True)
+            if mode == "zero2":
+                self.compute = local.detach().clone().requires_grad_(True)
+
+
+class Trainer:
+    """Trains with ``plan`` on the rank of ``comm``; ``step(batch) -> loss``.
+
+    ``model`` holds the initial state on CPU (every rank passes the same state: each keeps its
+    shards). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
+    batch split on a (1, 2) mesh is ``((1.0,), (3.0, 1.0))``). ``captured`` reuses a capture
+    of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
+    trace differs from the program the plan was made for.
+    """
+
+    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable, example_batch: Any,
+                 comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
+                 captured: tuple[Traced, Graph] | None = None) -> None:
+        if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
+            raise ValueError(f"the plan is for a {plan.mesh_shape} mesh, the communicator has "
+                             f"{comm.mesh_shape}")
+        traced, graph = captured or capture(model, loss_fn, example_batch)
+        if graph.fingerprint() != plan.graph_fingerprint:
+            raise ValueError("this model's traced program differs from the one the plan was made "
+                             "for (different model, shapes or batch); make a new plan")
+        w = tuple(tuple(float(x) for x in a) for a in weights) if weights else \
+            plan.axis_weights or even_weights(plan.mesh_shape)
+        self.comm, self.plan, self.graph = comm, plan, graph
+        self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
+        self.program = lower(traced, graph, plan, comm.rank, w)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
+        self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
+                        if n.role == "buffer"}
+        self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
+                                        [p.update for p in self.params])
+        self._by_node = {p.node: p for p in self.params}
+
+    def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
+        dec = self.plan.param(name)
+        local = take_local(state[name].detach(), self.program.values[node], self.pos)
+        return _Param(name, node, local, dec.update, tuple(dec.sync_axes), self.comm)
+
+    # ---------------------------------------------------------------- one step
+    def local_batch(self, batch: Any) -> list[torch.Tensor]:
+        """This rank's pieces of a global batch ``(inputs, target)``, in program order."""
+        inputs, target = batch
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        full = {f"input{i}": t for i, t in enumerate(inputs)}
+        full["target"] = target
+        out = []
+        for n in self.graph.nodes:
+            if n.role in ("input", "target"):
+                out.append(take_local(full[n.state_name], self.program.values[n.name], self.pos))
+        return out
+
+    def _program_args(self, batch_pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        pieces = iter(batch_pieces)
+        args = []
+        for n in self.graph.nodes:
+            if n.role == "param":
+                args.append(self._compute_tensor(self._by_node[n.name]))
+            elif n.role == "buffer":
+                args.append(self.buffers[n.name])
+            elif n.role in ("input", "target"):
+                args.append(next(pieces))
+        return args
+
+    def _compute_tensor(self, p: _Param) -> torch.Tensor:
+        if p.mode != "zero3":
+            return p.compute
+        sizes = [s.shape[0] for s in torch.tensor_split(torch.empty(p.full_shape[0], 0),
+                                                         self.comm.group_size(p.axes))]
+        full = self.comm.all_gather(p.update.detach(), p.axes, 0, sizes, phase="forward")
+        p.compute = full.requires_grad_(True)
+        return p.compute
+
+    def step(self, batch: Any) -> float:
+        """One training step on the global ``batch``; returns the global loss."""
+        loss = self.program.graph_module(self.comm, *self._program_args(self.local_batch(batch)))
+        loss.backward()
+        self._synchronize()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._refresh_zero2()
+        return self._report(loss.detach())
+
+    def _groups(self) -> list[tuple[tuple[str, tuple[int, ...]], list[_Param]]]:
+        groups: dict[tuple[str, tuple[int, ...]], list[_Param]] = defaultdict(list)
+        for p in self.params:
+            if p.axes:
+                groups[(p.mode, p.axes)].append(p)
+        return sorted(groups.items())
+
+    def _synchronize(self) -> None:
+        for p in self.params:
+            if p.compute is not None and p.compute.grad is None:
+                p.compute.grad = torch.zeros_like(p.compute)
+        for (mode, axes), ps in self._groups():
+            grads = [p.compute.grad for p in ps]
+            if mode == "replicated":
+                all_reduce_grads(self.comm, grads, axes)
+                continue
+            for p, g in zip(ps, reduce_scatter_grads(self.comm, grads, axes)):
+                p.update.grad = g
+        for p in self.params:
+            if p.mode == "zero3" and not p.axes:
+                p.update.grad = p.compute.grad
+
+    def _refresh_zero2(self) -> None:
+        for (mode, axes), ps in self._groups():
+            if mode != "zero2":
+                continue
+            fulls = all_gather_params(self.comm, [p.update.detach() for p in ps],
+                                      [p.full_shape for p in ps], axes)
+            with torch.no_grad():
+                for p, f in zip(ps, fulls):
+                    p.compute.copy_(f)
+            for p in ps:
+                p.compute.grad = None
+
+    def _report(self, loss: torch.Tensor) -> float:
+        # The loss-reporting all-reduce is not part of the plan: keep it out of the record.
+        n = len(self.comm.records)
+        if self.program.loss_partial:
+            loss = self.comm.all_reduce(loss, self.program.loss_partial, phase="update")
+        del self.comm.records[n:]
+        return float(loss)
+
+    # ---------------------------------------------------------------- inspection
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole on every rank (for checks; not recorded)."""
+        n = len(self.comm.records)
+        out = {}
+        for p in self.params:
+            t = self._compute_tensor(p).detach() if p.mode == "zero3" else \
+                p.update.detach() if p.mode == "replicated" else p.compute.detach()
+            out[p.name] = self._gather_spec(t, p.node)
+        del self.comm.records[n:]
+        return out
+
+    def _gather_spec(self, t: torch.Tensor, node: str) -> torch.Tensor:
+        from meshplan.lower.shards import gathered
+        v = self.program.values[node]
+        for d, axes in enumerate(v.layout.dims):
+            if axes:
+                v, sizes = gathered(v, d, axes, self.pos)
+                t = self.comm.all_gather(t, axes, d, sizes, phase="update")
+        return t
