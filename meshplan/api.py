@@ -32,6 +32,8 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
+    if method != "auto":
+        opts["full_split"] = True
     if method in ("data", "zero2", "zero3"):
         opts["force_data_parallel"] = True
         if method != "data":

@@ -127,12 +127,15 @@ class GPT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # LayerNorms keep their default (weight 1, bias 0); everything else follows GPT-2.
+        # LayerNorms keep their default (weight 1, bias 0); weights follow GPT-2. Linear biases
+        # are small random values rather than GPT-2's zeros: the key bias gets a zero gradient in
+        # exact arithmetic (softmax is shift-invariant), and a zero-initialized tensor that only
+        # collects rounding noise has no scale to compare parallel runs against.
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
             if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+                nn.init.normal_(module.bias, mean=0.0, std=_INIT_STD)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Return logits (batch, seq, vocab) for int64 ``tokens`` (batch, seq).

@@ -33,6 +33,8 @@ class IntraOptions:
     every parameter that has a data-parallel axis. ``prefer_reduce_scatter`` = ZeRO-2 updates.
     ``memory_budget``: bytes per device, None for no limit. ``include_compute``: add roofline
     compute time to the objective (off when α/β are abstract units, as in Alpa).
+    ``full_split``: contractions never replicate work over an active axis (default: when
+    compute is left out).
     """
 
     force_data_parallel: bool = False
@@ -42,7 +44,14 @@ class IntraOptions:
     prefer_reduce_scatter: bool = False
     memory_budget: float | None = None
     include_compute: bool = True
+    full_split: bool | None = None
     optimizer: str = "adamw"
+
+    @property
+    def heavy_full_split(self) -> bool:
+        """Whether contractions must divide their work over every active axis (Alpa's rule when
+        compute is left out; also what the hand-style methods mean by data/tensor parallel)."""
+        return (not self.include_compute) if self.full_split is None else self.full_split
 
     def __post_init__(self) -> None:
         if self.update_mode is not None and self.update_mode not in UPDATE_MODES:
@@ -133,7 +142,7 @@ def _op_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: Intra
                 bdims: dict[str, frozenset[int]]) -> list[Choice]:
     if node.sig.kind == "replicated":
         return [Choice(replicated_strategy(node.sig))]
-    full = not opts.include_compute
+    full = opts.heavy_full_split
     batch_atoms = _op_batch_atoms(node, bdims)
     for full_split in ((True, False) if full else (False,)):
         strategies = [s for s in enumerate_strategies(node.sig, axes, mesh_shape,
