@@ -27,11 +27,24 @@ from multiprocessing import connection, get_context
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
 
 from meshplan.errors import WorkerError
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
+
+
+class _Failure(NamedTuple):
+    """A failed worker; the smallest one (by field order) is reported as the culprit."""
+
+    died_with_message: bool  # False first: a silent death is what breaks the peers' collectives
+    when: float  # time.time() of the raise in the worker; earlier raises are causes, not effects
+    rank: int
+    message: str
+    trace: str
 
 
 def find_free_port() -> int:
@@ -142,41 +155,41 @@ class WorkerPool:
             conns = [self._conns[r] for r in pending]
             sentinels = [self._procs[r].sentinel for r in pending]
             connection.wait(conns + sentinels, timeout=min(remaining, 1.0))
-            failures: list[tuple[int, float, int, str, str]] = []
+            failures: list[_Failure] = []
             for rank in sorted(pending):
                 outcome = self._poll(rank)
-                if outcome is None:
-                    continue
-                if outcome[0] == "ok":
-                    results[rank] = outcome[1]
+                if isinstance(outcome, _Failure):
+                    failures.append(outcome)
+                elif outcome is not None:
+                    results[rank] = outcome[0]
                     pending.discard(rank)
-                else:
-                    failures.append(outcome[1])
             if failures:
                 self._closed = True
                 self._stop()
-                _, _, rank, message, trace = min(failures)
-                raise WorkerError(rank, message, trace)
+                culprit = min(failures)
+                raise WorkerError(culprit.rank, culprit.message, culprit.trace)
         return results
 
-    def _poll(self, rank: int) -> tuple[str, Any] | None:
-        """("ok", result), ("fail", sort key + details) or None if rank has nothing to say."""
+    def _poll(self, rank: int) -> tuple[Any] | _Failure | None:
+        """``(result,)`` if rank answered, a _Failure if it failed, None if it is still busy."""
         conn, proc = self._conns[rank], self._procs[rank]
         if conn.poll():
             try:
                 kind, *body = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 kind, body = "died", []
+            except Exception as exc:  # noqa: BLE001 — e.g. the result's class is not importable
+                message = f"its reply could not be unpickled here: {exc!r}"
+                return _Failure(True, time.time(), rank, message, "")
             if kind in ("ok", "ready"):
-                return ("ok", body[0] if body else None)
+                return (body[0] if body else None,)
             if kind == "error":
                 message, trace, when = body
-                return ("fail", (1, when, rank, message, trace))
+                return _Failure(True, when, rank, message, trace)
         elif proc.is_alive():
             return None
         proc.join(1.0)
-        # Death without a message ranks first: it is what breaks the peers' collectives.
-        return ("fail", (0, 0.0, rank, _describe_exit(proc.exitcode), ""))
+        return _Failure(False, 0.0, rank, _describe_exit(proc.exitcode), "")
 
     def _stop(self) -> None:
         """Terminate, then kill, every worker still alive; close the pipes."""
@@ -205,9 +218,6 @@ def _worker_main(
     rank: int, nprocs: int, port: int, collective_timeout_s: float, conn: Connection
 ) -> None:
     """Body of worker ``rank``: init gloo, then serve tasks until told to stop."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)  # 2 cores shared by N workers
     try:
         dist.init_process_group(
