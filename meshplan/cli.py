@@ -1,0 +1,195 @@
+"""Command-line front door: ``meshplan plan MODEL --cluster SPEC [options]``.
+
+``main(argv)`` parses, builds the workload on the meta device, calls :func:`meshplan.api.plan`
+and prints the plan (``Plan.explain()``, or one JSON document with ``--json``). Bad user input —
+an argument argparse rejects, or a ValueError/TypeError/InfeasiblePlanError raised while parsing,
+building or planning — is printed as ``meshplan: error: <message>`` on stderr with exit code 2 and
+no traceback; any other exception keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Callable, NoReturn
+
+from meshplan.api import METHODS, plan
+from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.cost.mesh import parse_mesh_shape
+from meshplan.errors import InfeasiblePlanError
+from meshplan.plan.plan import Plan
+from meshplan.runtime.optim import OPTIMIZERS
+from meshplan.zoo.spec import build_workload
+
+PROG = "meshplan"
+EXIT_USAGE = 2  # argparse's own exit code for bad arguments; every user error uses it
+
+
+class UsageError(ValueError):
+    """An argument argparse rejected; ``usage`` is the usage line of the (sub)command."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser that raises UsageError instead of exiting, so ``main`` returns an int."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self.format_usage())
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def _float_pair(text: str) -> tuple[float, float]:
+    """``"a0,a1"`` -> (a0, a1): one value per mesh axis."""
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(parts) != 2 or len(values) != 2:
+        raise argparse.ArgumentTypeError(
+            f"expected two comma-separated numbers (mesh axis 0, mesh axis 1), e.g. '1,1'; got {text!r}")
+    return values  # type: ignore[return-value]  # length checked above
+
+
+def _mesh_axis(text: str) -> int:
+    if text.strip() not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"must be a mesh axis, 0 or 1; got {text!r}")
+    return int(text)
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        return parse_mesh_shape(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _budget_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of GiB per device >= 0 (0 = no budget); got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _add_plan_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="find the optimal intra-operator plan of one training step",
+        description="Find the optimal intra-operator plan of MODEL's training step on a cluster.")
+    p.add_argument("model", metavar="MODEL",
+                   help="zoo spec (e.g. mlp:layers=6,hidden=256,batch=32,bias=1 or "
+                        "gpt:hidden=768,layers=12) or path/to/file.py:fn")
+    p.add_argument("--cluster", required=True, metavar="SPEC",
+                   help="cluster YAML path or preset: local:N, PRESET:H, PRESET:HxK "
+                        "(e.g. p3.16xlarge:8, p3.16xlarge:1x4, dgx-a100:128)")
+    p.add_argument("--mesh", type=_mesh_shape, metavar="RxC",
+                   help="logical mesh shape, e.g. 2x4 (default: the cluster's hosts x devices)")
+    p.add_argument("--alpha", type=_float_pair, metavar="A0,A1",
+                   help="abstract latency per mesh axis (with --beta; objective in α-β units)")
+    p.add_argument("--beta", type=_float_pair, metavar="B0,B1",
+                   help="abstract inverse bandwidth per mesh axis (with --alpha)")
+    p.add_argument("--method", choices=METHODS, default="auto",
+                   help="auto = the ILP's choice; others force a hand-style plan (default: auto)")
+    p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
+                   help="split the batch dim of every op over this mesh axis (0 or 1)")
+    p.add_argument("--prefer-reduce-scatter", action="store_true",
+                   help="sharded (ZeRO-2) parameter updates where data parallel")
+    p.add_argument("--memory-budget-gb", type=_budget_gb, metavar="X",
+                   help="per-device memory budget in GiB (default: device memory; 0 = no budget)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="optimizer whose state is planned for (default: adamw)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON document on stdout (nothing else)")
+    p.add_argument("-o", "--output", metavar="PATH", help="save the plan as JSON to PATH")
+    p.set_defaults(run=_run_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``meshplan`` argument parser; each subcommand sets ``run(args) -> exit code``."""
+    parser = _Parser(prog=PROG, description="Automatic parallelization of PyTorch training.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_plan_parser(subparsers)
+    return parser
+
+
+# ---------------------------------------------------------------- plan command
+
+
+def _plan_from_args(args: argparse.Namespace) -> Plan:
+    """Parse the cluster, build the workload on meta and plan it. Raises ValueError/TypeError."""
+    if (args.alpha is None) != (args.beta is None):
+        raise ValueError("give both --alpha and --beta (two values each, one per mesh axis), "
+                         "or neither")
+    cluster = parse_cluster_spec(args.cluster)
+    work = build_workload(args.model, device="meta")
+    return plan(work.model, work.loss_fn, args.optimizer, work.example_batch, cluster,
+                mesh_shape=args.mesh, alpha=args.alpha, beta=args.beta, method=args.method,
+                force_batch_dim=args.force_batch_dim,
+                prefer_reduce_scatter=args.prefer_reduce_scatter,
+                memory_budget_gb=args.memory_budget_gb, name=work.name)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    # With --json, stdout carries the JSON document only: anything the pipeline prints goes to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with quiet:
+            result = _plan_from_args(args)
+    except (ValueError, TypeError, InfeasiblePlanError) as err:
+        return _fail(str(err))
+    if args.output is not None:
+        try:
+            result.save(args.output)
+        except OSError as err:
+            return _fail(f"cannot write plan to {args.output!r}: {err.strerror or err}")
+        print(f"{PROG}: plan saved to {args.output}", file=sys.stderr)
+    return _emit(json.dumps(result.to_json(), indent=1) if args.json else result.explain())
+
+
+def _emit(text: str) -> int:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # The reader closed the pipe early (``| head``): not worth a traceback. Point stdout at
+        # devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# ---------------------------------------------------------------- entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``meshplan`` command line on ``argv`` (default: ``sys.argv[1:]``); return the exit
+    code: 0 on success, 2 on bad user input (message on stderr, no traceback), 1 if stdout's
+    reader closed the pipe early."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as err:
+        print(err.usage, end="", file=sys.stderr)
+        return _fail(str(err))
+    except SystemExit as done:  # --help: argparse printed it and asked to exit
+        return done.code if isinstance(done.code, int) else 0
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
