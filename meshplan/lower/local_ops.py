@@ -83,11 +83,16 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         return g.call_function(operator.getitem, (pieces, orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
+    target = orig.target
     if packet in SHAPE_ARG_OPS:
         args = (args[0], list(out_shape), *args[2:])
+    if packet in ("view", "_unsafe_view"):
+        # A local shard may be strided where the global tensor was contiguous (a slice of
+        # a split dim), so views become reshapes: a view when possible, else a copy.
+        target = aten.reshape.default
     if partial and node.sig is not None and node.sig.mean_atoms:
         return _split_mean(g, packet, node, args)
-    value = g.call_function(orig.target, args, kwargs)
+    value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
     return value

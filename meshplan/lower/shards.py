@@ -131,4 +131,4 @@ def take_local(full: "torch.Tensor", v: Sharded, pos: MeshPos) -> "torch.Tensor"
         if axes:
             i = pos.index(axes)
             out = out.narrow(d, sum(pieces[:i]), pieces[i])
-    return out
+    return out.contiguous()
