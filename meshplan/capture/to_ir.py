@@ -41,8 +41,13 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _is_split_item(node: fx.Node) -> bool:
+    return (node.target is operator.getitem
+            and _packet(node.args[0].target) in ("split", "split_with_sizes"))
+
+
 def _is_first_output(node: fx.Node) -> bool:
-    return node.target is operator.getitem and node.args[1] == 0
+    return node.target is operator.getitem and node.args[1] == 0 and not _is_split_item(node)
 
 
 def _opcall(node: fx.Node, operands: list[fx.Node], packet: str) -> OpCall:
@@ -89,10 +94,10 @@ def to_ir(traced: Traced) -> Graph:
             loss = alias.get((out[0] if isinstance(out, (list, tuple)) else out).name)
         elif _is_first_output(node):
             alias[node.name] = alias[node.args[0].name]
+        elif _is_split_item(node):
+            nodes.append(_split_item(node, alias, grad, unsupported))
         elif node.target is operator.getitem:
-            parent = node.args[0]
-            if _packet(parent.target) in ("split", "split_with_sizes"):
-                nodes.append(_split_item(node, alias, grad, unsupported))
+            pass  # secondary outputs feed only the backward pass
         else:
             packet = _packet(node.target)
             operands = _tensor_args(node)
