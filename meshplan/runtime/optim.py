@@ -37,7 +37,8 @@ class OptimizerSpec:
         return float(param_bytes) if self.momentum else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-shaped (lists, not tuples), so a plan equals its own JSON round trip."""
+        return {**asdict(self), "betas": list(self.betas)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "OptimizerSpec":

@@ -69,7 +69,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
             if recipe.sync_axes:
                 sync.setdefault(costs.param_root[name], set()).update(recipe.sync_axes)
         s = choice.strategy
-        ops.append(OpDecision(node.name, node.op, s.describe(), tuple(l.spec() for l in s.inputs),
+        ops.append(OpDecision(node.name, node.op, s.describe(node.sig), tuple(l.spec() for l in s.inputs),
                               s.output.spec(), s.grad_partial, costs.compute_cost(node, choice),
                               comm, costs.memory(node, choice)))
     params = _params(form, idx, sync, counts)

@@ -37,10 +37,26 @@ class Strategy:
         """Mesh axes the op's arithmetic is divided over."""
         return tuple(sorted(a for _, axes in self.assign for a in axes))
 
-    def describe(self) -> str:
+    def describe(self, sig: Signature | None = None) -> str:
+        """E.g. ``i:S0 j:S1`` for a matmul; generated atoms are named by where they appear
+        (``out0`` = output dim 0, ``in1.0`` = dim 0 of operand 1, ``red`` = reduced)."""
         if not self.assign:
             return "replicated"
-        return " ".join(f"{atom}:S{''.join(map(str, axes))}" for atom, axes in self.assign)
+        return " ".join(f"{_atom_name(atom, sig)}:S{''.join(map(str, axes))}"
+                        for atom, axes in self.assign)
+
+
+def _atom_name(atom: str, sig: Signature | None) -> str:
+    if atom.isascii() or sig is None:
+        return atom
+    for d, dims in enumerate(sig.output):
+        if dims and dims[0] == atom:
+            return f"out{d}"
+    for j, ins in enumerate(sig.inputs):
+        for d, dims in enumerate(ins):
+            if dims and dims[0] == atom:
+                return f"in{j}.{d}"
+    return "red"
 
 
 def _layout_of(dims: Dims, amap: dict[str, Axes]) -> Layout | None:
