@@ -60,6 +60,11 @@ def _budget(memory_budget_gb: float | None, cluster: Cluster) -> float | None:
     return None if memory_budget_gb == 0 else memory_budget_gb * 2**30
 
 
+def _ilp_memory(form: Any, choices: Sequence[int]) -> float:
+    mem = form.problem.node_memory
+    return float(sum(mem[i][c] for i, c in enumerate(choices))) if mem else 0.0
+
+
 def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
          alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
@@ -105,7 +110,8 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
         model=name, graph_fingerprint=graph.fingerprint(), mesh_shape=tuple(mesh.shape),
         alpha=tuple(mesh.alpha), beta=tuple(mesh.beta), cluster=cluster_to_dict(cl),
         method=method, optimizer=opt.to_dict(), ops=result.ops, params=result.params,
-        sources=result.sources, collectives=result.collectives, objective=sol.objective,
+        sources=result.sources, collectives=result.collectives,
+        objective=sol.objective - ctx.tie_break * _ilp_memory(form, sol.choices),
         objective_units="alpha-beta units" if abstract else "seconds",
         search_time_s=search,
         ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,

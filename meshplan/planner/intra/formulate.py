@@ -36,6 +36,14 @@ class CostContext:
     device: DeviceType | None
     optimizer_bytes_per_param: float = 8.0
 
+    @property
+    def tie_break(self) -> float:
+        """Cost per byte of memory added to the objective so that, of plans with equal
+        communication, the one using less memory wins (a batch is split where it is consumed
+        split rather than replicated and sliced). A billionth of moving the byte once: far
+        below any real cost difference; the plan reports the objective without it."""
+        return 1e-9 * min(b for b in self.mesh.beta if b > 0) if any(self.mesh.beta) else 0.0
+
 
 def param_roots(graph: Graph) -> dict[str, str]:
     """Values that are a parameter seen through views only, mapped to that parameter."""
@@ -152,7 +160,9 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None) ->
         r = nc.root_of[node.name]
         for p, choice in enumerate(nc.choices[node.name]):
             node_costs[r][p] += costs.compute_cost(node, choice)
-            memory[r][p] += costs.memory(node, choice)
+            mem = costs.memory(node, choice)
+            memory[r][p] += mem
+            node_costs[r][p] += ctx.tie_break * mem
         for j, name in enumerate(node.inputs):
             a = nc.root_of[name]
             if a == r:
