@@ -82,3 +82,30 @@ def test_a_rank_that_raises_mid_step_ends_the_run_fast() -> None:
     assert info.value.rank == 1
     assert "breaks its optimizer" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+_FAILING_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from oracle import MLP, SGD, batches, make_plan
+from meshplan.runtime.launcher import launch
+from meshplan.zoo.spec import build_workload
+from test_equivalence_gloo import _dies_mid_step
+if __name__ == "__main__":
+    plan = make_plan(MLP, (1, 2), "data", SGD)
+    launch(_dies_mid_step, 2, (plan, MLP, batches(build_workload(MLP, device="cpu"), 4)))
+"""
+
+
+def test_a_script_whose_rank_raises_exits_non_zero_with_that_error(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(_FAILING_SCRIPT.format(tests=os.path.dirname(__file__)))
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90)
+    assert out.returncode != 0
+    assert "rank 1 failed" in out.stderr and "breaks its optimizer" in out.stderr
+    assert time.monotonic() - start < 60

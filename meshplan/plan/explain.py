@@ -41,12 +41,13 @@ def explain(plan: Plan, *, all_ops: bool = False) -> str:
 
     Only ops that compute something or communicate are listed unless ``all_ops``.
     """
-    out = [summary(plan), "", "ops (strategy | operands -> output | compute, communication, memory):"]
+    out = [summary(plan), "", "ops (strategy | operands -> output | compute, communication, "
+           "resharding, memory):"]
     for o in plan.ops:
-        if not all_ops and o.op not in _HEAVY and o.communication == 0:
+        if not all_ops and o.op not in _HEAVY and o.communication == o.resharding == 0:
             continue
         out.append(f"  {o.node:<28} {o.op:<12} {o.strategy:<14} | {' '.join(o.inputs)} -> "
-                   f"{o.output} | {o.compute:.3g}, {o.communication:.6g}, "
+                   f"{o.output} | {o.compute:.3g}, {o.communication:.6g}, {o.resharding:.6g}, "
                    f"{_fmt_bytes(o.memory_bytes)}")
     out += ["", "parameters (spec, storage, update, sync axes):"]
     for p in plan.params:

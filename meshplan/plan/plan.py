@@ -26,7 +26,8 @@ class OpDecision:
     output: str                    # sharding spec of the result
     grad_partial: tuple[tuple[int, ...], ...]  # per operand: axes its gradient is partial over
     compute: float
-    communication: float           # resharding of this op's operands, forward + backward
+    communication: float   # reducing this op's partial sums; sync of parameters it uses
+    resharding: float      # moving operands into the layouts this op needs (fwd + bwd)
     memory_bytes: float
 
 

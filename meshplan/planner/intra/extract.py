@@ -12,7 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.cost.collectives import collective_cost
-from meshplan.planner.intra.formulate import CostContext, Formulation, _Costs, local_bytes
+from meshplan.planner.intra.formulate import (CostContext, Formulation, _Costs, local_bytes,
+                                              recipe_cost, step_cost)
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
 
@@ -52,26 +53,36 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     costs, real_costs = _Costs(nc, form.ctx), _Costs(nc, real)
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
     sync: dict[str, set[int]] = {}
-    ops, memory, compute = [], 0.0, 0.0
+    memory, compute = 0.0, 0.0
+    comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
+    reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
     for node in g.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         memory += costs.memory(node, choice)
         compute += real_costs.compute_cost(node, choice)
-        if node.is_source:
-            continue
-        comm = 0.0
         for j, name in enumerate(node.inputs):
             recipe = costs.operand_recipe(node, j, idx[name], idx[node.name])
-            comm += costs.operand_cost(node, j, idx[name], idx[node.name])
+            needs_grad = g.by_name[name].requires_grad
             for step in recipe.steps:
-                for kind, phase in step.collectives(g.by_name[name].requires_grad):
+                for kind, phase in step.collectives(needs_grad):
                     counts[(kind, step.nbytes, step.axes, phase)] += 1
+                owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
+                owner[name if owner is comm else node.name] += step_cost(
+                    step, needs_grad, form.ctx.mesh)
             if recipe.sync_axes:
                 sync.setdefault(costs.param_root[name], set()).update(recipe.sync_axes)
+                comm[node.name] += (costs.operand_cost(node, j, idx[name], idx[node.name])
+                                    - recipe_cost(recipe, needs_grad, form.ctx.mesh))
+    ops = []
+    for node in g.nodes:
+        if node.is_source:
+            continue
+        choice = nc.choices[node.name][idx[node.name]]
         s = choice.strategy
-        ops.append(OpDecision(node.name, node.op, s.describe(node.sig), tuple(l.spec() for l in s.inputs),
-                              s.output.spec(), s.grad_partial, costs.compute_cost(node, choice),
-                              comm, costs.memory(node, choice)))
+        ops.append(OpDecision(node.name, node.op, s.describe(node.sig),
+                              tuple(lay.spec() for lay in s.inputs), s.output.spec(),
+                              s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
+                              reshard[node.name], costs.memory(node, choice)))
     params = _params(form, idx, sync, counts)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())

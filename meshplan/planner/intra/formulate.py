@@ -25,7 +25,7 @@ from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
-from meshplan.planner.intra.reshard import Recipe, reshard
+from meshplan.planner.intra.reshard import Recipe, Step, reshard
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,15 @@ def dp_axes(layout: Layout, mesh_shape: tuple[int, ...]) -> Axes:
     return tuple(a for a in active_axes(mesh_shape) if a not in layout.split_axes)
 
 
+def step_cost(step: Step, needs_grad: bool, mesh: LogicalMesh) -> float:
+    """Forward and (if a gradient flows) backward collectives of one resharding step."""
+    return sum(collective_cost(kind, mesh, step.axes, step.nbytes)
+               for kind, _ in step.collectives(needs_grad))
+
+
 @lru_cache(maxsize=None)
 def recipe_cost(recipe: Recipe, needs_grad: bool, mesh: LogicalMesh) -> float:
-    return sum(collective_cost(kind, mesh, s.axes, s.nbytes)
-               for s in recipe.steps for kind, _ in s.collectives(needs_grad))
+    return sum(step_cost(s, needs_grad, mesh) for s in recipe.steps)
 
 
 @lru_cache(maxsize=None)

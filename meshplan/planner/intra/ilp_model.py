@@ -152,14 +152,23 @@ def build_edge_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     for gu, gv, r in reduced.edges:
         allowed_u, allowed_v = reduced.allowed(gu), reduced.allowed(gv)
         block = r[np.ix_(allowed_u, allowed_v)]
-        row_first, row_class = np.unique(block, axis=0, return_index=True, return_inverse=True)[1:]
-        col_first, col_class = np.unique(block.T, axis=0, return_index=True,
-                                         return_inverse=True)[1:]
+        row_first, row_class = edge_classes(block)
+        col_first, col_class = edge_classes(block.T)
         classes = block[np.ix_(row_first, col_first)]
         s_u = choice_cols[gu] + np.arange(allowed_u.size)
         s_v = choice_cols[gv] + np.arange(allowed_v.size)
         build = _marginal_rows if edge_form == "marginal" else _mccormick_rows
-        build(coo, classes, (row_class.ravel(), s_u), (col_class.ravel(), s_v))
+        build(coo, classes, (row_class, s_u), (col_class, s_v))
+
+
+def edge_classes(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Group identical rows: (first row of each class, class of each row).
+
+    Strategies that emit the same sharding spec have identical rows, so one edge variable per
+    class pair is exact and often several times smaller than one per strategy pair.
+    """
+    first, inverse = np.unique(block, axis=0, return_index=True, return_inverse=True)[1:]
+    return first, inverse.ravel()
 
 
 def _marginal_rows(coo: _Coo, classes: np.ndarray, side_u: tuple[np.ndarray, np.ndarray],
