@@ -1,0 +1,286 @@
+"""The ILP solver layer: XLA's toy ILP exactly, variants, brute-force cross-checks, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+
+from meshplan.errors import InfeasibleIlpError
+from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, evaluate, min_memory, peak_memory,
+                                        reduce_for_costs, solve)
+from meshplan.planner.intra.ilp_backends import run_model
+from meshplan.planner.intra.ilp_model import build_model, extract_choices
+
+A, B, C, D, E = range(5)
+SOLVER_CONFIGS = [("highs", False), ("highs", True), ("scipy", False), ("scipy", True)]
+
+
+def xla_toy(**changes: object) -> IlpProblem:
+    """XLA's auto_sharding_solver_test toy, as in shared/reference/alpa_cases.md."""
+    counts, base = (4, 3, 4, 4, 3), (10, 20, 30, 40, 50)
+    compute = [[base[v] + p for p in range(k)] for v, k in enumerate(counts)]
+    node_costs = tuple(tuple(11.0 * c for c in row) for row in compute)  # compute + 10x comm
+    memory = ((100e3, 110e3, 990e3, 130e3), (200e3, 210e3, 220e3),
+              (300e3, 310e3, 320e3, 330e3), (400e3, 410e3, 420e3, 430e3),
+              (500e3, 510e3, 520e3))
+    ac = tuple(tuple(1000.0 + 1000 * p + 100 * q for q in range(4)) for p in range(4))
+    bc = tuple(tuple(5000.0 + 1000 * p + 100 * q for q in range(4)) for p in range(3))
+    problem = IlpProblem(node_costs=node_costs, edges=(IlpEdge(A, C, ac), IlpEdge(B, C, bc)),
+                         aliases=((B, E), (C, D)), node_memory=memory,
+                         live_sets=((B, A), (B, A), (B, C, A), (B, C, D, A), (B, D, A)),
+                         memory_budget=1_500_000.0)
+    return dataclasses.replace(problem, **changes)
+
+
+def with_entry(matrix: tuple[tuple[float, ...], ...], i: int, j: int,
+               value: float) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(value if (r, c) == (i, j) else x for c, x in enumerate(row))
+                 for r, row in enumerate(matrix))
+
+
+@pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
+def test_xla_toy_optimum(solver: str, lp_first: bool) -> None:
+    sol = solve(xla_toy(), solver=solver, lp_first=lp_first)
+    assert sol.choices == (0, 0, 0, 0, 0)
+    assert (sol.objective, sol.node_cost, sol.edge_cost) == (7650.0, 1650.0, 6000.0)
+    assert sol.gap == 0.0 and sol.solver.startswith(solver)
+    # Aliases share variables: A (4) + B=E (3) + C=D (4) binaries, separable edges need none.
+    assert sol.num_variables == 11
+
+
+@pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
+def test_xla_toy_forbidden_strategies(solver: str, lp_first: bool) -> None:
+    toy = xla_toy()
+    a_row = (math.inf, math.inf, math.inf, toy.node_costs[A][3])
+    problem = dataclasses.replace(toy, node_costs=(a_row,) + toy.node_costs[1:])
+    sol = solve(problem, solver=solver, lp_first=lp_first)
+    assert sol.choices == (3, 0, 0, 0, 0)
+    assert sol.objective == 10683.0
+
+
+@pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
+def test_xla_toy_forbidden_pair(solver: str, lp_first: bool) -> None:
+    toy = xla_toy()
+    ac = toy.edges[0]
+    edge = IlpEdge(ac.u, ac.v, with_entry(ac.costs, 0, 0, math.inf))
+    sol = solve(dataclasses.replace(toy, edges=(edge, toy.edges[1])), solver=solver,
+                lp_first=lp_first)
+    assert sol.choices == (0, 0, 1, 1, 0)
+    assert sol.objective == 7872.0
+    assert sol.num_variables > 11  # the A-C edge is no longer separable: it needs variables
+
+
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_xla_toy_max_cost(solver: str) -> None:
+    with pytest.raises(InfeasibleIlpError):
+        solve(xla_toy(max_cost=7600.0), solver=solver)
+    assert solve(xla_toy(max_cost=7650.0), solver=solver).objective == 7650.0
+
+
+def test_xla_toy_evaluate() -> None:
+    node_cost, edge_cost = evaluate(xla_toy(), (3, 1, 2, 2, 1))
+    assert (node_cost, edge_cost) == (159.0 + 1590.0, 10400.0)
+    assert node_cost + edge_cost == 12149.0
+
+
+def test_evaluate_rejects_bad_assignments() -> None:
+    toy = xla_toy()
+    with pytest.raises(ValueError, match="alias"):
+        evaluate(toy, (0, 0, 1, 0, 0))
+    with pytest.raises(ValueError, match="out of range"):
+        evaluate(toy, (4, 0, 0, 0, 0))
+    forbidden = dataclasses.replace(toy, edges=(IlpEdge(A, C, with_entry(
+        toy.edges[0].costs, 1, 2, math.inf)), toy.edges[1]))
+    with pytest.raises(ValueError, match="forbidden pair"):
+        evaluate(forbidden, (1, 0, 2, 2, 0))
+
+
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_memory_budget_and_min_memory(solver: str) -> None:
+    toy = xla_toy()
+    # Cheapest memory: A0 + B0 + C0 + D0 in the live set {B, C, D, A}.
+    assert min_memory(toy, solver=solver) == 1_000_000.0
+    assert solve(xla_toy(memory_budget=1_000_000.0), solver=solver).choices == (0,) * 5
+    with pytest.raises(InfeasibleIlpError):
+        solve(xla_toy(memory_budget=999_999.0), solver=solver)
+    # A's strategy 2 is cheapest but needs 990k: a budget it breaks pushes A elsewhere.
+    cheap_a2 = dataclasses.replace(toy, node_costs=((3e3, 3e3, 0.0, 3e3),) + toy.node_costs[1:])
+    assert solve(cheap_a2, solver=solver).choices[A] != 2
+    assert solve(dataclasses.replace(cheap_a2, memory_budget=3e6), solver=solver).choices[A] == 2
+
+
+def test_min_memory_respects_aliases_and_forbidden_entries() -> None:
+    # Node 0 is lightest under strategy 0, node 1 under strategy 1; node 2 is forced to 0.
+    problem = IlpProblem(node_costs=((0.0, 0.0), (0.0, 0.0), (0.0, math.inf)),
+                         node_memory=((1.0, 5.0), (9.0, 2.0), (2.5, 0.0)),
+                         live_sets=((0, 1), (2,)))
+    assert min_memory(problem) == 3.0  # (0, 1): 1 + 2
+    aliased = dataclasses.replace(problem, aliases=((0, 1),))
+    assert min_memory(aliased) == 7.0  # (1, 1): 5 + 2 beats (0, 0): 1 + 9
+    no_01 = (IlpEdge(0, 1, ((0.0, math.inf), (0.0, 0.0))),)
+    assert min_memory(dataclasses.replace(problem, edges=no_01)) == 7.0
+    no_11 = (IlpEdge(0, 1, ((0.0, 0.0), (0.0, math.inf))),)
+    assert min_memory(dataclasses.replace(aliased, edges=no_11)) == 10.0
+
+
+def test_edge_with_a_fixed_end_becomes_node_costs() -> None:
+    problem = IlpProblem(node_costs=((math.inf, 5.0), (1.0, 1.0, 1.0)),
+                         edges=(IlpEdge(0, 1, ((0.0, 0.0, 0.0), (7.0, 3.0, 4.0))),))
+    sol = solve(problem)
+    assert sol.choices == (1, 1) and sol.objective == 9.0 and sol.edge_cost == 3.0
+    assert sol.num_variables == 3 and sol.num_constraints == 1  # node 1's one-hot only
+
+
+def test_everything_fixed_needs_no_solver() -> None:
+    problem = IlpProblem(node_costs=((2.0,), (math.inf, 3.0)),
+                         edges=(IlpEdge(0, 1, ((1.0, 4.0),)),))
+    sol = solve(problem)
+    assert (sol.choices, sol.objective, sol.solver, sol.num_variables) == ((0, 1), 9.0,
+                                                                           "presolve", 0)
+
+
+def test_every_strategy_forbidden_is_infeasible() -> None:
+    with pytest.raises(InfeasibleIlpError, match="node 1"):
+        solve(IlpProblem(node_costs=((1.0, 2.0), (math.inf, math.inf))))
+    forbidden_pairs = IlpProblem(node_costs=((1.0, 2.0), (1.0, 2.0)),
+                                 edges=(IlpEdge(0, 1, ((math.inf, 0.0), (math.inf, math.inf))),),
+                                 aliases=((0, 1),))
+    with pytest.raises(InfeasibleIlpError):
+        solve(forbidden_pairs)  # the only allowed pair (0, 1) breaks the alias
+
+
+def brute_force(problem: IlpProblem) -> tuple[float, float] | None:
+    """(min objective, min peak memory) over all allowed assignments; None if none satisfies."""
+    best, best_memory = math.inf, math.inf
+    for choices in itertools.product(*(range(k) for k in problem.num_strategies)):
+        try:
+            cost = sum(evaluate(problem, choices))
+        except ValueError:
+            continue
+        memory = peak_memory(problem, choices)
+        best_memory = min(best_memory, memory)
+        within_budget = problem.memory_budget is None or memory <= problem.memory_budget
+        if within_budget and (problem.max_cost is None or cost <= problem.max_cost):
+            best = min(best, cost)
+    return None if math.isinf(best_memory) else (best, best_memory)
+
+
+def random_problem(rng: random.Random) -> IlpProblem:
+    n = rng.randint(2, 6)
+    counts = [rng.randint(1, 4) for _ in range(n)]
+    node_costs = tuple(tuple(math.inf if rng.random() < 0.1 else float(rng.randint(0, 20))
+                             for _ in range(k)) for k in counts)
+    edges = []
+    for _ in range(rng.randint(0, 2 * n)):
+        u, v = rng.sample(range(n), 2)
+        costs = tuple(tuple(math.inf if rng.random() < 0.1 else float(rng.randint(0, 30) * (p != q))
+                            for q in range(counts[v])) for p in range(counts[u]))
+        edges.append(IlpEdge(u, v, costs))
+    same = [(u, v) for u in range(n) for v in range(u + 1, n) if counts[u] == counts[v]]
+    aliases = tuple(rng.sample(same, min(len(same), rng.randint(0, 1))))
+    memory = tuple(tuple(float(rng.randint(1, 10)) for _ in range(k)) for k in counts)
+    live = tuple(tuple(rng.sample(range(n), rng.randint(1, n))) for _ in range(rng.randint(0, 3)))
+    budget = float(rng.randint(5, 25)) if live and rng.random() < 0.7 else None
+    max_cost = float(rng.randint(0, 60)) if rng.random() < 0.2 else None
+    return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost)
+
+
+@pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
+def test_random_problems_match_brute_force(solver: str, lp_first: bool) -> None:
+    rng = random.Random(1234)
+    checked = {"solved": 0, "infeasible": 0}
+    for _ in range(60):
+        problem = random_problem(rng)
+        expected = brute_force(problem)
+        if expected is None or math.isinf(expected[0]):
+            with pytest.raises(InfeasibleIlpError):
+                solve(problem, solver=solver, lp_first=lp_first)
+            checked["infeasible"] += 1
+        else:
+            sol = solve(problem, solver=solver, lp_first=lp_first)
+            assert sol.objective == pytest.approx(expected[0], abs=1e-6), problem
+            assert sol.objective == pytest.approx(sum(evaluate(problem, sol.choices)))
+            checked["solved"] += 1
+        if expected is not None and problem.live_sets:
+            assert min_memory(problem, solver=solver) == pytest.approx(expected[1])
+    assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
+
+
+def test_mccormick_form_matches_marginal_form() -> None:
+    rng = random.Random(99)
+    for _ in range(30):
+        problem = random_problem(rng)
+        try:
+            marginal = solve(problem).objective
+        except InfeasibleIlpError:
+            continue
+        reduced = reduce_for_costs(problem)
+        model = build_model(reduced, max_cost=problem.max_cost, edge_form="mccormick")
+        if problem.memory_budget is not None:
+            continue  # memory rows are shared code; the edge forms are what differs
+        raw = run_model(model, solver="highs", lp_first=False, time_limit_s=None)
+        assert sum(evaluate(problem, extract_choices(reduced, model, raw.x))) == marginal
+
+
+def chain_problem(num_nodes: int, seed: int) -> IlpProblem:
+    """A chain with 4-8 strategies per node and zero-diagonal resharding costs."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(4, 9, size=num_nodes)
+    node_costs = tuple(tuple(float(x) for x in rng.integers(0, 50, size=k)) for k in counts)
+    edges = []
+    for v in range(1, num_nodes):
+        mat = rng.integers(1, 100, size=(counts[v - 1], counts[v])).astype(float)
+        k = min(counts[v - 1], counts[v])
+        mat[np.arange(k), np.arange(k)] = 0.0
+        edges.append(IlpEdge(v - 1, v, tuple(tuple(float(x) for x in row) for row in mat)))
+    return IlpProblem(node_costs, tuple(edges))
+
+
+def chain_optimum(problem: IlpProblem) -> float:
+    """Viterbi dynamic program: the exact optimum of a chain."""
+    best = np.asarray(problem.node_costs[0])
+    for edge in problem.edges:
+        best = (best[:, None] + np.asarray(edge.costs)).min(axis=0) + np.asarray(
+            problem.node_costs[edge.v])
+    return float(best.min())
+
+
+def test_3000_node_chain_solves_in_seconds() -> None:
+    problem = chain_problem(3000, seed=7)
+    start = time.perf_counter()
+    sol = solve(problem)
+    elapsed = time.perf_counter() - start
+    assert sol.objective == pytest.approx(chain_optimum(problem), abs=1e-6)
+    assert elapsed < 15.0, f"3000-node chain took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: IlpProblem(((1.0, 2.0),), (IlpEdge(0, 1, ((0.0,), (0.0,))),)), "node 1"),
+    (lambda: IlpProblem(((1.0, 2.0), (1.0,)), (IlpEdge(0, 1, ((0.0, 1.0), (0.0, 1.0))),)),
+     r"edges\[0\].*2x2.*2x1"),
+    (lambda: IlpProblem(((1.0, 2.0), (1.0,)), aliases=((0, 1),)), r"aliases\[0\].*equal"),
+    (lambda: IlpProblem(((1.0,),), live_sets=((0,),)), "node_memory"),
+    (lambda: IlpProblem(((1.0,), (2.0,)), node_memory=((1.0,),)), "node_memory has 1 rows"),
+    (lambda: IlpProblem(((1.0,),), node_memory=((1.0,),), live_sets=((0, 0),)), "twice"),
+    (lambda: IlpProblem(((float("nan"),),)), "nan"),
+    (lambda: IlpEdge(0, 1, ((0.0, 1.0), (0.0,))), r"costs\[1\] has 1 entries"),
+])
+def test_validation_names_the_bad_index(build: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()  # type: ignore[operator]
+
+
+def test_validation_type_errors_and_options() -> None:
+    with pytest.raises(TypeError, match="tuple"):
+        IlpProblem([[1.0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="solver"):
+        solve(xla_toy(), solver="cplex")
+    with pytest.raises(ValueError, match="time_limit_s"):
+        solve(xla_toy(), time_limit_s=0.0)
+    assert hash(xla_toy()) == hash(xla_toy())  # problems are hashable values for caching
