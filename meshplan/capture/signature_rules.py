@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from meshplan.ir.signatures import Dims, Signature, fresh_atoms
+from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
 
 Shape = tuple[int, ...]
 
@@ -40,7 +40,7 @@ class OpRule:
     flops: float
 
 
-Rule = Callable[[OpCall], OpRule]
+Rule = Callable[[OpCall], "OpRule | None"]  # None: this variant of the op has no signature
 
 
 def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
@@ -272,6 +272,68 @@ def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
     return rule
 
 
+# ---------------------------------------------------------------- convolutional nets
+def conv_rule(c: OpCall) -> OpRule | None:
+    """``convolution`` without bias (capture splits the bias off): batch, out-channel and
+    in-channel (a contraction: partial sums) splits; spatial and kernel dims stay whole."""
+    if c.arg(6, "transposed") or c.arg(8, "groups", 1) != 1 or len(c.in_shapes) != 2:
+        return None
+    x, w = c.in_shapes
+    sp = "".join(fresh_atoms(len(x) - 2, 20))
+    ksp = "".join(fresh_atoms(len(x) - 2, 40))
+    osp = "".join(fresh_atoms(len(x) - 2, 60))
+    sig = _sized(["nc" + sp, "oc" + ksp], "no" + osp, c.in_shapes, c.out_shape, "contraction",
+                 unsplittable=set(sp + ksp + osp))
+    flops = 2.0 * math.prod(c.out_shape) * math.prod(w[1:])
+    return OpRule("conv", sig, flops)
+
+
+def batch_norm_rule(c: OpCall) -> OpRule:
+    """Training batch norm normalizes with statistics over batch and space: a split batch
+    all-reduces them (`StatSync`); channels split freely. Eval mode is per-channel affine."""
+    x = c.in_shapes[0]
+    sp = "".join(fresh_atoms(len(x) - 2, 20))
+    training = bool(c.arg(5, "training", True))
+    ins = ["nc" + sp] + ["c"] * (len(c.in_shapes) - 1)
+    sync = StatSync(frozenset("n"), ("c",), 2 * x[1] * 4) if training else None
+    sig = _sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
+    sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
+                    sig.atom_sizes, sync)
+    return OpRule("batch_norm", sig, 8.0 * math.prod(x))
+
+
+def pool_rule(name: str) -> Rule:
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        sp = "".join(fresh_atoms(len(x) - 2, 20))
+        osp = "".join(fresh_atoms(len(c.out_shape) - 2, 60))
+        sig = _sized(["nc" + sp], "nc" + osp, c.in_shapes, c.out_shape, "elementwise",
+                     unsplittable=set(sp + osp))
+        return OpRule(name, sig, float(math.prod(x)))
+    return rule
+
+
+def along_dim_rule(name: str) -> Rule:
+    """Ops that scan or select along one dim (cumsum; max/min over a dim): that dim is whole."""
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        atoms = fresh_atoms(len(x))
+        if c.arg(1, "dim") is None:  # over everything: nothing can be split
+            sig = _sized([atoms], (), c.in_shapes, c.out_shape, "elementwise", set(atoms))
+            return OpRule(name, sig, float(math.prod(x)))
+        d = c.arg(1, "dim") % len(x)
+        if len(c.out_shape) == len(x):
+            out = list(atoms)
+            if c.out_shape[d] != x[d]:
+                out[d] = fresh_atoms(1, 400)[0]
+        else:
+            out = [a for i, a in enumerate(atoms) if i != d]
+        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
+                     unsplittable={atoms[d], *[a for a in out if a not in atoms]})
+        return OpRule(name, sig, float(math.prod(x)))
+    return rule
+
+
 UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
          "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
          "lift_fresh_copy", "square", "erf", "reciprocal")
@@ -294,6 +356,12 @@ RULES: dict[str, Rule] = {
     "unsqueeze": view_rule, "squeeze": view_rule, "flatten": view_rule,
     "t": permute_rule, "transpose": permute_rule, "permute": permute_rule,
     "expand": expand_rule,
+    "convolution": conv_rule, "native_batch_norm": batch_norm_rule,
+    "max_pool2d_with_indices": pool_rule("max_pool"), "avg_pool2d": pool_rule("avg_pool"),
+    "_adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
+    "adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
+    "cumsum": along_dim_rule("cumsum"), "max": along_dim_rule("max"),
+    "min": along_dim_rule("min"),
     "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),

@@ -41,9 +41,14 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+# Multi-output ops whose outputs the forward program uses one by one: each used output is an
+# IR node of its own (lowering calls the op and takes that output).
+ITEM_OPS = ("split", "split_with_sizes", "max", "min")
+
+
 def _is_split_item(node: fx.Node) -> bool:
     return (node.target is operator.getitem
-            and _packet(node.args[0].target) in ("split", "split_with_sizes"))
+            and _packet(node.args[0].target) in ITEM_OPS)
 
 
 def _is_first_output(node: fx.Node) -> bool:
@@ -55,25 +60,20 @@ def _opcall(node: fx.Node, operands: list[fx.Node], packet: str) -> OpCall:
                   _info(node.meta["val"]).shape, tuple(node.args), tuple(node.kwargs.items()))
 
 
-def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad: bool,
-             unsupported: list[str]) -> Node:
+def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad: bool) -> Node:
     packet = op_call.target
     out = _info(node.meta["val"])
     rule = RULES.get(packet)
-    if rule is None:
-        if packet not in unsupported:
-            warnings.warn(f"meshplan: no dimension signature for aten op '{packet}'; it is planned "
-                          "replicated (every operand gathered, computed on every device)",
-                          stacklevel=3)
-            unsupported.append(packet)
+    r = rule(op_call) if rule is not None else None
+    if r is None:
         sig = replicated_signature(tuple(len(s) for s in op_call.in_shapes), len(out.shape))
         name, flops = packet, float(out.numel)
     else:
-        r = rule(op_call)
         sig, name, flops = r.sig, r.name, r.flops
     in_bytes = sum(TensorInfo(s, out.dtype).nbytes for s in op_call.in_shapes)
+    differentiable = out.dtype.startswith(("float", "bfloat", "complex"))
     return Node(node.name, "op", name, tuple(operands), out, sig, flops, in_bytes + out.nbytes,
-                requires_grad)
+                requires_grad and differentiable)
 
 
 def to_ir(traced: Traced) -> Graph:
@@ -81,7 +81,6 @@ def to_ir(traced: Traced) -> Graph:
     alias: dict[str, str] = {}
     nodes: list[Node] = []
     grad: dict[str, bool] = {}
-    unsupported: list[str] = []
     placeholders = iter(traced.placeholders)
     loss = None
     for node in traced.graph_module.graph.nodes:
@@ -95,7 +94,7 @@ def to_ir(traced: Traced) -> Graph:
         elif _is_first_output(node):
             alias[node.name] = alias[node.args[0].name]
         elif _is_split_item(node):
-            nodes.append(_split_item(node, alias, grad, unsupported))
+            nodes.append(_split_item(node, alias, grad))
         elif node.target is operator.getitem:
             pass  # secondary outputs feed only the backward pass
         else:
@@ -105,27 +104,37 @@ def to_ir(traced: Traced) -> Graph:
             if not operands and packet in CONSTANT_OPS:
                 nodes.append(Node(node.name, "constant", packet, (), _info(node.meta["val"]),
                                   None))
-            elif packet in ("split", "split_with_sizes"):
+            elif packet in ITEM_OPS and isinstance(node.meta.get("val"), (tuple, list)):
                 pass  # represented by its getitem users
             else:
                 rg = any(grad.get(n, False) for n in names)
-                nodes.append(_op_node(node, names, _opcall(node, operands, packet), rg,
-                                      unsupported))
+                nodes.append(_op_node(node, names, _opcall(node, operands, packet), rg))
         if nodes and nodes[-1].name == node.name:
             alias[node.name] = node.name
             grad[node.name] = nodes[-1].requires_grad
     _check_used_outputs(nodes, traced)
     assert loss is not None, "traced graph has no output"
-    return Graph(tuple(_prune_dead(nodes, loss)), loss, tuple(unsupported))
+    live = _prune_dead(nodes, loss)
+    return Graph(tuple(live), loss, _warn_unsupported(live))
 
 
-def _split_item(node: fx.Node, alias: dict[str, str], grad: dict[str, bool],
-                unsupported: list[str]) -> Node:
+def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
+    """One warning per op without a signature that the program really uses."""
+    names = tuple(dict.fromkeys(n.op for n in nodes if n.sig is not None
+                                and n.sig.kind == "replicated"))
+    for name in names:
+        warnings.warn(f"meshplan: no dimension signature for aten op '{name}'; it is planned "
+                      "replicated (every operand gathered, computed on every device)",
+                      stacklevel=3)
+    return names
+
+
+def _split_item(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> Node:
     parent = node.args[0]
     src = parent.args[0]
     call = OpCall(_packet(parent.target), (_info(src.meta["val"]).shape,),
                   _info(node.meta["val"]).shape, tuple(parent.args), tuple(parent.kwargs.items()))
-    return _op_node(node, [alias[src.name]], call, grad.get(alias[src.name], False), unsupported)
+    return _op_node(node, [alias[src.name]], call, grad.get(alias[src.name], False))
 
 
 def _check_used_outputs(nodes: list[Node], traced: Traced) -> None:
@@ -133,7 +142,7 @@ def _check_used_outputs(nodes: list[Node], traced: Traced) -> None:
     for node in traced.graph_module.graph.nodes:
         if node.target is operator.getitem and node.args[1] != 0 and node.users:
             parent = _packet(node.args[0].target)
-            if parent not in ("split", "split_with_sizes"):
+            if parent not in ITEM_OPS:
                 raise ValueError(f"the forward program uses output {node.args[1]} of '{parent}', "
                                  "which meshplan cannot shard yet")
 

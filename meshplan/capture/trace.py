@@ -50,8 +50,19 @@ def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     return aten.add.Tensor(out, bias)
 
 
+def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *args: Any
+                     ) -> Any:
+    # As for addmm: a convolution split over input channels yields partial sums, and its bias
+    # must be added once, after they are reduced.
+    if bias is None:
+        return NotImplemented
+    out = aten.convolution.default(x, w, None, *args)
+    shape = [1, -1] + [1] * (out.dim() - 2)
+    return aten.add.Tensor(out, aten.view.default(bias, shape))
+
+
 def _decompositions() -> dict[Any, Callable]:
-    return {aten.addmm.default: _addmm_as_mm_add}
+    return {aten.addmm.default: _addmm_as_mm_add, aten.convolution.default: _conv_bias_apart}
 
 
 def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:

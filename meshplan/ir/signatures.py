@@ -21,6 +21,17 @@ Dims = tuple[str, ...]
 
 
 @dataclass(frozen=True)
+class StatSync:
+    """Statistics an op reduces over ``sync_atoms`` (batch norm's mean and variance over the
+    batch): splitting one of those atoms makes the op all-reduce its statistics, ``nbytes``
+    unsplit, cut like the ``stat_atoms`` (the channels) are cut."""
+
+    sync_atoms: frozenset[str]
+    stat_atoms: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Signature:
     """How an op's operand dims and output dims relate (see the module docstring).
 
@@ -35,6 +46,7 @@ class Signature:
     unsplittable: frozenset[str] = frozenset()
     mean_atoms: frozenset[str] = frozenset()
     atom_sizes: tuple[tuple[str, int], ...] = ()
+    sync: StatSync | None = None
 
     def size(self, atom: str) -> int:
         return dict(self.atom_sizes)[atom]

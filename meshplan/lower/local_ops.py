@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from meshplan.ir.graph import Node
+from meshplan.runtime import collectives
 
 aten = torch.ops.aten
 
@@ -73,9 +74,45 @@ def _split_mean(g: fx.Graph, packet: str, node: Node, args: tuple) -> fx.Node:
     raise AssertionError(f"no split-mean rule for {packet}")
 
 
+def sync_batch_norm(comm: Any, x: torch.Tensor, weight: Any, bias: Any, running_mean: Any,
+                    running_var: Any, momentum: float, eps: float, axes: tuple[int, ...],
+                    count: int) -> torch.Tensor:
+    """Training batch norm over a batch split across ``axes``: the per-channel sums are
+    all-reduced, so every rank normalizes with the statistics of the whole batch (single-device
+    semantics); the backward all-reduce carries the gradient of the statistics."""
+    dims = [0, *range(2, x.dim())]
+    stats = torch.stack([x.sum(dims), (x * x).sum(dims)])
+    stats = collectives.all_reduce(comm, stats, axes, backward="all_reduce")
+    mean = stats[0] / count
+    var = stats[1] / count - mean * mean
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.detach() * (count / max(count - 1, 1)),
+                                                alpha=momentum)
+    return out
+
+
+def _batch_norm(g: fx.Graph, args: tuple, node: Node, comm: fx.Node, axes: tuple[int, ...]
+                ) -> fx.Node:
+    # ``args`` are native_batch_norm's (x, weight, bias, running_mean, running_var, training,
+    # momentum, eps) with local operands substituted; the optional tensors may be None.
+    x, w, b, rm, rv, _, momentum, eps = (*args, *[None] * (8 - len(args)))
+    count = node.out.numel // node.out.shape[1]
+    return g.call_function(sync_batch_norm, (comm, x, w, b, rm, rv, momentum, eps, axes, count))
+
+
 def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
-         out_shape: tuple[int, ...], partial: bool) -> fx.Node:
-    """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value."""
+         out_shape: tuple[int, ...], partial: bool, comm: fx.Node | None = None,
+         sync_axes: tuple[int, ...] = ()) -> fx.Node:
+    """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
+    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
     if orig.target is operator.getitem:  # one piece of a split
         parent = orig.args[0]
         args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
@@ -83,6 +120,9 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         return g.call_function(operator.getitem, (pieces, orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
+    if sync_axes:
+        assert packet == "native_batch_norm", packet
+        return _batch_norm(g, args, node, comm, sync_axes)
     target = orig.target
     if packet in SHAPE_ARG_OPS:
         args = (args[0], list(out_shape), *args[2:])

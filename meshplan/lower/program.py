@@ -101,7 +101,9 @@ class _Lowerer:
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
         self.values[node.name] = result
         self.env[node.name] = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
-                                             local_shape(result, self.pos), bool(out_layout.partial))
+                                             local_shape(result, self.pos),
+                                             bool(out_layout.partial), self.comm,
+                                             tuple(dec.sync_axes))
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...]
                  ) -> tuple[Sharded, fx.Node]:

@@ -29,6 +29,7 @@ class OpDecision:
     communication: float   # reducing this op's partial sums; sync of parameters it uses
     resharding: float      # moving operands into the layouts this op needs (fwd + bwd)
     memory_bytes: float
+    sync_axes: tuple[int, ...] = ()  # axes the op all-reduces its statistics over (batch norm)
 
 
 @dataclass(frozen=True)

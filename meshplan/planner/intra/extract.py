@@ -60,6 +60,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
         choice = nc.choices[node.name][idx[node.name]]
         memory += costs.memory(node, choice)
         compute += real_costs.compute_cost(node, choice)
+        for entry in costs.stat_sync(node, choice):
+            counts[entry] += 1
+        comm[node.name] += costs.stat_sync_cost(node, choice)
         for j, name in enumerate(node.inputs):
             recipe = costs.operand_recipe(node, j, idx[name], idx[node.name])
             needs_grad = g.by_name[name].requires_grad
@@ -82,7 +85,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
         ops.append(OpDecision(node.name, node.op, s.describe(node.sig),
                               tuple(lay.spec() for lay in s.inputs), s.output.spec(),
                               s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
-                              reshard[node.name], costs.memory(node, choice)))
+                              reshard[node.name], costs.memory(node, choice), s.sync_axes))
     params = _params(form, idx, sync, counts)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())

@@ -128,6 +128,27 @@ class _Costs:
             cost += sync_cost(choice.mode, recipe.sync_axes, nbytes, self.ctx.mesh)
         return cost
 
+    def stat_sync(self, node: Node, choice: Choice) -> tuple[tuple[str, int, Axes, str], ...]:
+        """The op's own statistics all-reduce (batch norm over a split batch), forward and, when
+        a gradient flows, backward: (kind, bytes, axes, phase) entries."""
+        strat, sig = choice.strategy, node.sig
+        if not strat.sync_axes or sig is None or sig.sync is None:
+            return ()
+        amap = dict(strat.assign)
+        cut = 1
+        for atom in sig.sync.stat_atoms:
+            for a in amap.get(atom, ()):
+                cut *= self.shape[a]
+        nbytes = sig.sync.nbytes // cut
+        out = [("all_reduce", nbytes, strat.sync_axes, "forward")]
+        if node.requires_grad:
+            out.append(("all_reduce", nbytes, strat.sync_axes, "backward"))
+        return tuple(out)
+
+    def stat_sync_cost(self, node: Node, choice: Choice) -> float:
+        return sum(collective_cost(k, self.ctx.mesh, a, b)
+                   for k, b, a, _ in self.stat_sync(node, choice))
+
     def compute_cost(self, node: Node, choice: Choice) -> float:
         if self.ctx.device is None or node.is_source or node.flops == 0:
             return 0.0
@@ -165,6 +186,7 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None) ->
         r = nc.root_of[node.name]
         for p, choice in enumerate(nc.choices[node.name]):
             node_costs[r][p] += costs.compute_cost(node, choice)
+            node_costs[r][p] += costs.stat_sync_cost(node, choice)
             mem = costs.memory(node, choice)
             memory[r][p] += mem
             node_costs[r][p] += ctx.tie_break * mem

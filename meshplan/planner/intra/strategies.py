@@ -31,6 +31,7 @@ class Strategy:
     inputs: tuple[Layout, ...]
     output: Layout
     grad_partial: tuple[Axes, ...]
+    sync_axes: Axes = ()   # axes over which the op all-reduces its statistics (batch norm)
 
     @property
     def work_axes(self) -> Axes:
@@ -88,8 +89,12 @@ def strategy_from_assignment(sig: Signature, amap: dict[str, Axes]) -> Strategy 
         present = set("".join(dims))
         grads.append(tuple(sorted(a for atom, ax in amap.items() if atom not in present
                                   for a in ax)))
+    sync: Axes = ()
+    if sig.sync is not None:
+        sync = tuple(sorted(a for atom, ax in amap.items() if atom in sig.sync.sync_atoms
+                            for a in ax))
     return Strategy(tuple(sorted(amap.items())), tuple(ins), Layout(out.dims, partial),
-                    tuple(grads))
+                    tuple(grads), sync)
 
 
 def _axis_options(atoms: Sequence[str], axes: Axes) -> list[dict[str, Axes]]:
