@@ -183,7 +183,7 @@ def test_parse_defaults_overrides_and_round_trip() -> None:
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
-        ("bert:layers=2", r"unknown model kind 'bert'.*mlp:layers=2,hidden=64,batch=8,bias=1.*gpt:hidden=64"),
+        ("resnet:layers=2", r"unknown model kind 'resnet'.*mlp:layers=2,hidden=64,batch=8,bias=1.*gpt:hidden=64"),
         ("", r"unknown model kind ''.*valid kinds"),
         ("mlp:depth=3", r"unknown field 'depth'.*layers \(default 2\), hidden \(default 64\)"),
         ("gpt:hidden=64,dropout=1", r"unknown field 'dropout'.*heads \(default 4\).*vocab \(default 128\)"),

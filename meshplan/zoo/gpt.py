@@ -55,12 +55,16 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention over (batch, seq, hidden)."""
+    """Multi-head self-attention over (batch, seq, hidden); causal unless ``causal=False``.
 
-    def __init__(self, config: GPTConfig) -> None:
+    ``hidden`` must be divisible by ``num_heads`` (checked by the configs that build it).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
-        h = config.hidden
-        self.num_heads = config.num_heads
+        h = hidden
+        self.num_heads = num_heads
+        self.causal = causal
         self.q_proj = nn.Linear(h, h)
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
@@ -71,22 +75,22 @@ class Attention(nn.Module):
         return x.view(b, s, self.num_heads, h // self.num_heads).transpose(1, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Attend causally within each sequence; ``x`` and the result are (batch, seq, hidden)."""
+        """Attend within each sequence; ``x`` and the result are (batch, seq, hidden)."""
         b, s, h = x.shape
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
         v = self._split_heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.out_proj(y.transpose(1, 2).reshape(b, s, h))
 
 
 class FeedForward(nn.Module):
     """fc_in (h -> 4h), exact GELU, fc_out (4h -> h) over (batch, seq, hidden)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(config.hidden, 4 * config.hidden)
-        self.fc_out = nn.Linear(4 * config.hidden, config.hidden)
+        self.fc_in = nn.Linear(hidden, 4 * hidden)
+        self.fc_out = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the two projections with GELU between; shape preserved."""
@@ -94,19 +98,37 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block: residual attention, then residual MLP."""
+    """One pre-LayerNorm transformer block: residual attention, then residual MLP.
 
-    def __init__(self, config: GPTConfig) -> None:
+    ``causal=False`` gives the bidirectional encoder block used by the ViT.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden)
-        self.attn = Attention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden)
-        self.mlp = FeedForward(config)
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, num_heads, causal=causal)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.mlp = FeedForward(hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` and the result are (batch, seq, hidden)."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def init_weights(root: nn.Module) -> None:
+    """Initialise every Linear and Embedding under ``root`` in place as GPT-2 does: N(0, 0.02).
+
+    LayerNorms keep their default (weight 1, bias 0). Linear biases are small random values rather
+    than GPT-2's zeros: the key bias gets a zero gradient in exact arithmetic (softmax is
+    shift-invariant), and a zero-initialized tensor that only collects rounding noise has no scale
+    to compare parallel runs against. Other parameters are left to their owners.
+    """
+    for module in root.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.normal_(module.bias, mean=0.0, std=_INIT_STD)
 
 
 class GPT(nn.Module):
@@ -122,20 +144,9 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config.hidden, config.num_heads) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        # LayerNorms keep their default (weight 1, bias 0); weights follow GPT-2. Linear biases
-        # are small random values rather than GPT-2's zeros: the key bias gets a zero gradient in
-        # exact arithmetic (softmax is shift-invariant), and a zero-initialized tensor that only
-        # collects rounding noise has no scale to compare parallel runs against.
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.normal_(module.bias, mean=0.0, std=_INIT_STD)
+        init_weights(self)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Return logits (batch, seq, vocab) for int64 ``tokens`` (batch, seq).

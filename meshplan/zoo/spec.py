@@ -1,138 +1,138 @@
 """Model specs: the MODEL argument of the CLI, turned into a model, a loss and an example batch.
 
 Two forms are accepted by :func:`build_workload`:
-  * a zoo spec ``kind:field=int,field=int`` — e.g. ``mlp:layers=6,hidden=256,batch=32,bias=1`` or
-    ``gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=51200,batch=8``; omitted fields take the
-    kind's defaults (see ``_KIND_FIELDS``);
+  * a zoo spec ``kind:field=value,...`` — e.g. ``mlp:layers=6,hidden=256,batch=32,bias=1``,
+    ``gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=51200,batch=8`` or, with a named preset,
+    ``gpt:preset=39b,batch=1024``; omitted fields take the kind's defaults and explicit fields
+    override the preset's (kinds, fields, defaults and presets: :mod:`meshplan.zoo.catalog`);
   * a user file ``path/to/file.py:fn`` whose ``fn()`` returns ``(model, loss_fn, example_batch)``.
 
-Every field is an integer today; named presets (``gpt:preset=1.3b``) will be expanded into
-fields inside :func:`parse_model_spec` before the integer parse, leaving ModelSpec unchanged.
+Every field is an int except ``moe``'s capacity factor (a float). A preset is expanded into
+fields by :func:`parse_model_spec`, so a ModelSpec holds fields only and prints without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from meshplan.zoo import gpt, mlp
+from meshplan.zoo.builders import BUILDERS, Batch, LossFn
+from meshplan.zoo.catalog import KIND_FIELDS, Value, check_value, describe_fields, describe_kinds, resolve_preset
 from meshplan.zoo.user_file import is_file_spec, load_model_file
 
-# Field names in canonical order with their defaults. Immutable: a read-only view of tuples.
-_KIND_FIELDS = MappingProxyType({
-    "mlp": (("layers", 2), ("hidden", 64), ("batch", 8), ("bias", 1)),
-    "gpt": (("hidden", 64), ("layers", 2), ("heads", 4), ("seq", 32), ("vocab", 128), ("batch", 4)),
-})
-_FLAG_FIELDS = frozenset({"bias"})  # 0 or 1; every other field is a size >= 1
 _DEVICES = ("meta", "cpu")
 
-Batch = tuple[tuple[Tensor, ...], Tensor]
-LossFn = Callable[[Tensor, Tensor], Tensor]
 
-
-def _describe_fields(kind: str) -> str:
-    return ", ".join(f"{name} (default {value})" for name, value in _KIND_FIELDS[kind])
-
-
-def _describe_kinds() -> str:
-    return "; ".join(
-        f"{kind}:" + ",".join(f"{n}={v}" for n, v in defaults) for kind, defaults in _KIND_FIELDS.items()
-    )
-
-
-def _check_value(kind: str, name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{kind} field {name!r} must be an int, got {value!r}")
-    if name in _FLAG_FIELDS and value not in (0, 1):
-        raise ValueError(f"{kind} field {name!r} must be 0 or 1, got {value}")
-    if name not in _FLAG_FIELDS and value < 1:
-        raise ValueError(f"{kind} field {name!r} must be >= 1, got {value}")
+def describe_zoo() -> str:
+    """Every zoo kind with its fields' defaults and presets, for CLI help and error messages."""
+    return describe_kinds()
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A zoo model: its ``kind`` and integer ``fields`` as (name, value) pairs.
+    """A zoo model: its ``kind`` and ``fields`` as (name, value) pairs (ints; floats where the
+    catalogue says so, e.g. ``moe``'s ``capacity``).
 
-    Normalised on construction: omitted fields get their defaults and all fields are put in the
-    kind's canonical order, so equal models compare (and hash) equal. ``str(spec)`` is the full
-    spec text, which :func:`parse_model_spec` reads back to an equal spec.
+    Normalised on construction: omitted fields get their defaults, float fields become floats and
+    all fields are put in the kind's canonical order, so equal models compare (and hash) equal.
+    ``str(spec)`` is the full spec text, which :func:`parse_model_spec` reads back to an equal spec.
     Raises ValueError for an unknown kind, an unknown or repeated field, or a value out of range;
-    TypeError for a non-int value.
+    TypeError for a value of the wrong type.
     """
 
     kind: str
-    fields: tuple[tuple[str, int], ...] = ()
+    fields: tuple[tuple[str, Value], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in _KIND_FIELDS:
-            raise ValueError(f"unknown model kind {self.kind!r}; valid kinds: {_describe_kinds()}")
-        given: dict[str, int] = {}
+        if self.kind not in KIND_FIELDS:
+            raise ValueError(f"unknown model kind {self.kind!r}; valid kinds: {describe_kinds()}")
+        given: dict[str, Value] = {}
         for name, value in self.fields:
-            if name not in dict(_KIND_FIELDS[self.kind]):
+            if name not in dict(KIND_FIELDS[self.kind]):
                 raise ValueError(
                     f"unknown field {name!r} for model kind {self.kind!r}; "
-                    f"valid fields: {_describe_fields(self.kind)}"
+                    f"valid fields: {describe_fields(self.kind)}"
                 )
             if name in given:
                 raise ValueError(f"field {name!r} given twice for model kind {self.kind!r}")
-            _check_value(self.kind, name, value)
-            given[name] = value
-        full = tuple((name, given.get(name, default)) for name, default in _KIND_FIELDS[self.kind])
+            given[name] = check_value(self.kind, name, value)
+        full = tuple((name, given.get(name, default)) for name, default in KIND_FIELDS[self.kind])
         object.__setattr__(self, "fields", full)  # frozen: normalise once, at construction
 
-    def get(self, name: str) -> int:
+    def get(self, name: str) -> Value:
         """Value of field ``name``. Raises ValueError naming the valid fields if it is unknown."""
         for field_name, value in self.fields:
             if field_name == name:
                 return value
         raise ValueError(
-            f"unknown field {name!r} for model kind {self.kind!r}; valid fields: {_describe_fields(self.kind)}"
+            f"unknown field {name!r} for model kind {self.kind!r}; valid fields: {describe_fields(self.kind)}"
         )
+
+    def as_dict(self) -> Mapping[str, Value]:
+        """Every field by name (a fresh dict)."""
+        return dict(self.fields)
 
     def __str__(self) -> str:
         return f"{self.kind}:" + ",".join(f"{name}={value}" for name, value in self.fields)
 
 
-def _parse_field(kind: str, item: str, text: str) -> tuple[str, int]:
+def _split_item(kind: str, item: str, text: str) -> tuple[str, str]:
     name, eq, raw = item.partition("=")
     name, raw = name.strip(), raw.strip()
     if not eq:
         raise ValueError(
             f"field {item.strip()!r} in model spec {text!r} has no '='; write name=value with a name "
-            f"among: {_describe_fields(kind)}"
+            f"among: {describe_fields(kind)}"
         )
-    if name not in dict(_KIND_FIELDS[kind]):
+    if name != "preset" and name not in dict(KIND_FIELDS[kind]):
         raise ValueError(
-            f"unknown field {name!r} in model spec {text!r}; valid fields for {kind}: {_describe_fields(kind)}"
+            f"unknown field {name!r} in model spec {text!r}; valid fields for {kind}: {describe_fields(kind)}"
         )
+    return name, raw
+
+
+def _parse_value(kind: str, name: str, raw: str, text: str) -> Value:
+    number_type = float if isinstance(dict(KIND_FIELDS[kind])[name], float) else int
     try:
-        return name, int(raw)
+        return number_type(raw)
     except ValueError:
-        raise ValueError(f"field {name!r} in model spec {text!r} must be an integer, got {raw!r}") from None
+        wanted = "a number" if number_type is float else "an integer"
+        raise ValueError(f"field {name!r} in model spec {text!r} must be {wanted}, got {raw!r}") from None
 
 
 def parse_model_spec(text: str) -> ModelSpec:
-    """Parse ``kind[:name=int,...]`` (e.g. ``mlp:layers=6,hidden=256``) into a full ModelSpec.
+    """Parse ``kind[:name=value,...]`` (e.g. ``mlp:layers=6,hidden=256`` or
+    ``gpt:preset=39b,batch=1024``) into a full ModelSpec.
 
-    Raises TypeError if ``text`` is not a str; ValueError naming the bad part and listing the valid
-    kinds or fields with their defaults for an unknown kind, an unknown or repeated field, a
-    missing '=', a non-integer value or a value out of range.
+    ``preset=NAME`` (at most once, anywhere in the list) sets the preset's fields; explicit fields
+    override them. Raises TypeError if ``text`` is not a str; ValueError naming the bad part and
+    listing the valid kinds, fields (with defaults) or presets for an unknown kind, field or
+    preset, a repeated field or preset, a missing '=', a non-numeric value or a value out of range.
     """
     if not isinstance(text, str):
         raise TypeError(f"model spec must be a str, got {type(text).__name__}")
     kind, _, body = text.strip().partition(":")
     kind = kind.strip()
-    if kind not in _KIND_FIELDS:
+    if kind not in KIND_FIELDS:
         raise ValueError(
-            f"unknown model kind {kind!r} in {text!r}; valid kinds (with defaults): {_describe_kinds()}; "
+            f"unknown model kind {kind!r} in {text!r}; valid kinds (with defaults): {describe_kinds()}; "
             f"or a model file 'path/to/file.py:fn'"
         )
-    items = body.split(",") if body.strip() else []
-    return ModelSpec(kind, tuple(_parse_field(kind, item, text) for item in items))
+    items = [_split_item(kind, item, text) for item in body.split(",")] if body.strip() else []
+    presets = [raw for name, raw in items if name == "preset"]
+    if len(presets) > 1:
+        raise ValueError(f"preset given {len(presets)} times in model spec {text!r}; give at most one")
+    explicit: dict[str, Value] = {}
+    for name, raw in items:
+        if name in explicit:
+            raise ValueError(f"field {name!r} given twice in model spec {text!r}")
+        if name != "preset":
+            explicit[name] = _parse_value(kind, name, raw, text)
+    fields = {**(resolve_preset(kind, presets[0]) if presets else {}), **explicit}
+    return ModelSpec(kind, tuple(fields.items()))
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,27 +149,6 @@ class Workload:
     name: str
 
 
-def _build_mlp(spec: ModelSpec, device: str, generator: torch.Generator) -> tuple[nn.Module, LossFn, Batch]:
-    model = mlp.MLP(spec.get("hidden"), spec.get("layers"), bias=bool(spec.get("bias")))
-    batch = mlp.make_example_batch(spec.get("batch"), spec.get("hidden"), device=device, generator=generator)
-    return model, mlp.mlp_loss, batch
-
-
-def _build_gpt(spec: ModelSpec, device: str, generator: torch.Generator) -> tuple[nn.Module, LossFn, Batch]:
-    config = gpt.GPTConfig(
-        hidden=spec.get("hidden"),
-        num_layers=spec.get("layers"),
-        num_heads=spec.get("heads"),
-        seq_len=spec.get("seq"),
-        vocab_size=spec.get("vocab"),
-    )
-    batch = gpt.make_example_batch(config, spec.get("batch"), device=device, generator=generator)
-    return gpt.GPT(config), gpt.gpt_loss, batch
-
-
-_BUILDERS = MappingProxyType({"mlp": _build_mlp, "gpt": _build_gpt})
-
-
 def build_zoo_workload(spec: ModelSpec, *, device: str = "meta", seed: int = 0) -> Workload:
     """Build the zoo model ``spec`` on ``device`` ("meta" or "cpu") with its loss and example batch.
 
@@ -184,7 +163,7 @@ def build_zoo_workload(spec: ModelSpec, *, device: str = "meta", seed: int = 0) 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            model, loss_fn, batch = _BUILDERS[spec.kind](spec, device, generator)
+            model, loss_fn, batch = BUILDERS[spec.kind](spec.as_dict(), device, generator)
     return Workload(model=model, loss_fn=loss_fn, example_batch=batch, name=str(spec))
 
 
@@ -208,7 +187,7 @@ def build_workload(text: str, *, device: str = "meta", seed: int = 0) -> Workloa
     """
     if not isinstance(text, str):
         raise TypeError(f"model spec must be a str, got {type(text).__name__}")
-    if is_file_spec(text, zoo_kinds=tuple(_KIND_FIELDS)):
+    if is_file_spec(text, zoo_kinds=tuple(KIND_FIELDS)):
         _check_device_and_seed(device, seed)
         model, loss_fn, batch = load_model_file(text, device=device, seed=seed)
         return Workload(model=model, loss_fn=loss_fn, example_batch=batch, name=text.strip())
