@@ -8,7 +8,9 @@ here is planned replicated (see `meshplan.capture.to_ir`).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -200,12 +202,38 @@ def _view_dims(src: Shape, dst: Shape) -> tuple[list[str], list[str], set[str]]:
         elif j - j0 == 1:  # several source dims merged into one
             block = [next(atoms) for _ in range(i - i0)]
             dst_dims.append("".join(block)); src_dims.extend(block)
-        else:  # a many-to-many regrouping: nothing in it can stay split
-            for _ in range(i - i0):
-                a = next(atoms); pinned.add(a); src_dims.append(a)
-            for _ in range(j - j0):
-                a = next(atoms); pinned.add(a); dst_dims.append(a)
+        else:  # many-to-many: factor both sides by their common refinement, if there is one
+            block = _refine(src[i0:i], dst[j0:j], atoms)
+            if block is None:  # e.g. (6, 4) -> (4, 6): nothing in it can stay split
+                for _ in range(i - i0):
+                    a = next(atoms); pinned.add(a); src_dims.append(a)
+                for _ in range(j - j0):
+                    a = next(atoms); pinned.add(a); dst_dims.append(a)
+            else:
+                src_dims.extend(block[0]); dst_dims.extend(block[1])
     return src_dims, dst_dims, pinned
+
+
+def _refine(src: Shape, dst: Shape, atoms: Any) -> tuple[list[str], list[str]] | None:
+    """Atoms at every boundary of either side's running product, e.g. (B, S) -> (G, k·S) with
+    B = G·k gives atoms g, k, s; None when a boundary does not divide the next one."""
+    bounds = sorted(set(itertools.accumulate(src, operator.mul))
+                    | set(itertools.accumulate(dst, operator.mul)))
+    prev, names = 1, {}
+    for b in bounds:
+        if b % prev:
+            return None
+        names[b] = next(atoms)
+        prev = b
+
+    def dims(shape: Shape) -> list[str]:
+        out, start = [], 1
+        for end in itertools.accumulate(shape, operator.mul):
+            out.append("".join(names[b] for b in bounds if start < b <= end))
+            start = end
+        return out
+
+    return dims(src), dims(dst)
 
 
 def view_rule(c: OpCall) -> OpRule:
