@@ -49,6 +49,7 @@ def test_narrow_convolutions_with_a_large_batch_are_data_parallel_with_synced_st
     assert {o.strategy for o in plan.ops if o.op in ("conv", "batch_norm")} == {"n:S1"}
     norms = [o for o in plan.ops if o.op == "batch_norm"]
     assert len(norms) == 4 and all(o.sync_axes == (1,) for o in norms)
-    stats = [c for c in plan.collectives if c.kind == "all_reduce" and c.bytes == 2 * 8 * 4]
-    assert {(c.phase, c.count) for c in stats} == {("forward", 4), ("backward", 4)}
+    # Mean, then squared deviations: two all-reduces of 8 float64 sums per layer, each way.
+    stats = [c for c in plan.collectives if c.kind == "all_reduce" and c.bytes == 8 * 8]
+    assert {(c.phase, c.count) for c in stats} == {("forward", 8), ("backward", 8)}
     assert {p.spec for p in plan.params} <= {"R", "R,R,R,R"}

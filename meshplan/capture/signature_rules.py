@@ -323,7 +323,8 @@ def batch_norm_rule(c: OpCall) -> OpRule:
     sp = "".join(fresh_atoms(len(x) - 2, 20))
     training = bool(c.arg(5, "training", True))
     ins = ["nc" + sp] + ["c"] * (len(c.in_shapes) - 1)
-    sync = StatSync(frozenset("n"), ("c",), 2 * x[1] * 4) if training else None
+    # Two all-reduces (mean, then squared deviations) of float64 per-channel sums.
+    sync = StatSync(frozenset("n"), ("c",), x[1] * 8, 2) if training else None
     sig = _sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                     sig.atom_sizes, sync)

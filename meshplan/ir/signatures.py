@@ -23,12 +23,13 @@ Dims = tuple[str, ...]
 @dataclass(frozen=True)
 class StatSync:
     """Statistics an op reduces over ``sync_atoms`` (batch norm's mean and variance over the
-    batch): splitting one of those atoms makes the op all-reduce its statistics, ``nbytes``
-    unsplit, cut like the ``stat_atoms`` (the channels) are cut."""
+    batch): splitting one of those atoms makes the op all-reduce its statistics — ``count``
+    all-reduces of ``nbytes`` each (unsplit), cut like the ``stat_atoms`` (the channels)."""
 
     sync_atoms: frozenset[str]
     stat_atoms: tuple[str, ...]
     nbytes: int
+    count: int = 1
 
 
 @dataclass(frozen=True)

@@ -77,16 +77,24 @@ def _split_mean(g: fx.Graph, packet: str, node: Node, args: tuple) -> fx.Node:
 def sync_batch_norm(comm: Any, x: torch.Tensor, weight: Any, bias: Any, running_mean: Any,
                     running_var: Any, momentum: float, eps: float, axes: tuple[int, ...],
                     count: int) -> torch.Tensor:
-    """Training batch norm over a batch split across ``axes``: the per-channel sums are
-    all-reduced, so every rank normalizes with the statistics of the whole batch (single-device
-    semantics); the backward all-reduce carries the gradient of the statistics."""
+    """Training batch norm over a batch split across ``axes``: the per-channel mean, then the
+    per-channel squared deviations, are all-reduced, so every rank normalizes with the
+    statistics of the whole batch (single-device semantics); the backward all-reduces carry the
+    gradients of the statistics."""
     dims = [0, *range(2, x.dim())]
-    stats = torch.stack([x.sum(dims), (x * x).sum(dims)])
-    stats = collectives.all_reduce(comm, stats, axes, backward="all_reduce")
-    mean = stats[0] / count
-    var = stats[1] / count - mean * mean
     shape = [1, -1] + [1] * (x.dim() - 2)
-    out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+    # Two passes, as torch does on one device: E[x²] − E[x]² loses the variance to
+    # cancellation when channels have a large mean and few elements.
+    # Statistics accumulate in float64, as torch's CPU kernels do for float32 inputs: a batch
+    # split over ranks must not lose the precision the single-device program has.
+    acc = torch.float64 if x.dtype == torch.float32 else x.dtype
+    total = collectives.all_reduce(comm, x.sum(dims, dtype=acc), axes, backward="all_reduce")
+    mean = (total / count).to(x.dtype)
+    centered = x - mean.view(shape)
+    sq = collectives.all_reduce(comm, (centered * centered).sum(dims, dtype=acc), axes,
+                                backward="all_reduce")
+    var = (sq / count).to(x.dtype)
+    out = centered * torch.rsqrt(var.view(shape) + eps)
     if weight is not None:
         out = out * weight.view(shape)
     if bias is not None:

@@ -140,10 +140,9 @@ class _Costs:
             for a in amap.get(atom, ()):
                 cut *= self.shape[a]
         nbytes = sig.sync.nbytes // cut
-        out = [("all_reduce", nbytes, strat.sync_axes, "forward")]
-        if node.requires_grad:
-            out.append(("all_reduce", nbytes, strat.sync_axes, "backward"))
-        return tuple(out)
+        phases = ("forward", "backward") if node.requires_grad else ("forward",)
+        return tuple(("all_reduce", nbytes, strat.sync_axes, phase)
+                     for phase in phases for _ in range(sig.sync.count))
 
     def stat_sync_cost(self, node: Node, choice: Choice) -> float:
         return sum(collective_cost(k, self.ctx.mesh, a, b)

@@ -1,0 +1,62 @@
+"""Issue 3's model families equal single-device training under the ILP and the baselines.
+
+Wide-ResNet is checked in float64: with batch norm over few elements and max pooling, its
+float32 training is itself ill-conditioned (the float32 single-device run differs from the
+float64 one by ~1e-4 after three steps, and a 1e-7 nudge of the weights moves the third loss by
+~1e-3), so no float32 program with another summation order can match it at 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import meshplan.api as api
+from meshplan.runtime.emulated import run_emulated
+from meshplan.runtime.optim import OptimizerSpec
+from meshplan.zoo.spec import Workload, build_workload
+from oracle import assert_matches, batches, reference, shared_capture, train_rank
+
+SGD = OptimizerSpec("sgd", lr=0.01)
+MODELS = {
+    "vgg": "vgg19:channels=8,fc=64,image=32,classes=10,batch=8",
+    "moe": "moe:hidden=32,layers=2,heads=4,experts=4,seq=16,vocab=64,batch=4",
+    "tied-lm": "gpt:hidden=32,layers=2,heads=4,seq=16,vocab=64,batch=4",
+    "wresnet": "wresnet:layers=26,channels=8,width=2,image=32,classes=10,batch=8",
+}
+FLOAT64 = {"wresnet"}
+METHODS = [("auto", True), ("data", False), ("zero3", False), ("megatron", False)]
+
+
+def _workload(name: str, device: str) -> Workload:
+    w = build_workload(MODELS[name], device=device, seed=0)
+    if name not in FLOAT64:
+        return w
+    model = copy.deepcopy(w.model).double()
+    (x,), t = w.example_batch
+    return Workload(model, w.loss_fn, ((x.double(),), t), w.name)
+
+
+def _double(data: list) -> list:
+    return [((x.double(),), t) for (x,), t in data]
+
+
+@pytest.mark.parametrize("method,abstract", METHODS, ids=[m for m, _ in METHODS])
+@pytest.mark.parametrize("shape", [(1, 2), (1, 4)], ids=["2", "4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_family_matches_single_device(name: str, shape, method: str, abstract: bool
+                                            ) -> None:
+    meta = _workload(name, "meta")
+    units = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if abstract else {}
+    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, f"local:{shape[1]}",
+                    mesh_shape=shape, method=method, memory_budget_gb=0, **units)
+    w = _workload(name, "cpu")
+    data = batches(build_workload(MODELS[name], device="cpu", seed=0), 3)
+    if name in FLOAT64:
+        data = _double(data)
+    ref = reference(w, SGD, data)
+    tol_scale = 1e-4 if name in FLOAT64 else 1.0   # float64: check 1e-9 instead of 1e-5
+    for r in run_emulated(train_rank, shape, plan, w, data, shared_capture(w)):
+        assert_matches(r, ref, plan, SGD, tol=1e-5 * tol_scale)
