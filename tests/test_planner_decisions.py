@@ -53,3 +53,17 @@ def test_narrow_convolutions_with_a_large_batch_are_data_parallel_with_synced_st
     stats = [c for c in plan.collectives if c.kind == "all_reduce" and c.bytes == 8 * 8]
     assert {(c.phase, c.count) for c in stats} == {("forward", 8), ("backward", 8)}
     assert {p.spec for p in plan.params} <= {"R", "R,R,R,R"}
+
+
+def test_many_experts_are_split_over_devices_and_tokens_move_by_all_to_all() -> None:
+    from meshplan.zoo.spec import build_workload
+    w = build_workload("moe:hidden=64,layers=2,heads=4,experts=16,seq=64,vocab=128,batch=16")
+    plan = _plan(w)
+    params = {p.name: p for p in plan.params}
+    for name in ("w_in", "b_in", "w_out", "b_out"):
+        assert params[f"blocks.1.moe.{name}"].spec.startswith("S1"), name  # expert dim split
+    attention = [p for n, p in params.items() if ".attn." in n]
+    assert attention and all(set(p.spec.split(",")) == {"R"} for p in attention)
+    assert all(p.sync_axes == (1,) for p in attention)  # data parallel: gradients all-reduced
+    moves = {c.phase: c.count for c in plan.collectives if c.kind == "all_to_all"}
+    assert moves == {"forward": 1, "backward": 1}
