@@ -16,13 +16,14 @@ from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan
+from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.extract import extract
 from meshplan.planner.intra.formulate import CostContext, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.runtime.optim import optimizer_spec
 
-METHODS = ("auto", "data", "zero2", "zero3", "megatron")
+METHODS = ("auto", "data", "zero2", "zero3", "megatron", "heuristic", "expert")
 
 
 def method_options(method: str, *, force_batch_dim: int | None = None,
@@ -40,6 +41,10 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
             opts["update_mode"] = method
     elif method == "megatron":
         opts.update(force_batch_axis=0, tensor_axis=1)
+    elif method == "expert":
+        opts["prefer_reduce_scatter"] = True  # ZeRO-2 for the replicated parameters
+    if method == "heuristic":
+        opts["full_split"] = None  # like auto: replicated work only when compute is costed
     return opts
 
 
@@ -94,7 +99,13 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind)
     _, graph = capture(model, loss_fn, example_batch)
     choices = resolve_choices(graph, tuple(mesh.shape), opts)
-    ctx = CostContext(mesh, None if abstract else cl.device, opt.state_bytes_per_param())
+    # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
+    ctx = CostContext(mesh, None if abstract else cl.device, opt.state_bytes_per_param(),
+                      param_reshard=method == "heuristic")
+    if method == "heuristic":
+        choices = baselines.heuristic(choices, ctx)
+    elif method == "expert":
+        choices = baselines.expert(choices)
     form = formulate(choices, ctx, budget)
     try:
         sol = solve(form.problem)
@@ -103,7 +114,7 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
             raise
         raise InfeasiblePlanError(budget, min_memory(form.problem)) from None
     search = time.perf_counter() - t0
-    real = CostContext(real_mesh, cl.device, opt.state_bytes_per_param())
+    real = CostContext(real_mesh, cl.device, opt.state_bytes_per_param(), ctx.param_reshard)
     result = extract(form, sol.choices, real)
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
     return Plan(

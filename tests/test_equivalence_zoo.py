@@ -27,7 +27,8 @@ MODELS = {
     "wresnet": "wresnet:layers=26,channels=8,width=2,image=32,classes=10,batch=8",
 }
 FLOAT64 = {"wresnet"}
-METHODS = [("auto", True), ("data", False), ("zero3", False), ("megatron", False)]
+METHODS = [("auto", True), ("data", False), ("zero3", False), ("megatron", False),
+           ("heuristic", False)]
 
 
 def _workload(name: str, device: str) -> Workload:
@@ -60,3 +61,8 @@ def test_model_family_matches_single_device(name: str, shape, method: str, abstr
     tol_scale = 1e-4 if name in FLOAT64 else 1.0   # float64: check 1e-9 instead of 1e-5
     for r in run_emulated(train_rank, shape, plan, w, data, shared_capture(w)):
         assert_matches(r, ref, plan, SGD, tol=1e-5 * tol_scale)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (1, 4)], ids=["2", "4"])
+def test_expert_parallel_baseline_matches_single_device(shape) -> None:
+    test_model_family_matches_single_device("moe", shape, "expert", False)

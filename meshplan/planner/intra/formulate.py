@@ -35,6 +35,7 @@ class CostContext:
     mesh: LogicalMesh
     device: DeviceType | None
     optimizer_bytes_per_param: float = 8.0
+    param_reshard: bool = False  # may a parameter be resharded before a use (GSPMD-style)?
 
     @property
     def tie_break(self) -> float:
@@ -116,7 +117,7 @@ class _Costs:
     def operand_cost(self, node: Node, j: int, pu: int, qv: int) -> float:
         u = self.g.by_name[node.inputs[j]]
         recipe = self.operand_recipe(node, j, pu, qv)
-        if u.name in self.param_root and recipe.steps:
+        if u.name in self.param_root and recipe.steps and not self.ctx.param_reshard:
             # A parameter is computed with in the layout it is kept in (its spec); keeping it
             # in another layout is what the ZeRO-3 update mode is for.
             return math.inf
