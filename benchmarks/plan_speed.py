@@ -17,8 +17,9 @@ CASES = {
     # name: (model spec, cluster, mesh)
     "gpt-1.3b-2x4": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=1024",
                      "p3.16xlarge:1", (2, 4)),
-    "gpt-350m-2x4": ("gpt:hidden=1024,layers=24,heads=16,seq=1024,vocab=51200,batch=1024",
-                     "p3.16xlarge:1", (2, 4)),
+    "gpt-39b-8x8": ("gpt:preset=39b,batch=1024", "p3.16xlarge:8", (8, 8)),
+    "moe-70b-8x8": ("moe:preset=70b,batch=1024", "p3.16xlarge:8", (8, 8)),
+    "wresnet-13b-8x8": ("wresnet:preset=13b,batch=1536", "p3.16xlarge:8", (8, 8)),
 }
 
 _ONE_RUN = """

@@ -363,6 +363,15 @@ def along_dim_rule(name: str) -> Rule:
     return rule
 
 
+def random_rule(c: OpCall) -> OpRule:
+    """Random draws (dropout's bernoulli mask) stay whole: every rank draws the global tensor
+    from the same generator, as one device would, and keeps the piece it needs."""
+    x = c.in_shapes[0]
+    atoms = fresh_atoms(len(x))
+    sig = _sized([atoms], atoms, c.in_shapes, c.out_shape, "random", set(atoms))
+    return OpRule(c.target.rstrip("_"), sig, float(math.prod(x)))
+
+
 UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
          "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
          "lift_fresh_copy", "square", "erf", "reciprocal")
@@ -389,6 +398,7 @@ RULES: dict[str, Rule] = {
     "max_pool2d_with_indices": pool_rule("max_pool"), "avg_pool2d": pool_rule("avg_pool"),
     "_adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
     "adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
+    "bernoulli_": random_rule, "bernoulli": random_rule,
     "cumsum": along_dim_rule("cumsum"), "max": along_dim_rule("max"),
     "min": along_dim_rule("min"),
     "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
@@ -397,6 +407,11 @@ RULES: dict[str, Rule] = {
     **{n: elementwise_rule(n) for n in UNARY + BINARY},
 }
 
-# Ops that create tensors from nothing: planned as replicated constants.
-CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor",
-                          "zeros_like", "ones_like", "full_like", "empty_like", "tensor"})
+# In-place variants (``div_``) follow their functional op's rule.
+RULES.update({f"{name}_": rule for name, rule in list(RULES.items())
+              if name in UNARY + BINARY and f"{name}_" not in RULES})
+
+# Ops that create tensors from nothing (or only from another tensor's shape): planned as
+# replicated constants of the global shape.
+CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor"})
+LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like"})

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from meshplan.capture.signature_rules import CONSTANT_OPS, RULES, OpCall
+from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph, Node, TensorInfo
 from meshplan.ir.signatures import Signature, replicated_signature
@@ -101,7 +101,7 @@ def to_ir(traced: Traced) -> Graph:
             packet = _packet(node.target)
             operands = _tensor_args(node)
             names = [alias[o.name] for o in operands]
-            if not operands and packet in CONSTANT_OPS:
+            if (not operands and packet in CONSTANT_OPS) or packet in LIKE_OPS:
                 nodes.append(Node(node.name, "constant", packet, (), _info(node.meta["val"]),
                                   None))
             elif packet in ITEM_OPS and isinstance(node.meta.get("val"), (tuple, list)):

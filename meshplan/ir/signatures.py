@@ -37,7 +37,8 @@ class Signature:
     """How an op's operand dims and output dims relate (see the module docstring).
 
     ``kind`` is ``"contraction"`` (matmul-like: heavy, gets free strategies), ``"elementwise"``,
-    ``"view"``, ``"reduction"`` or ``"replicated"`` (an op without a real signature: every operand
+    ``"view"``, ``"reduction"``, ``"random"`` (a random draw: computed whole, from the same
+    generator on every rank) or ``"replicated"`` (an op without a real signature: every operand
     and the output replicated).
     """
 

@@ -144,3 +144,42 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
     return value
+
+
+def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
+                            rng: torch.Generator | None, global_shape: tuple[int, ...],
+                            offsets: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Dropout whose mask is this rank's piece of the mask one device would draw.
+
+    torch's CPU dropout draws ``bernoulli(1 - p)`` over the whole input and scales by
+    ``1 / (1 - p)``; drawing the same global mask from a generator seeded like the single-device
+    run and keeping this rank's piece gives identical results on any sharding (at the price of
+    drawing the whole mask on every rank).
+    """
+    if not train or p == 0:
+        return x * 1.0
+    if p >= 1:
+        return x * 0.0
+    mask = torch.empty(global_shape, dtype=x.dtype).bernoulli_(1 - p, generator=rng)
+    for d, (start, length) in enumerate(offsets):
+        mask = mask.narrow(d, start, length)
+    return x * mask * (1.0 / (1 - p))
+
+
+def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
+                 global_shape: tuple[int, ...], offsets: tuple[tuple[int, int], ...]) -> fx.Node:
+    """``native_dropout(x, p, train)`` as `dropout_like_one_device` on the local piece."""
+    p = orig.args[1] if len(orig.args) > 1 else orig.kwargs.get("p")
+    train = orig.args[2] if len(orig.args) > 2 else orig.kwargs.get("train")
+    return g.call_function(dropout_like_one_device, (x, p, train, rng, tuple(global_shape),
+                                                     offsets))
+
+
+def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
+    """``empty_like``/``zeros_like``/``ones_like``/``full_like`` of the *global* shape."""
+    dt = getattr(torch, dtype)
+    if kind == "full_like":
+        return torch.full(shape, fill, dtype=dt)
+    if kind == "ones_like":
+        return torch.ones(shape, dtype=dt)
+    return torch.zeros(shape, dtype=dt)  # empty_like: zeros, so a rank never reads garbage

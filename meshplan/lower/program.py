@@ -7,8 +7,9 @@ steps of `meshplan.planner.intra.reshard` (autograd-aware collectives from
 rank's local shape; means over split dims become local sums divided by the global count, so their
 result is a partial sum like any other split reduction.
 
-The program's signature is ``(comm, *params, *buffers, *inputs, target) -> local loss``; for a
-parameter the trainer passes its local compute tensor (gathered first under ZeRO-3). Parameter
+The program's signature is ``(comm, rng, *params, *buffers, *inputs, target) -> local loss``;
+``rng`` is the step's dropout generator (the same seed on every rank); for a parameter the
+trainer passes its local compute tensor (gathered first under ZeRO-3). Parameter
 gradients are not synchronized here: the trainer does that once per step, in buckets.
 """
 
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
-                                   source_sharded, split_more, with_partial)
+                                   piece_offsets, source_sharded, split_more, with_partial)
 from meshplan.plan.plan import Plan
 from meshplan.planner.intra.formulate import param_roots
 from meshplan.planner.intra.layout import Layout
@@ -57,6 +59,7 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.comm = self.out.placeholder("comm")
+        self.rng = self.out.placeholder("rng")
 
     def run(self) -> LocalProgram:
         phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
@@ -74,7 +77,13 @@ class _Lowerer:
     def _source(self, node: Node) -> None:
         if node.role == "constant":
             orig = self.fx_nodes[node.name]
-            self.env[node.name] = self.out.call_function(orig.target, orig.args, dict(orig.kwargs))
+            if node.op in LIKE_OPS:  # from the global shape, not a local operand's
+                self.env[node.name] = self.out.call_function(
+                    local_ops.constant_like, (node.op, node.out.shape, node.out.dtype,
+                                              orig.args[1] if node.op == "full_like" else None))
+            else:
+                self.env[node.name] = self.out.call_function(orig.target, orig.args,
+                                                             dict(orig.kwargs))
             self.values[node.name] = source_sharded(node.out.shape, Layout.replicated(
                 len(node.out.shape)), self.pos)
             return
@@ -100,6 +109,16 @@ class _Lowerer:
         out_layout = _layout(dec.output, len(node.out.shape))
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
         self.values[node.name] = result
+        if node.op == "bernoulli":
+            orig = self.fx_nodes[node.name]
+            self.env[node.name] = self.out.call_function(
+                orig.target, (operands[0], *orig.args[1:]), {**orig.kwargs, "generator": self.rng})
+            return
+        if node.op == "native_dropout":
+            self.env[node.name] = local_ops.emit_dropout(self.out, self.fx_nodes[node.name],
+                                                         operands[0], self.rng, node.out.shape,
+                                                         piece_offsets(result, self.pos))
+            return
         self.env[node.name] = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
                                              local_shape(result, self.pos),
                                              bool(out_layout.partial), self.comm,

@@ -132,3 +132,15 @@ def take_local(full: "torch.Tensor", v: Sharded, pos: MeshPos) -> "torch.Tensor"
             i = pos.index(axes)
             out = out.narrow(d, sum(pieces[:i]), pieces[i])
     return out.contiguous()
+
+
+def piece_offsets(v: Sharded, pos: MeshPos) -> tuple[tuple[int, int], ...]:
+    """(start, length) of this rank's piece along every dim of the global tensor."""
+    out = []
+    for n, p, ax in zip(v.shape, v.pieces, v.layout.dims):
+        if p is None:
+            out.append((0, n))
+        else:
+            i = pos.index(ax)
+            out.append((sum(p[:i]), p[i]))
+    return tuple(out)

@@ -78,6 +78,7 @@ class Trainer:
         self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
                                         [p.update for p in self.params])
         self._by_node = {p.node: p for p in self.params}
+        self._steps = 0
 
     def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
         dec = self.plan.param(name)
@@ -118,9 +119,17 @@ class Trainer:
         p.compute = full.requires_grad_(True)
         return p.compute
 
-    def step(self, batch: Any) -> float:
-        """One training step on the global ``batch``; returns the global loss."""
-        loss = self.program.graph_module(self.comm, *self._program_args(self.local_batch(batch)))
+    def step(self, batch: Any, *, seed: int | None = None) -> float:
+        """One training step on the global ``batch``; returns the global loss.
+
+        Dropout masks come from a generator seeded with ``seed`` (default: the step number),
+        the same on every rank: the step equals single-device training run after
+        ``torch.manual_seed(seed)``.
+        """
+        rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
+        self._steps += 1
+        loss = self.program.graph_module(self.comm, rng,
+                                         *self._program_args(self.local_batch(batch)))
         loss.backward()
         self._synchronize()
         self.optimizer.step()

@@ -87,9 +87,11 @@ def heuristic(nc: NodeChoices, ctx: CostContext) -> NodeChoices:
 
 
 def _best_operand(costs: _Costs, nc: NodeChoices, node: object, j: int, q: int) -> int:
+    """The layout to give an unplaced parameter for this use: one needing no resharding."""
     producer = nc.root_of[node.inputs[j]]
     return min(range(len(nc.choices[producer])),
-               key=lambda p: (costs.operand_cost(node, j, p, q), p))
+               key=lambda p: (bool(costs.operand_recipe(node, j, p, q).steps),
+                              costs.operand_cost(node, j, p, q), p))
 
 
 def _tree_cost(costs: _Costs, nc: NodeChoices, tree: list, q: int, chosen: dict[str, int]

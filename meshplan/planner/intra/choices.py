@@ -87,15 +87,18 @@ class NodeChoices:
 
 
 def is_root(node: Node) -> bool:
-    return node.is_source or node.sig is None or node.sig.kind in ("contraction", "replicated")
+    return node.is_source or node.sig is None or node.sig.kind in ("contraction", "replicated",
+                                                                    "random")
 
 
 def main_operand(node: Node, graph: Graph) -> int:
-    """The operand a follower takes its layout from: the largest, latest one of full rank."""
+    """The operand a follower takes its layout from: of full rank, carrying a gradient (an
+    activation rather than a constant or a random mask), not a source, largest, latest."""
     best, key = 0, None
     for i, name in enumerate(node.inputs):
         inp = graph.by_name[name]
-        k = (len(inp.out.shape) == len(node.out.shape), not inp.is_source, inp.out.numel, i)
+        k = (len(inp.out.shape) == len(node.out.shape), inp.requires_grad, not inp.is_source,
+             inp.out.numel, i)
         if key is None or k > key:
             best, key = i, k
     return best
@@ -140,7 +143,7 @@ def _allowed(assign: dict[str, Axes], batch_atoms: set[str], axes: Axes, opts: I
 
 def _op_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: IntraOptions,
                 bdims: dict[str, frozenset[int]]) -> list[Choice]:
-    if node.sig.kind == "replicated":
+    if node.sig.kind in ("replicated", "random"):
         return [Choice(replicated_strategy(node.sig))]
     full = opts.heavy_full_split
     batch_atoms = _op_batch_atoms(node, bdims)

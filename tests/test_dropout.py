@@ -1,0 +1,64 @@
+"""Dropout on any sharding equals single-device dropout with the same seed."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshplan
+from meshplan.runtime.emulated import run_emulated
+from meshplan.runtime.optim import make_optimizer
+from meshplan.runtime.trainer import Trainer
+from meshplan.zoo.spec import Workload
+from oracle import SGD, shared_capture
+
+SEEDS = (100, 101, 102)
+
+
+def _workload() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 16),
+                          nn.Dropout(0.5))
+    return Workload(model, F.mse_loss, ((torch.randn(8, 16),), torch.randn(8, 16)), "dropout")
+
+
+def _single_device(w: Workload) -> tuple[list[float], dict]:
+    model = copy.deepcopy(w.model)
+    opt = make_optimizer(SGD, model.parameters())
+    losses = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        loss = w.loss_fn(model(*w.example_batch[0]), w.example_batch[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _rank(comm, plan, w: Workload, captured) -> tuple[list[float], dict]:
+    trainer = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, captured=captured)
+    losses = [trainer.step(w.example_batch, seed=s) for s in SEEDS]
+    return losses, trainer.full_state_dict()
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (1, 4), (2, 2)], ids=["1x2", "1x4", "2x2"])
+@pytest.mark.parametrize("method", ["auto", "data", "megatron"])
+def test_dropout_matches_single_device_with_the_same_seed(method: str, shape) -> None:
+    w = _workload()
+    units = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if method == "auto" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mask ops have signatures: no replicated fallback
+        plan = meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch,
+                             f"local:{shape[0] * shape[1]}", mesh_shape=shape, method=method,
+                             memory_budget_gb=0, **units)
+    ref_losses, ref_params = _single_device(w)
+    for losses, params in run_emulated(_rank, shape, plan, w, shared_capture(w)):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, ref in ref_params.items():
+            assert (params[name] - ref).abs().max() <= 1e-5 * ref.abs().max(), name
