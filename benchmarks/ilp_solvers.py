@@ -170,7 +170,9 @@ CONFIGS = (Config("highs mip", 300.0, _solve_config("highs", False)),
            Config("scipy lp-first", 300.0, _solve_config("scipy", True)),
            Config("highs mccormick", 60.0, _mccormick),
            Config("highs mip, no budget", 300.0, _solve_config("highs", False), False),
-           Config("highs lp-first, no budget", 300.0, _solve_config("highs", True), False))
+           Config("highs lp-first, no budget", 300.0, _solve_config("highs", True), False),
+           Config("scipy mip, no budget", 300.0, _solve_config("scipy", False), False),
+           Config("scipy lp-first, no budget", 300.0, _solve_config("scipy", True), False))
 
 
 def time_config(config: Config, problem: IlpProblem, repeats: int) -> tuple[float, Outcome]:
@@ -203,6 +205,11 @@ def describe(problem: IlpProblem, outcome: Outcome) -> str:
             f"{pairs} pairs -> {outcome.num_variables} vars, {outcome.num_constraints} rows")
 
 
+def _agreement(values: list[float]) -> str:
+    agree = "agree" if np.allclose(values, values[0], rtol=1e-9) else "DIFFER"
+    return f"{values[0]:.6g} ({agree})"
+
+
 def main() -> None:
     """Run the benchmark and print a markdown table of median times."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -212,15 +219,19 @@ def main() -> None:
     parser.add_argument("--mccormick-max", type=int, default=1000,
                         help="skip McCormick above this many nodes (it is much slower)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only configs whose label contains one of these strings")
     args = parser.parse_args()
-    labels = [c.label for c in CONFIGS]
-    print("| problem | size | " + " | ".join(labels) + " | objective (budget) |")
+    configs = [c for c in CONFIGS if args.only is None or any(o in c.label for o in args.only)]
+    labels = [c.label for c in configs]
+    print("| problem | size | " + " | ".join(labels) + " | objective (budget / none) |")
     print("|---|---|" + "---|" * (len(labels) + 1))
     for shape in args.shapes:
         for size in args.sizes:
             problem = with_binding_budget(make_problem(size, shape, args.seed + size))
-            cells, exact, first = [], [], None
-            for config in CONFIGS:
+            cells, first = [], None
+            exact: dict[bool, list[float]] = {True: [], False: []}
+            for config in configs:
                 if config.label == "highs mccormick" and size > args.mccormick_max:
                     cells.append("skipped")
                     continue
@@ -229,11 +240,11 @@ def main() -> None:
                 median, outcome = time_config(config, instance, args.repeats)
                 cells.append(cell(median, outcome))
                 first = first or outcome
-                if config.with_budget and outcome.gap == 0:
-                    exact.append(outcome.objective)
-            agree = "agree" if np.allclose(exact, exact[0], rtol=1e-9) else "DIFFER"
+                if outcome.gap == 0:
+                    exact[config.with_budget].append(outcome.objective)
+            objective = " / ".join(_agreement(values) for values in exact.values() if values)
             print(f"| {shape} {size} | {describe(problem, first)} | " + " | ".join(cells)
-                  + f" | {exact[0]:.6g} ({agree}) |", flush=True)
+                  + f" | {objective} |", flush=True)
 
 if __name__ == "__main__":
     main()

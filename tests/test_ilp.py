@@ -18,7 +18,8 @@ from meshplan.planner.intra.ilp_backends import run_model
 from meshplan.planner.intra.ilp_model import build_model, extract_choices
 
 A, B, C, D, E = range(5)
-SOLVER_CONFIGS = [("highs", False), ("highs", True), ("scipy", False), ("scipy", True)]
+SOLVER_CONFIGS = [("highs", None), ("highs", False), ("highs", True), ("scipy", False),
+                  ("scipy", True)]
 
 
 def xla_toy(**changes: object) -> IlpProblem:
@@ -45,7 +46,7 @@ def with_entry(matrix: tuple[tuple[float, ...], ...], i: int, j: int,
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
-def test_xla_toy_optimum(solver: str, lp_first: bool) -> None:
+def test_xla_toy_optimum(solver: str, lp_first: bool | None) -> None:
     sol = solve(xla_toy(), solver=solver, lp_first=lp_first)
     assert sol.choices == (0, 0, 0, 0, 0)
     assert (sol.objective, sol.node_cost, sol.edge_cost) == (7650.0, 1650.0, 6000.0)
@@ -55,7 +56,7 @@ def test_xla_toy_optimum(solver: str, lp_first: bool) -> None:
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
-def test_xla_toy_forbidden_strategies(solver: str, lp_first: bool) -> None:
+def test_xla_toy_forbidden_strategies(solver: str, lp_first: bool | None) -> None:
     toy = xla_toy()
     a_row = (math.inf, math.inf, math.inf, toy.node_costs[A][3])
     problem = dataclasses.replace(toy, node_costs=(a_row,) + toy.node_costs[1:])
@@ -65,7 +66,7 @@ def test_xla_toy_forbidden_strategies(solver: str, lp_first: bool) -> None:
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
-def test_xla_toy_forbidden_pair(solver: str, lp_first: bool) -> None:
+def test_xla_toy_forbidden_pair(solver: str, lp_first: bool | None) -> None:
     toy = xla_toy()
     ac = toy.edges[0]
     edge = IlpEdge(ac.u, ac.v, with_entry(ac.costs, 0, 0, math.inf))
@@ -192,7 +193,7 @@ def random_problem(rng: random.Random) -> IlpProblem:
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
-def test_random_problems_match_brute_force(solver: str, lp_first: bool) -> None:
+def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -> None:
     rng = random.Random(1234)
     checked = {"solved": 0, "infeasible": 0}
     for _ in range(60):
@@ -258,6 +259,47 @@ def test_3000_node_chain_solves_in_seconds() -> None:
     elapsed = time.perf_counter() - start
     assert sol.objective == pytest.approx(chain_optimum(problem), abs=1e-6)
     assert elapsed < 15.0, f"3000-node chain took {elapsed:.1f} s"
+    # No coupling rows, so the LP relaxation runs first; on a tree it is integral.
+    assert sol.solver == "highs:lp"
+
+
+def memory_bound_dag(num_nodes: int, seed: int) -> IlpProblem:
+    """A DAG with skip edges and random memory under a binding budget (integer costs)."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(3, 7, size=num_nodes)
+    preds = [[v - 1] + ([int(rng.integers(0, v - 1))] if v > 1 and rng.random() < 0.3 else [])
+             for v in range(1, num_nodes)]
+    edges = []
+    for v, ps in enumerate(preds, start=1):
+        for u in ps:
+            mat = rng.integers(1, 100, size=(counts[u], counts[v])).astype(float)
+            mat[np.arange(min(counts[u], counts[v])), np.arange(min(counts[u], counts[v]))] = 0
+            edges.append(IlpEdge(u, v, tuple(tuple(float(x) for x in row) for row in mat)))
+    problem = IlpProblem(
+        node_costs=tuple(tuple(float(x) for x in rng.integers(0, 50, size=k)) for k in counts),
+        edges=tuple(edges),
+        node_memory=tuple(tuple(float(x) for x in rng.integers(1, 100, size=k)) for k in counts),
+        live_sets=tuple(tuple(range(t, min(t + 6, num_nodes))) for t in range(num_nodes - 5)))
+    low, high = min_memory(problem), peak_memory(problem, solve(problem).choices)
+    return dataclasses.replace(problem, memory_budget=(low + high) / 2)
+
+
+def scale_costs(problem: IlpProblem, factor: float) -> IlpProblem:
+    def scaled(rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(x * factor for x in row) for row in rows)
+    return dataclasses.replace(problem, node_costs=scaled(problem.node_costs),
+                               edges=tuple(IlpEdge(e.u, e.v, scaled(e.costs))
+                                           for e in problem.edges))
+
+
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_tiny_cost_units_still_reach_the_optimum(solver: str) -> None:
+    # Costs in seconds are ~1e-9..1e-5 each, below HiGHS's absolute tolerances (1e-7 on reduced
+    # costs, scipy's 1e-6 gap): unless the backend rescales them, it stops ~2x above optimum.
+    problem = memory_bound_dag(30, seed=2)
+    exact = solve(problem, solver=solver).objective
+    tiny = solve(scale_costs(problem, 1e-9), solver=solver)
+    assert tiny.objective == pytest.approx(exact * 1e-9, rel=1e-9)
 
 
 @pytest.mark.parametrize("build,match", [

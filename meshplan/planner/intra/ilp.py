@@ -16,7 +16,10 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
 The marginal constraints replace the quadratic ``s_u^T R_uv s_v``: once ``s_u`` and ``s_v`` are
 one-hot, ``e_uv`` is forced to the one-hot pair, so ``e`` may be continuous and only ``s`` is
 branched on. This local-polytope form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
-``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all.
+``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all. Strategies
+whose rows (columns) of ``R_uv`` are identical -- they emit (expect) the same sharding spec --
+share one row (column) class, and ``e_uv`` is indexed by class pairs with the marginals summed
+over each class's ``s``: exact, and about 3x fewer variables on sharding-like problems.
 
 Before building, exact reductions (``meshplan.planner.intra.ilp_reduce``) merge aliased nodes
 into one set of variables, sum parallel edges, fold a node with one allowed strategy into
@@ -42,17 +45,16 @@ __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "evaluate", "min_memory", "pe
            "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
 DEFAULT_SOLVER = "highs"
-DEFAULT_LP_FIRST = False
 
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
-          solver: str = DEFAULT_SOLVER, lp_first: bool = DEFAULT_LP_FIRST) -> IlpSolution:
+          solver: str = DEFAULT_SOLVER, lp_first: bool | None = None) -> IlpSolution:
     """Return a minimum-cost assignment of ``problem`` with zero optimality gap.
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
     (``highspy``) or ``"scipy"`` (``scipy.optimize.milp``); ``lp_first`` tries the LP relaxation
-    before branch and bound. Raises InfeasibleIlpError when no assignment satisfies the
+    before branch and bound (None: only when no memory or max-cost row can bind). Raises InfeasibleIlpError when no assignment satisfies the
     constraints (forbidden entries, aliases, memory budget, ``max_cost``), TimeoutError when the
     limit passes before any feasible assignment, ValueError for a bad option.
     """

@@ -43,6 +43,8 @@ class MilpModel:
 
     ``A`` is given as COO triplets ``(rows, cols, vals)``; ``integral[j]`` marks binaries.
     ``choice_cols[g]`` is the first column of free group ``g``'s ``s`` block (-1 when fixed).
+    ``num_coupling_rows`` counts memory and max-cost rows: without them only one-hot and
+    marginal rows remain, whose LP relaxation is often (on trees always) integral.
     """
 
     cost: np.ndarray
@@ -55,6 +57,7 @@ class MilpModel:
     row_lower: np.ndarray
     row_upper: np.ndarray
     choice_cols: np.ndarray
+    num_coupling_rows: int
 
     @property
     def num_cols(self) -> int:
@@ -79,6 +82,7 @@ class _Coo:
         self.upper_rows: list[np.ndarray] = []
         self.num_cols = 0
         self.num_rows = 0
+        self.num_coupling_rows = 0
 
     def add_cols(self, cost: np.ndarray, upper: float, integral: bool) -> int:
         self.cost.append(np.asarray(cost, dtype=np.float64))
@@ -107,7 +111,7 @@ class _Coo:
         return MilpModel(cat(self.cost, np.float64), offset, cat(self.upper, np.float64),
                          cat(self.integral, np.bool_), rows, cols, vals,
                          cat(self.lower_rows, np.float64), cat(self.upper_rows, np.float64),
-                         choice_cols)
+                         choice_cols, self.num_coupling_rows)
 
 
 def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
@@ -225,32 +229,39 @@ def build_memory_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     """
     m_col = -1 if memory.budget is not None else coo.add_cols(np.ones(1), np.inf, False)
     for live in dict.fromkeys(frozenset(s) for s in memory.live_sets):
-        per_group: dict[int, np.ndarray] = {}
-        for v in live:
-            g = int(reduced.group_of_node[v])
-            per_group[g] = per_group.get(g, 0.0) + memory.node_memory[v]
-        const, cols, coefs, slack = 0.0, [], [], [0.0, 0.0]
-        for g, mem in per_group.items():
-            allowed = reduced.allowed(g)
-            if choice_cols[g] < 0:
-                const += float(mem[allowed[0]])
-                continue
-            cols.append(choice_cols[g] + np.arange(allowed.size))
-            coefs.append(mem[allowed])
-            slack[0] += float(mem[allowed].min())
-            slack[1] += float(mem[allowed].max())
+        const, cols, coefs = _live_set_terms(live, reduced, choice_cols, memory)
         if m_col >= 0:
-            cols.append(np.array([m_col]))
-            coefs.append(np.array([-1.0]))
-            _add_row(coo, cols, coefs, -const)
-        elif const + slack[0] > memory.budget * (1 + 1e-12):
-            raise InfeasibleIlpError(f"live set {sorted(live)} needs at least "
-                                     f"{const + slack[0]:.6g} bytes > budget {memory.budget:.6g}")
-        elif const + slack[1] > memory.budget:
+            _add_row(coo, cols + [np.array([m_col])], coefs + [np.array([-1.0])], -const)
+            continue
+        least = const + sum(float(c.min()) for c in coefs)
+        if least > memory.budget * (1 + 1e-12):
+            raise InfeasibleIlpError(f"live set {sorted(live)} needs at least {least:.6g} "
+                                     f"bytes > budget {memory.budget:.6g}")
+        if const + sum(float(c.max()) for c in coefs) > memory.budget:
             _add_row(coo, cols, coefs, memory.budget - const)
 
 
+def _live_set_terms(live: frozenset[int], reduced: ReducedIlp, choice_cols: np.ndarray,
+                    memory: MemorySpec) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+    """Bytes of fixed groups, then per free group its columns and their bytes."""
+    per_group: dict[int, np.ndarray] = {}
+    for v in live:
+        g = int(reduced.group_of_node[v])
+        per_group[g] = per_group.get(g, 0.0) + memory.node_memory[v]
+    const, cols, coefs = 0.0, [], []
+    for g, mem in per_group.items():
+        allowed = reduced.allowed(g)
+        if choice_cols[g] < 0:
+            const += float(mem[allowed[0]])
+        else:
+            cols.append(choice_cols[g] + np.arange(allowed.size))
+            coefs.append(mem[allowed])
+    return const, cols, coefs
+
+
 def _add_row(coo: _Coo, cols: list[np.ndarray], coefs: list[np.ndarray], upper: float) -> None:
+    """One coupling row (memory or max cost): ``sum coefs * x[cols] <= upper``."""
+    coo.num_coupling_rows += 1
     row = coo.add_rows(-np.inf, upper, 1)
     cols_all = np.concatenate(cols)
     coo.add_entries(np.full(cols_all.size, row), cols_all, np.concatenate(coefs))
