@@ -302,6 +302,16 @@ def test_tiny_cost_units_still_reach_the_optimum(solver: str) -> None:
     assert tiny.objective == pytest.approx(exact * 1e-9, rel=1e-9)
 
 
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_max_cost_in_tiny_units(solver: str) -> None:
+    # Rows are checked with an absolute tolerance, so the max-cost row must be normalized.
+    unit = 1e-12
+    with pytest.raises(InfeasibleIlpError):
+        solve(scale_costs(xla_toy(max_cost=7600 * unit), unit), solver=solver)
+    sol = solve(scale_costs(xla_toy(max_cost=7651 * unit), unit), solver=solver)
+    assert sol.objective == pytest.approx(7650 * unit)
+
+
 @pytest.mark.parametrize("build,match", [
     (lambda: IlpProblem(((1.0, 2.0),), (IlpEdge(0, 1, ((0.0,), (0.0,))),)), "node 1"),
     (lambda: IlpProblem(((1.0, 2.0), (1.0,)), (IlpEdge(0, 1, ((0.0, 1.0), (0.0, 1.0))),)),

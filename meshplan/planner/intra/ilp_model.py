@@ -260,11 +260,17 @@ def _live_set_terms(live: frozenset[int], reduced: ReducedIlp, choice_cols: np.n
 
 
 def _add_row(coo: _Coo, cols: list[np.ndarray], coefs: list[np.ndarray], upper: float) -> None:
-    """One coupling row (memory or max cost): ``sum coefs * x[cols] <= upper``."""
+    """One coupling row (memory or max cost): ``sum coefs * x[cols] <= upper``.
+
+    The row is divided by its largest coefficient: solvers check rows with an absolute
+    tolerance (1e-7), which would swallow a whole max-cost bound given in tiny cost units.
+    """
     coo.num_coupling_rows += 1
-    row = coo.add_rows(-np.inf, upper, 1)
-    cols_all = np.concatenate(cols)
-    coo.add_entries(np.full(cols_all.size, row), cols_all, np.concatenate(coefs))
+    cols_all, coefs_all = np.concatenate(cols), np.concatenate(coefs)
+    scale = float(np.abs(coefs_all).max()) if coefs_all.size else 0.0
+    scale = scale if scale > 0 else 1.0
+    row = coo.add_rows(-np.inf, upper / scale, 1)
+    coo.add_entries(np.full(cols_all.size, row), cols_all, coefs_all / scale)
 
 
 def build_max_cost_row(coo: _Coo, upper: float) -> None:
