@@ -91,8 +91,9 @@ def sdpa_rule(c: OpCall) -> OpRule:
 def embedding_rule(c: OpCall) -> OpRule:
     _, idx = c.in_shapes
     lead = "".join(fresh_atoms(len(idx), 700))
-    sig = _sized(["vh", lead], lead + "h", c.in_shapes, c.out_shape, "contraction",
-                 unsplittable={"v"})
+    # Splitting the vocabulary v is a masked lookup on each shard: partial sums (Megatron's
+    # vocab-parallel embedding).
+    sig = _sized(["vh", lead], lead + "h", c.in_shapes, c.out_shape, "contraction")
     return OpRule("embedding", sig, 0.0)
 
 
@@ -128,8 +129,17 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
             fixed = set(atoms[len(x) - nd:])
             extra = [atoms[len(x) - nd:]] * (len(c.in_shapes) - 1)
         else:
-            fixed = {atoms[c.arg(dim_arg, "dim") % len(x)]}
-            extra = []
+            dim = c.arg(dim_arg, "dim") % len(x)
+            rows = tuple(a for i, a in enumerate(atoms) if i != dim)
+            sig = _sized([atoms], atoms, c.in_shapes, c.out_shape, "elementwise")
+            # A split class dim exchanges per-row statistics: the rows' maxima (gathered,
+            # detached: any shift is exact) and the sums of exponentials (all-reduced).
+            sync = StatSync(frozenset({atoms[dim]}), rows,
+                            4 * math.prod(n for i, n in enumerate(x) if i != dim),
+                            (("all_gather", "none"), ("all_reduce", "all_reduce")))
+            sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
+                            sig.atom_sizes, sync)
+            return OpRule(name, sig, flops_per_elem * math.prod(x))
         sig = _sized([atoms, *extra], atoms, c.in_shapes, c.out_shape, "elementwise", fixed)
         return OpRule(name, sig, flops_per_elem * math.prod(x))
     return rule
@@ -160,7 +170,8 @@ def nll_loss_rule(c: OpCall) -> OpRule:
     reduction = c.arg(3, "reduction", 1)
     if len(x) != 2 or reduction not in (1, 2):
         raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
-    sig = _sized(["nc", "n"], (), c.in_shapes, c.out_shape, "reduction", {"c"},
+    # A split class dim c picks each target on the shard that holds it: partial sums.
+    sig = _sized(["nc", "n"], (), c.in_shapes, c.out_shape, "reduction",
                  mean={"n"} if reduction == 1 else set())
     return OpRule("nll_loss", sig, float(x[0]))
 
@@ -324,7 +335,8 @@ def batch_norm_rule(c: OpCall) -> OpRule:
     training = bool(c.arg(5, "training", True))
     ins = ["nc" + sp] + ["c"] * (len(c.in_shapes) - 1)
     # Two all-reduces (mean, then squared deviations) of float64 per-channel sums.
-    sync = StatSync(frozenset("n"), ("c",), x[1] * 8, 2) if training else None
+    ar = ("all_reduce", "all_reduce")
+    sync = StatSync(frozenset("n"), ("c",), x[1] * 8, (ar, ar)) if training else None
     sig = _sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                     sig.atom_sizes, sync)

@@ -23,13 +23,15 @@ Dims = tuple[str, ...]
 @dataclass(frozen=True)
 class StatSync:
     """Statistics an op reduces over ``sync_atoms`` (batch norm's mean and variance over the
-    batch): splitting one of those atoms makes the op all-reduce its statistics — ``count``
-    all-reduces of ``nbytes`` each (unsplit), cut like the ``stat_atoms`` (the channels)."""
+    batch; a softmax's max and sum over a split class dim): splitting one of those atoms makes
+    the op exchange its statistics, of ``nbytes`` unsplit, cut like the ``stat_atoms``.
+    ``collectives`` are (kind, backward) pairs, in order: an ``all_reduce`` whose backward is an
+    all-reduce too, or an ``all_gather`` (of a detached value) with no backward."""
 
     sync_atoms: frozenset[str]
     stat_atoms: tuple[str, ...]
     nbytes: int
-    count: int = 1
+    collectives: tuple[tuple[str, str], ...] = (("all_reduce", "all_reduce"),)
 
 
 @dataclass(frozen=True)

@@ -183,3 +183,41 @@ def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> t
     if kind == "ones_like":
         return torch.ones(shape, dtype=dt)
     return torch.zeros(shape, dtype=dt)  # empty_like: zeros, so a rank never reads garbage
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int
+                             ) -> torch.Tensor:
+    """Lookup in this rank's rows ``[start, start + rows)`` of the table; other ids give zeros,
+    so the sum over ranks is the full lookup (the result is a partial sum)."""
+    local = idx - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = aten.embedding.default(weight, local.clamp(0, max(weight.shape[0] - 1, 0)))
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def softmax_split(comm: Any, x: torch.Tensor, dim: int, axes: tuple[int, ...], log: bool
+                  ) -> torch.Tensor:
+    """(log-)softmax over a dim split across ``axes``: the rows' maxima are gathered (detached:
+    any shift gives the same exact result) and the sums of exponentials all-reduced."""
+    n = comm.group_size(axes)
+    local_max = x.detach().amax(dim, keepdim=True)
+    maxima = collectives.all_gather(comm, local_max, axes, dim, [1] * n)
+    shifted = x - maxima.amax(dim, keepdim=True)
+    total = collectives.all_reduce(comm, shifted.exp().sum(dim, keepdim=True), axes,
+                                   backward="all_reduce")
+    return shifted - total.log() if log else shifted.exp() / total
+
+
+def nll_loss_class_split(x: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int,
+                         count: int | None) -> torch.Tensor:
+    """NLL over log-probabilities whose class dim is split: each rank picks the targets that
+    fall in its classes ``[start, start + C_local)``; the result is a partial sum (divided by
+    the global count for a mean)."""
+    if count is not None and bool((target == ignore_index).any()):
+        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
+                         "the classes are split: the mean's divisor would depend on them")
+    local = target - start
+    inside = (local >= 0) & (local < x.shape[1])
+    picked = x.gather(1, local.clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
+    total = -(picked * inside.to(x.dtype)).sum()
+    return total / count if count else total

@@ -26,7 +26,7 @@ from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
                                    piece_offsets, source_sharded, split_more, with_partial)
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import OpDecision, Plan
 from meshplan.planner.intra.formulate import param_roots
 from meshplan.planner.intra.layout import Layout
 from meshplan.planner.intra.reshard import Step, reshard
@@ -109,6 +109,10 @@ class _Lowerer:
         out_layout = _layout(dec.output, len(node.out.shape))
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
         self.values[node.name] = result
+        special = self._class_split(node, dec, operands, shardeds)
+        if special is not None:
+            self.env[node.name] = special
+            return
         if node.op == "bernoulli":
             orig = self.fx_nodes[node.name]
             self.env[node.name] = self.out.call_function(
@@ -123,6 +127,26 @@ class _Lowerer:
                                              local_shape(result, self.pos),
                                              bool(out_layout.partial), self.comm,
                                              tuple(dec.sync_axes))
+
+    def _class_split(self, node: Node, dec: OpDecision, operands: list[fx.Node],
+                     shardeds: list[Sharded]) -> fx.Node | None:
+        """Vocabulary- or class-split embedding, softmax and NLL: local rules, or None."""
+        call, orig = self.out.call_function, self.fx_nodes[node.name]
+        if node.op == "embedding" and shardeds[0].layout.dims[0]:
+            start = piece_offsets(shardeds[0], self.pos)[0][0]
+            return call(local_ops.vocab_parallel_embedding, (operands[0], operands[1], start))
+        if node.op in ("softmax", "log_softmax") and dec.sync_axes:
+            return call(local_ops.softmax_split, (self.comm, operands[0], orig.args[1],
+                                                  tuple(dec.sync_axes),
+                                                  node.op == "log_softmax"))
+        if node.op == "nll_loss" and shardeds[0].layout.dims[1]:
+            start = piece_offsets(shardeds[0], self.pos)[1][0]
+            mean = (orig.args[3] if len(orig.args) > 3 else 1) == 1
+            ignore = orig.args[4] if len(orig.args) > 4 else -100
+            count = node.sig.size("n") if mean else None
+            return call(local_ops.nll_loss_class_split, (operands[0], operands[1], start,
+                                                         ignore, count))
+        return None
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...]
                  ) -> tuple[Sharded, fx.Node]:

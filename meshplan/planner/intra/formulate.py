@@ -141,9 +141,16 @@ class _Costs:
             for a in amap.get(atom, ()):
                 cut *= self.shape[a]
         nbytes = sig.sync.nbytes // cut
-        phases = ("forward", "backward") if node.requires_grad else ("forward",)
-        return tuple(("all_reduce", nbytes, strat.sync_axes, phase)
-                     for phase in phases for _ in range(sig.sync.count))
+        group = 1
+        for a in strat.sync_axes:
+            group *= self.shape[a]
+        out = []
+        for kind, backward in sig.sync.collectives:
+            size = nbytes * group if kind == "all_gather" else nbytes  # B: the gathered whole
+            out.append((kind, size, strat.sync_axes, "forward"))
+            if backward != "none" and node.requires_grad:
+                out.append((backward, size, strat.sync_axes, "backward"))
+        return tuple(out)
 
     def stat_sync_cost(self, node: Node, choice: Choice) -> float:
         return sum(collective_cost(k, self.ctx.mesh, a, b)
