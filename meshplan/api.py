@@ -75,14 +75,16 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
          alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
          method: str = "auto", force_batch_dim: int | None = None,
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
-         axis_weights: Sequence[Sequence[float]] | None = None, name: str = "model") -> Plan:
+         axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
+         name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``optimizer`` is a torch optimizer (SGD, Adam, AdamW) or its name. ``alpha``/``beta`` (per
     mesh axis) switch the objective to those abstract units with compute left out, as in Alpa;
     otherwise it is seconds on the cluster. ``memory_budget_gb`` defaults to the device memory;
     0 means no budget. ``axis_weights`` gives uneven shard weights per mesh axis (HAP-style
-    ratios; planned as even). Raises ValueError on bad input and InfeasiblePlanError when no
+    ratios; planned as even). ``share_blocks``: repeated layers share ILP decisions (faster;
+    the optimum of the unshared problem may be slightly lower). Raises ValueError on bad input and InfeasiblePlanError when no
     plan fits the budget.
     """
     t0 = time.perf_counter()
@@ -96,7 +98,8 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
     budget = _budget(memory_budget_gb, cl)
     opts = IntraOptions(**method_options(method, force_batch_dim=force_batch_dim,
                                          prefer_reduce_scatter=prefer_reduce_scatter),
-                        memory_budget=budget, include_compute=not abstract, optimizer=opt.kind)
+                        memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
+                        share_blocks=share_blocks)
     _, graph = capture(model, loss_fn, example_batch)
     choices = resolve_choices(graph, tuple(mesh.shape), opts)
     # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
@@ -106,7 +109,7 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
         choices = baselines.heuristic(choices, ctx)
     elif method == "expert":
         choices = baselines.expert(choices)
-    form = formulate(choices, ctx, budget)
+    form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks)
     try:
         sol = solve(form.problem)
     except InfeasibleIlpError:

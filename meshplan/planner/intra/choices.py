@@ -34,7 +34,7 @@ class IntraOptions:
     ``memory_budget``: bytes per device, None for no limit. ``include_compute``: add roofline
     compute time to the objective (off when α/β are abstract units, as in Alpa).
     ``full_split``: contractions never replicate work over an active axis (default: when
-    compute is left out).
+    compute is left out). ``share_blocks``: repeated blocks share their decisions.
     """
 
     force_data_parallel: bool = False
@@ -45,6 +45,7 @@ class IntraOptions:
     memory_budget: float | None = None
     include_compute: bool = True
     full_split: bool | None = None
+    share_blocks: bool = True
     optimizer: str = "adamw"
 
     @property

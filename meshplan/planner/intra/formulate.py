@@ -22,6 +22,7 @@ from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.ir.graph import Graph, Node
+from meshplan.planner.intra.blocks import repeated_blocks
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
@@ -181,8 +182,27 @@ class _Costs:
         return 0.0
 
 
-def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None) -> Formulation:
-    """Build the ILP of Alpa eq. 1 over the roots of ``nc`` (see the module docstring)."""
+def block_aliases(nc: NodeChoices, index: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """ILP aliases tying each root of a repeated block to the same root of the first repeat."""
+    nodes = nc.graph.nodes
+    out = []
+    for group in repeated_blocks(nc.graph):
+        first = nodes[group[0]].name
+        if first not in index:
+            continue
+        for i in group[1:]:
+            other = nodes[i].name
+            same = other in index and [c.strategy for c in nc.choices[other]] == [
+                c.strategy for c in nc.choices[first]]
+            if same:
+                out.append((index[first], index[other]))
+    return tuple(out)
+
+
+def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
+              share_blocks: bool = False) -> Formulation:
+    """Build the ILP of Alpa eq. 1 over the roots of ``nc`` (see the module docstring).
+    ``share_blocks``: repeated blocks share their decisions (`blocks.py`)."""
     costs = _Costs(nc, ctx)
     roots = nc.roots
     index = {r: i for i, r in enumerate(roots)}
@@ -213,6 +233,7 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None) ->
         node_costs=tuple(tuple(node_costs[r]) for r in roots),
         edges=tuple(IlpEdge(u, v, tuple(tuple(row) for row in m)) for (u, v), m in edges.items()),
         node_memory=tuple(tuple(memory[r]) for r in roots),
+        aliases=block_aliases(nc, index) if share_blocks else (),
         live_sets=(tuple(range(len(roots))),) if memory_budget is not None else (),
         memory_budget=memory_budget)
     return Formulation(nc, ctx, roots, problem)
