@@ -22,6 +22,7 @@ from meshplan.cost.mesh import parse_mesh_shape
 from meshplan.errors import InfeasiblePlanError
 from meshplan.plan.plan import Plan
 from meshplan.runtime.optim import OPTIMIZERS
+from meshplan.zoo import describe_zoo
 from meshplan.zoo.spec import build_workload
 
 PROG = "meshplan"
@@ -89,10 +90,13 @@ def _budget_gb(text: str) -> float:
 def _add_plan_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan", help="find the optimal intra-operator plan of one training step",
-        description="Find the optimal intra-operator plan of MODEL's training step on a cluster.")
+        description="Find the optimal intra-operator plan of MODEL's training step on a cluster.",
+        epilog="zoo models (kind:field=value,...; preset=NAME picks a paper size): "
+               + describe_zoo())
     p.add_argument("model", metavar="MODEL",
-                   help="zoo spec (e.g. mlp:layers=6,hidden=256,batch=32,bias=1 or "
-                        "gpt:hidden=768,layers=12) or path/to/file.py:fn")
+                   help="zoo spec (e.g. mlp:layers=6,hidden=256,batch=32,bias=1, "
+                        "gpt:preset=1.3b,batch=1024, moe:preset=70b, wresnet:preset=13b) or "
+                        "path/to/file.py:fn")
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="cluster YAML path or preset: local:N, PRESET:H, PRESET:HxK "
                         "(e.g. p3.16xlarge:8, p3.16xlarge:1x4, dgx-a100:128)")
