@@ -50,12 +50,19 @@ def test_two_processes(pool2, spec, method, opt, kw) -> None:
     _check(pool2, spec, (1, 2), method, opt, **kw)
 
 
+MOE = "moe:hidden=32,layers=2,heads=4,experts=4,seq=16,vocab=64,batch=4"
+VGG = "vgg19:channels=8,fc=64,image=32,classes=10,batch=8"
+
+
 @pytest.mark.parametrize("spec,shape,method,opt,kw", [
+    (MOE, (1, 4), "auto", SGD, {"abstract": True}),     # expert parallel: all-to-all over gloo
+    (VGG, (1, 4), "heuristic", SGD, {}),
     (GPT, (1, 4), "megatron", SGD, {}),
     (GPT, (2, 2), "megatron", ADAMW, {}),
     (MLP, (1, 4), "zero3", SGD, {}),
     (GPT, (2, 2), "auto", SGD, {"abstract": True}),
-], ids=["gpt-megatron", "gpt-dp-x-tp-adamw", "mlp-zero3", "gpt-ilp"])
+], ids=["moe-ilp", "vgg-heuristic", "gpt-megatron", "gpt-dp-x-tp-adamw", "mlp-zero3",
+        "gpt-ilp"])
 def test_four_processes(pool4, spec, shape, method, opt, kw) -> None:
     _check(pool4, spec, shape, method, opt, **kw)
 
