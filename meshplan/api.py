@@ -6,7 +6,7 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
 from torch import nn
@@ -21,6 +21,7 @@ from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.extract import extract
 from meshplan.planner.intra.formulate import CostContext, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
+from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
 METHODS = ("auto", "data", "zero2", "zero3", "megatron", "heuristic", "expert")
@@ -63,6 +64,22 @@ def _budget(memory_budget_gb: float | None, cluster: Cluster) -> float | None:
     if memory_budget_gb < 0:
         raise ValueError(f"memory budget must be >= 0 GB (0 = no budget), got {memory_budget_gb}")
     return None if memory_budget_gb == 0 else memory_budget_gb * 2**30
+
+
+def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
+    """Shared blocks give a fast answer; the unshared problem, solved within a time limit
+    scaled to that answer, may be slightly better (a block at a stage boundary wants another
+    strategy). Keep the better, so sharing never costs plan quality when time allows."""
+    if not problem.aliases:
+        return shared
+    try:
+        free = solve(replace(problem, aliases=()),
+                     time_limit_s=max(5.0, 10 * shared.solve_time_s))
+    except TimeoutError:
+        return shared
+    if free.objective < shared.objective:
+        return replace(free, solve_time_s=free.solve_time_s + shared.solve_time_s)
+    return replace(shared, solve_time_s=free.solve_time_s + shared.solve_time_s)
 
 
 def _ilp_memory(form: Any, choices: Sequence[int]) -> float:
@@ -111,7 +128,7 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
         choices = baselines.expert(choices)
     form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks)
     try:
-        sol = solve(form.problem)
+        sol = _refine(form.problem, solve(form.problem))
     except InfeasibleIlpError:
         if budget is None:
             raise
