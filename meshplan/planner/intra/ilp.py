@@ -44,7 +44,10 @@ from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "evaluate", "min_memory", "peak_memory",
            "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
-DEFAULT_SOLVER = "highs"
+# Measured by benchmarks/ilp_solvers.py (median of 3, 500-3000 nodes, binding memory budget):
+# scipy.optimize.milp (bundled HiGHS 1.12) beat highspy (HiGHS 1.15.1) 1.04x-1.42x on all six
+# problems and tied without a budget. scipy must then be installed; "highs" needs only highspy.
+DEFAULT_SOLVER = "scipy"
 
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
