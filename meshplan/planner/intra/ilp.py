@@ -57,9 +57,10 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
     (``highspy``) or ``"scipy"`` (``scipy.optimize.milp``); ``lp_first`` tries the LP relaxation
-    before branch and bound (None: only when no memory or max-cost row can bind). Raises InfeasibleIlpError when no assignment satisfies the
-    constraints (forbidden entries, aliases, memory budget, ``max_cost``), TimeoutError when the
-    limit passes before any feasible assignment, ValueError for a bad option.
+    before branch and bound (None: only when no memory or max-cost row can bind). Raises
+    InfeasibleIlpError when no assignment satisfies the constraints (forbidden entries, aliases,
+    memory budget, ``max_cost``), TimeoutError when the limit passes before any feasible
+    assignment, ImportError for ``"scipy"`` without scipy, ValueError for a bad option.
     """
     start = time.perf_counter()
     _check_options(time_limit_s, solver)
