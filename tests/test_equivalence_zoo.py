@@ -27,7 +27,8 @@ MODELS = {
     "wresnet": "wresnet:layers=26,channels=8,width=2,image=32,classes=10,batch=8",
 }
 FLOAT64 = {"wresnet"}
-METHODS = [("auto", True), ("data", False), ("zero3", False), ("megatron", False),
+METHODS = [("auto", True), ("data", False), ("zero2", False), ("zero3", False),
+           ("megatron", False),
            ("heuristic", False)]
 
 
