@@ -11,11 +11,13 @@ No dropout, so a forward pass is a pure function of parameters and tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshplan.zoo.checks import check_positive_ints
 
 # GPT-2/GPT-3 initialise weights with N(0, 0.02); the PyTorch default N(0, 1) embedding would make
 # tied-head logits of std ~sqrt(hidden) and a first loss far above log(vocab).
@@ -36,12 +38,7 @@ class GPTConfig:
     vocab_size: int
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"GPTConfig.{f.name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"GPTConfig.{f.name} must be >= 1, got {value}")
+        check_positive_ints(self)
         if self.hidden % self.num_heads != 0:
             raise ValueError(
                 f"GPTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "

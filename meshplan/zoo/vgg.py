@@ -14,10 +14,12 @@ fit that classifier. No BatchNorm and no dropout, as in HAP's VGG19.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from meshplan.zoo.checks import check_positive_ints
 
 _CONVS_PER_GROUP = (2, 2, 4, 4, 4)
 _GROUP_WIDTH = (1, 2, 4, 8, 8)  # channels of each group in units of the base channels
@@ -39,12 +41,7 @@ class VGGConfig:
     num_classes: int = 10
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"VGGConfig.{f.name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"VGGConfig.{f.name} must be >= 1, got {value}")
+        check_positive_ints(self)
         if self.image < _MIN_IMAGE:
             raise ValueError(f"VGGConfig.image={self.image} is too small: five 2x2 max-pools need >= {_MIN_IMAGE}")
 

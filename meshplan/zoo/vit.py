@@ -13,10 +13,12 @@ the GPT (N(0, 0.02) for Linears, the patch projection and the position embedding
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from meshplan.zoo.checks import check_positive_ints
 
 from meshplan.zoo import gpt
 
@@ -39,12 +41,7 @@ class ViTConfig:
     num_classes: int = 10
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"ViTConfig.{f.name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"ViTConfig.{f.name} must be >= 1, got {value}")
+        check_positive_ints(self)
         if self.hidden % self.num_heads != 0:
             raise ValueError(
                 f"ViTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "

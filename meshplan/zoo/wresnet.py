@@ -16,12 +16,14 @@ an in-place buffer mutation in the traced graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshplan.zoo.checks import check_positive_ints
 
 BLOCKS_PER_STAGE = MappingProxyType({26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3)})
 
@@ -41,12 +43,7 @@ class WResNetConfig:
     num_classes: int
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"WResNetConfig.{f.name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"WResNetConfig.{f.name} must be >= 1, got {value}")
+        check_positive_ints(self)
         if self.num_layers not in BLOCKS_PER_STAGE:
             raise ValueError(
                 f"WResNetConfig.num_layers={self.num_layers} is not a known depth; "
