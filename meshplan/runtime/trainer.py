@@ -19,8 +19,9 @@ from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.program import lower
-from meshplan.lower.shards import MeshPos, even_weights, take_local
+from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
 from meshplan.plan.plan import Plan
+from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm
 from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads,
                                         reduce_scatter_grads)
@@ -113,8 +114,7 @@ class Trainer:
     def _compute_tensor(self, p: _Param) -> torch.Tensor:
         if p.mode != "zero3":
             return p.compute
-        sizes = [s.shape[0] for s in torch.tensor_split(torch.empty(p.full_shape[0], 0),
-                                                         self.comm.group_size(p.axes))]
+        sizes = shard_sizes(p.full_shape[0], self.comm.group_size(p.axes))
         full = self.comm.all_gather(p.update.detach(), p.axes, 0, sizes, phase="forward")
         p.compute = full.requires_grad_(True)
         return p.compute
@@ -192,7 +192,6 @@ class Trainer:
         return out
 
     def _gather_spec(self, t: torch.Tensor, node: str) -> torch.Tensor:
-        from meshplan.lower.shards import gathered
         v = self.program.values[node]
         for d, axes in enumerate(v.layout.dims):
             if axes:

@@ -19,7 +19,7 @@ import re
 from dataclasses import replace
 
 from meshplan.planner.intra.choices import Choice, NodeChoices
-from meshplan.planner.intra.formulate import CostContext, _Costs
+from meshplan.planner.intra.formulate import CostContext, OpCosts
 from meshplan.planner.intra.layout import Layout, active_axes
 
 EXPERT_PARAM = re.compile(r"(^|\.)(moe\.(w_in|w_out|b_in|b_out)|experts?\.[^.]+)$")
@@ -59,7 +59,7 @@ def _largest_dim_layout(shape: tuple[int, ...], mesh: tuple[int, int]) -> Layout
 
 def heuristic(nc: NodeChoices, ctx: CostContext) -> NodeChoices:
     """GSPMD-style propagation (see the module docstring)."""
-    costs = _Costs(nc, ctx)
+    costs = OpCosts(nc, ctx)
     members: dict[str, list] = {}
     for node in nc.graph.nodes:
         members.setdefault(nc.root_of[node.name], []).append(node)
@@ -86,7 +86,7 @@ def heuristic(nc: NodeChoices, ctx: CostContext) -> NodeChoices:
     return restrict(nc, {r: [i] for r, i in chosen.items()})
 
 
-def _best_operand(costs: _Costs, nc: NodeChoices, node: object, j: int, q: int) -> int:
+def _best_operand(costs: OpCosts, nc: NodeChoices, node: object, j: int, q: int) -> int:
     """The layout to give an unplaced parameter for this use: one needing no resharding."""
     producer = nc.root_of[node.inputs[j]]
     return min(range(len(nc.choices[producer])),
@@ -94,7 +94,7 @@ def _best_operand(costs: _Costs, nc: NodeChoices, node: object, j: int, q: int) 
                               costs.operand_cost(node, j, p, q), p))
 
 
-def _tree_cost(costs: _Costs, nc: NodeChoices, tree: list, q: int, chosen: dict[str, int]
+def _tree_cost(costs: OpCosts, nc: NodeChoices, tree: list, q: int, chosen: dict[str, int]
                ) -> list[float]:
     """Cost of a root's whole tree at index ``q`` given the layouts already chosen upstream;
     an unplaced parameter costs what its best layout for this use costs."""

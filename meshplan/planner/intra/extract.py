@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.cost.collectives import collective_cost
-from meshplan.planner.intra.formulate import (CostContext, Formulation, _Costs, local_bytes,
+from meshplan.planner.intra.formulate import (CostContext, Formulation, OpCosts, local_bytes,
                                               recipe_cost, step_cost)
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
@@ -50,7 +50,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     """
     nc, g = form.choices, form.choices.graph
     idx = node_indices(form, choices)
-    costs, real_costs = _Costs(nc, form.ctx), _Costs(nc, real)
+    costs, real_costs = OpCosts(nc, form.ctx), OpCosts(nc, real)
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
     sync: dict[str, set[int]] = {}
     memory, compute = 0.0, 0.0

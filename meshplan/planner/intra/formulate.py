@@ -100,7 +100,7 @@ class Formulation:
     problem: IlpProblem
 
 
-class _Costs:
+class OpCosts:
     """Cost evaluation shared by the ILP build and the plan's per-op explanation."""
 
     def __init__(self, nc: NodeChoices, ctx: CostContext) -> None:
@@ -203,7 +203,7 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
               share_blocks: bool = False) -> Formulation:
     """Build the ILP of Alpa eq. 1 over the roots of ``nc`` (see the module docstring).
     ``share_blocks``: repeated blocks share their decisions (`blocks.py`)."""
-    costs = _Costs(nc, ctx)
+    costs = OpCosts(nc, ctx)
     roots = nc.roots
     index = {r: i for i, r in enumerate(roots)}
     node_costs = {r: [0.0] * len(nc.choices[r]) for r in roots}
