@@ -58,6 +58,7 @@ class _Lowerer:
         self.sources = {s.node: s.spec for s in plan.sources}
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
+        self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
         self.comm = self.out.placeholder("comm")
         self.rng = self.out.placeholder("rng")
 
@@ -103,7 +104,7 @@ class _Lowerer:
         operands, shardeds = [], []
         for j, name in enumerate(node.inputs):
             want = _layout(dec.inputs[j], len(self.graph.by_name[name].out.shape))
-            val, fxn = self._reshard(name, want, dec.grad_partial[j])
+            val, fxn = self._reshard(name, want, dec.grad_partial[j], node.name)
             operands.append(fxn)
             shardeds.append(val)
         out_layout = _layout(dec.output, len(node.out.shape))
@@ -148,15 +149,40 @@ class _Lowerer:
                                                          ignore, count))
         return None
 
-    def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...]
+    def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...], consumer: str
                  ) -> tuple[Sharded, fx.Node]:
+        """``name`` moved into ``want``, once per distinct recipe: consumers that need the same
+        move share it, so its collectives run once (the ILP charges them once, `fanout.py`)."""
         producer = self.graph.by_name[name]
-        val, fxn = self.values[name], self.env[name]
-        recipe = reshard(val.layout, want, producer.out.nbytes, self.plan.mesh_shape,
-                         tuple(grad_partial), producer.requires_grad, name in self.param_root)
-        for step in recipe.steps:
-            val, fxn = self._step(step, val, fxn)
-        return val, fxn
+        recipe = reshard(self.values[name].layout, want, producer.out.nbytes,
+                         self.plan.mesh_shape, tuple(grad_partial), producer.requires_grad,
+                         name in self.param_root)
+        # A view of a parameter passes its gradient through: only its other consumers are uses.
+        through = consumer in self.param_root
+        key = (name, recipe, through)
+        if key not in self.moved:
+            val, fxn = self.values[name], self.env[name]
+            if not through:
+                fxn = self._param_use(name, recipe.sync_axes)
+            for step in recipe.steps:
+                val, fxn = self._step(step, val, fxn)
+            self.moved[key] = (val, fxn)
+        return self.moved[key]
+
+    def _param_use(self, name: str, use_axes: tuple[int, ...]) -> fx.Node:
+        """A parameter's use whose gradient is partial over ``use_axes`` while the update phase
+        synchronizes over other axes: all-reduced in backward on its own and scaled, as
+        `meshplan.planner.intra.fanout.param_sync` prescribes; other values pass through."""
+        fxn = self.env[name]
+        if name not in self.param_root:
+            return fxn
+        update = tuple(self.params[self.param_root[name]].sync_axes)
+        if tuple(use_axes) == update:
+            return fxn
+        if use_axes:
+            fxn = self.out.call_function(C.grad_all_reduce, (self.comm, fxn, tuple(use_axes)))
+        group = self.pos.group(update)
+        return self.out.call_function(C.grad_scale, (fxn, 1.0 / group)) if group > 1 else fxn
 
     def _step(self, s: Step, val: Sharded, x: fx.Node) -> tuple[Sharded, fx.Node]:
         call, pos, comm = self.out.call_function, self.pos, self.comm

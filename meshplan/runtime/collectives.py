@@ -69,6 +69,13 @@ def grad_all_reduce(comm: Comm, x: torch.Tensor, axes: Sequence[int]) -> torch.T
     return _GradAllReduce.apply(x, comm, tuple(axes))
 
 
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity forward, gradient times ``factor`` backward: a use whose complete gradient is
+    summed again, identical, over a group of n members contributes 1/n of it (a tied
+    parameter's use computed whole, see `meshplan.planner.intra.fanout.param_sync`)."""
+    return _GradScale.apply(x, float(factor))
+
+
 def all_gather(
     comm: Comm,
     x: torch.Tensor,
@@ -150,6 +157,17 @@ class _GradAllReduce(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return ctx.comm.all_reduce(grad, ctx.axes, phase="backward"), None, None
+
+
+class _GradScale(Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad * ctx.factor, None
 
 
 class _AllGather(Function):

@@ -19,7 +19,8 @@ import re
 from dataclasses import replace
 
 from meshplan.planner.intra.choices import Choice, NodeChoices
-from meshplan.planner.intra.formulate import CostContext, OpCosts
+from meshplan.planner.intra.fanout import operand_cost
+from meshplan.planner.intra.op_costs import CostContext, OpCosts
 from meshplan.planner.intra.layout import Layout, active_axes
 
 EXPERT_PARAM = re.compile(r"(^|\.)(moe\.(w_in|w_out|b_in|b_out)|experts?\.[^.]+)$")
@@ -91,7 +92,7 @@ def _best_operand(costs: OpCosts, nc: NodeChoices, node: object, j: int, q: int)
     producer = nc.root_of[node.inputs[j]]
     return min(range(len(nc.choices[producer])),
                key=lambda p: (bool(costs.operand_recipe(node, j, p, q).steps),
-                              costs.operand_cost(node, j, p, q), p))
+                              operand_cost(costs, node, j, p, q), p))
 
 
 def _tree_cost(costs: OpCosts, nc: NodeChoices, tree: list, q: int, chosen: dict[str, int]
@@ -105,11 +106,11 @@ def _tree_cost(costs: OpCosts, nc: NodeChoices, tree: list, q: int, chosen: dict
         for j, name in enumerate(v.inputs):
             producer = nc.root_of[name]
             if producer == root:
-                out.append(costs.operand_cost(v, j, q, q))
+                out.append(operand_cost(costs, v, j, q, q))
             elif producer in chosen:
-                out.append(costs.operand_cost(v, j, chosen[producer], q))
+                out.append(operand_cost(costs, v, j, chosen[producer], q))
             else:
-                out.append(costs.operand_cost(v, j, _best_operand(costs, nc, v, j, q), q))
+                out.append(operand_cost(costs, v, j, _best_operand(costs, nc, v, j, q), q))
     return out
 
 

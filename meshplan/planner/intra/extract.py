@@ -12,8 +12,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.cost.collectives import collective_cost
-from meshplan.planner.intra.formulate import (CostContext, Formulation, OpCosts, local_bytes,
-                                              recipe_cost, step_cost)
+from meshplan.planner.intra.fanout import param_sync, use_charges
+from meshplan.planner.intra.formulate import Formulation
+from meshplan.planner.intra.op_costs import CostContext, OpCosts, local_bytes, step_cost
+from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
 
@@ -46,13 +48,14 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     """Decisions, collectives and predictions of the assignment ``choices``.
 
     ``real`` prices the prediction on the cluster's own bandwidths with the compute roofline,
-    whatever units the ILP used.
+    whatever units the ILP used. Each fan-out key (`fanout.py`) is counted once, at its first use.
     """
     nc, g = form.choices, form.choices.graph
     idx = node_indices(form, choices)
     costs, real_costs = OpCosts(nc, form.ctx), OpCosts(nc, real)
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
-    sync: dict[str, set[int]] = {}
+    sync: dict[str, list[tuple[int, ...]]] = {}
+    seen: set[tuple] = set()
     memory, compute = 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
@@ -64,18 +67,17 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
             counts[entry] += 1
         comm[node.name] += costs.stat_sync_cost(node, choice)
         for j, name in enumerate(node.inputs):
-            recipe = costs.operand_recipe(node, j, idx[name], idx[node.name])
-            needs_grad = g.by_name[name].requires_grad
-            for step in recipe.steps:
-                for kind, phase in step.collectives(needs_grad):
-                    counts[(kind, step.nbytes, step.axes, phase)] += 1
-                owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
-                owner[name if owner is comm else node.name] += step_cost(
-                    step, needs_grad, form.ctx.mesh)
-            if recipe.sync_axes:
-                sync.setdefault(costs.param_root[name], set()).update(recipe.sync_axes)
-                comm[node.name] += (costs.operand_cost(node, j, idx[name], idx[node.name])
-                                    - recipe_cost(recipe, needs_grad, form.ctx.mesh))
+            charges = use_charges(costs, node, j, idx[name], idx[node.name])
+            assert charges is not None, f"forbidden operand layout chosen for {node.name}"
+            for _, key, cost in charges:
+                if key[0] == "sync":
+                    sync.setdefault(key[1], []).append(key[4])
+                    if key not in seen:
+                        comm[node.name] += cost
+                elif key not in seen:
+                    _count_recipe(key[2], g.by_name[name].requires_grad, form.ctx, counts,
+                                  comm, reshard, name, node.name)
+                seen.add(key)
     ops = []
     for node in g.nodes:
         if node.is_source:
@@ -98,7 +100,18 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                        compute + comm_time)
 
 
-def _params(form: Formulation, idx: dict[str, int], sync: dict[str, set[int]],
+def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Counter,
+                  comm: Counter, reshard: Counter, value: str, consumer: str) -> None:
+    """Collectives of one moved value and their cost, owned by the op whose partial sums they
+    reduce or by the consumer they bring the value to."""
+    for step in recipe.steps:
+        for kind, phase in step.collectives(needs_grad):
+            counts[(kind, step.nbytes, step.axes, phase)] += 1
+        owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
+        owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh)
+
+
+def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],
             counts: Counter) -> tuple[ParamDecision, ...]:
     nc, g = form.choices, form.choices.graph
     shape = tuple(form.ctx.mesh.shape)
@@ -106,10 +119,12 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, set[int]],
     out = []
     for n in g.params():
         choice = nc.choices[n.name][idx[n.name]]
-        axes = tuple(sorted(sync.get(n.name, ())))
+        axes, backward = param_sync(sync.get(n.name, ()))
         mode = choice.mode if axes else "replicated"
         spec = choice.strategy.output
         nbytes = local_bytes(n, spec, shape)
+        for extra in backward:  # uses synchronized apart from the update (`param_sync`)
+            counts[("all_reduce", nbytes, extra, "backward")] += 1
         if axes and mode == "replicated":
             buckets[("all_reduce", axes, "update")] += nbytes
         elif axes:

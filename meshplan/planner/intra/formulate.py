@@ -5,89 +5,26 @@ time of each op (roofline, forward + backward; left out when costs are in abstra
 the resharding between a follower and its operand inside the same tree. For every operand whose
 producer lies in another tree, ``edges[(a, b)][p][q]`` is the resharding cost from the producer's
 layout at p to the layout the consumer needs at q, forward and backward (`reshard.py`), plus, for a
-parameter, the update-phase gradient synchronization its update mode implies. Memory per root
-index: parameter, gradient and optimizer bytes by update mode, and the activations kept for
-backward. The solver itself is in `ilp.py`; this module only produces numbers.
+parameter, the update-phase gradient synchronization its update mode implies. A value with
+several consumers is charged once per distinct recipe, a parameter once per synchronization
+(`fanout.py`): pairwise when that is a function of two roots' choices, else as shared costs.
+Memory per root index: parameter, gradient and optimizer bytes by update mode, and the
+activations kept for backward. The costs themselves come from `op_costs.py`; the solver is in
+`ilp.py`; this module only assembles numbers.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 
-from meshplan.cost.collectives import collective_cost
-from meshplan.cost.compute import train_op_time
-from meshplan.cost.devices import DeviceType
-from meshplan.cost.memory import param_memory_per_device
-from meshplan.cost.mesh import LogicalMesh
-from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.blocks import repeated_blocks
-from meshplan.planner.intra.choices import Choice, NodeChoices
+from meshplan.planner.intra.choices import NodeChoices
+from meshplan.planner.intra.fanout import charge_operands, shared_costs
 from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem
-from meshplan.planner.intra.layout import Axes, Layout, active_axes
-from meshplan.planner.intra.reshard import Recipe, Step, reshard
-
-
-@dataclass(frozen=True)
-class CostContext:
-    """The mesh costs are measured on; ``device`` None leaves compute out (abstract units)."""
-
-    mesh: LogicalMesh
-    device: DeviceType | None
-    optimizer_bytes_per_param: float = 8.0
-    param_reshard: bool = False  # may a parameter be resharded before a use (GSPMD-style)?
-
-    @property
-    def tie_break(self) -> float:
-        """Cost per byte of memory added to the objective so that, of plans with equal
-        communication, the one using less memory wins (a batch is split where it is consumed
-        split rather than replicated and sliced). A billionth of moving the byte once: far
-        below any real cost difference; the plan reports the objective without it."""
-        return 1e-9 * min(b for b in self.mesh.beta if b > 0) if any(self.mesh.beta) else 0.0
-
-
-def param_roots(graph: Graph) -> dict[str, str]:
-    """Values that are a parameter seen through views only, mapped to that parameter."""
-    out: dict[str, str] = {}
-    for n in graph.nodes:
-        if n.role == "param":
-            out[n.name] = n.name
-        elif (n.sig is not None and n.sig.kind == "view" and len(n.inputs) == 1
-              and n.inputs[0] in out):
-            out[n.name] = out[n.inputs[0]]
-    return out
-
-
-def dp_axes(layout: Layout, mesh_shape: tuple[int, ...]) -> Axes:
-    """Active axes a parameter is replicated over: where ZeRO shards it."""
-    return tuple(a for a in active_axes(mesh_shape) if a not in layout.split_axes)
-
-
-def step_cost(step: Step, needs_grad: bool, mesh: LogicalMesh) -> float:
-    """Forward and (if a gradient flows) backward collectives of one resharding step."""
-    return sum(collective_cost(kind, mesh, step.axes, step.nbytes)
-               for kind, _ in step.collectives(needs_grad))
-
-
-@lru_cache(maxsize=None)
-def recipe_cost(recipe: Recipe, needs_grad: bool, mesh: LogicalMesh) -> float:
-    return sum(step_cost(s, needs_grad, mesh) for s in recipe.steps)
-
-
-@lru_cache(maxsize=None)
-def sync_cost(mode: str, axes: Axes, nbytes: int, mesh: LogicalMesh) -> float:
-    """Update-phase gradient synchronization of one parameter's local tensor over ``axes``."""
-    if not axes:
-        return 0.0
-    if mode == "replicated":
-        return collective_cost("all_reduce", mesh, axes, nbytes)
-    return (collective_cost("reduce_scatter", mesh, axes, nbytes)
-            + collective_cost("all_gather", mesh, axes, nbytes))
-
-
-def local_bytes(node: Node, layout: Layout, mesh_shape: tuple[int, ...]) -> int:
-    return node.out.nbytes // layout.shard_factor(mesh_shape)
+# The cost evaluator lives in op_costs.py; its names are part of this module's interface.
+from meshplan.planner.intra.op_costs import (CostContext, OpCosts, dp_axes,  # noqa: F401
+                                             local_bytes, param_roots, recipe_cost, step_cost,
+                                             sync_cost)
 
 
 @dataclass
@@ -98,88 +35,6 @@ class Formulation:
     ctx: CostContext
     roots: list[str]
     problem: IlpProblem
-
-
-class OpCosts:
-    """Cost evaluation shared by the ILP build and the plan's per-op explanation."""
-
-    def __init__(self, nc: NodeChoices, ctx: CostContext) -> None:
-        self.nc, self.ctx, self.g = nc, ctx, nc.graph
-        self.shape = tuple(ctx.mesh.shape)
-        self.param_root = param_roots(self.g)
-
-    def operand_recipe(self, node: Node, j: int, pu: int, qv: int) -> Recipe:
-        u = self.g.by_name[node.inputs[j]]
-        src = self.nc.choices[u.name][pu].strategy.output
-        strat = self.nc.choices[node.name][qv].strategy
-        return reshard(src, strat.inputs[j], u.out.nbytes, self.shape, strat.grad_partial[j],
-                       u.requires_grad, u.name in self.param_root)
-
-    def operand_cost(self, node: Node, j: int, pu: int, qv: int) -> float:
-        u = self.g.by_name[node.inputs[j]]
-        recipe = self.operand_recipe(node, j, pu, qv)
-        if u.name in self.param_root and recipe.steps and not self.ctx.param_reshard:
-            # A parameter is computed with in the layout it is kept in (its spec); keeping it
-            # in another layout is what the ZeRO-3 update mode is for.
-            return math.inf
-        cost = recipe_cost(recipe, u.requires_grad, self.ctx.mesh)
-        if recipe.sync_axes:
-            root = self.param_root[u.name]
-            choice = self.nc.choices[root][pu]
-            nbytes = local_bytes(self.g.by_name[root], choice.strategy.output, self.shape)
-            cost += sync_cost(choice.mode, recipe.sync_axes, nbytes, self.ctx.mesh)
-        return cost
-
-    def stat_sync(self, node: Node, choice: Choice) -> tuple[tuple[str, int, Axes, str], ...]:
-        """The op's own statistics all-reduce (batch norm over a split batch), forward and, when
-        a gradient flows, backward: (kind, bytes, axes, phase) entries."""
-        strat, sig = choice.strategy, node.sig
-        if not strat.sync_axes or sig is None or sig.sync is None:
-            return ()
-        amap = dict(strat.assign)
-        cut = 1
-        for atom in sig.sync.stat_atoms:
-            for a in amap.get(atom, ()):
-                cut *= self.shape[a]
-        nbytes = sig.sync.nbytes // cut
-        group = 1
-        for a in strat.sync_axes:
-            group *= self.shape[a]
-        out = []
-        for kind, backward in sig.sync.collectives:
-            size = nbytes * group if kind == "all_gather" else nbytes  # B: the gathered whole
-            out.append((kind, size, strat.sync_axes, "forward"))
-            if backward != "none" and node.requires_grad:
-                out.append((backward, size, strat.sync_axes, "backward"))
-        return tuple(out)
-
-    def stat_sync_cost(self, node: Node, choice: Choice) -> float:
-        return sum(collective_cost(k, self.ctx.mesh, a, b)
-                   for k, b, a, _ in self.stat_sync(node, choice))
-
-    def compute_cost(self, node: Node, choice: Choice) -> float:
-        if self.ctx.device is None or node.is_source or node.flops == 0:
-            return 0.0
-        f = 1
-        for a in choice.strategy.work_axes:
-            f *= self.shape[a]
-        return train_op_time(node.flops / f, node.nbytes / f, self.ctx.device, node.out.dtype
-                             if node.out.dtype in ("float16", "bfloat16") else "float32",
-                             node.sig is not None and node.sig.kind == "contraction")
-
-    def memory(self, node: Node, choice: Choice) -> float:
-        lay = choice.strategy.output
-        if node.role == "param":
-            dp = 1
-            for a in dp_axes(lay, self.shape):
-                dp *= self.shape[a]
-            m = param_memory_per_device(node.out.numel, choice.mode or "replicated",
-                                        lay.shard_factor(self.shape), dp,
-                                        optimizer_bytes_per_param=self.ctx.optimizer_bytes_per_param)
-            return m.total
-        if node.role in ("input", "target") or (node.role == "op" and node.requires_grad):
-            return float(local_bytes(node, lay, self.shape))
-        return 0.0
 
 
 def block_aliases(nc: NodeChoices, index: dict[str, int]) -> tuple[tuple[int, int], ...]:
@@ -206,9 +61,9 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
     costs = OpCosts(nc, ctx)
     roots = nc.roots
     index = {r: i for i, r in enumerate(roots)}
-    node_costs = {r: [0.0] * len(nc.choices[r]) for r in roots}
+    operands = charge_operands(costs)
+    node_costs = operands.node_costs
     memory = {r: [0.0] * len(nc.choices[r]) for r in roots}
-    edges: dict[tuple[int, int], list[list[float]]] = {}
     for node in nc.graph.nodes:
         r = nc.root_of[node.name]
         for p, choice in enumerate(nc.choices[node.name]):
@@ -217,23 +72,12 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
             mem = costs.memory(node, choice)
             memory[r][p] += mem
             node_costs[r][p] += ctx.tie_break * mem
-        for j, name in enumerate(node.inputs):
-            a = nc.root_of[name]
-            if a == r:
-                for p in range(len(node_costs[r])):
-                    node_costs[r][p] += costs.operand_cost(node, j, p, p)
-                continue
-            mat = edges.setdefault((index[a], index[r]),
-                                   [[0.0] * len(nc.choices[r]) for _ in nc.choices[a]])
-            for pu in range(len(nc.choices[a])):
-                row = mat[pu]
-                for qv in range(len(nc.choices[r])):
-                    row[qv] += costs.operand_cost(node, j, pu, qv)
     problem = IlpProblem(
         node_costs=tuple(tuple(node_costs[r]) for r in roots),
-        edges=tuple(IlpEdge(u, v, tuple(tuple(row) for row in m)) for (u, v), m in edges.items()),
+        edges=tuple(IlpEdge(index[a], index[r], tuple(tuple(row) for row in m))
+                    for (a, r), m in operands.edges.items()),
         node_memory=tuple(tuple(memory[r]) for r in roots),
         aliases=block_aliases(nc, index) if share_blocks else (),
         live_sets=(tuple(range(len(roots))),) if memory_budget is not None else (),
-        memory_budget=memory_budget)
+        memory_budget=memory_budget, shared=shared_costs(operands, index))
     return Formulation(nc, ctx, roots, problem)

@@ -4,18 +4,24 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
 ``R_uv``, choose one strategy per node::
 
     min   sum_v c_v^T s_v  +  sum_{(u,v) in E} sum_{p,q} R_uv[p,q] e_uv[p,q]           (eq. 1)
+                           +  sum_k c_k y_k        (shared fan-out costs, beyond Alpa)
 
     s.t.  sum_p s_v[p] = 1                          for every node v     build_choice_rows
           sum_q e_uv[p,q] = s_u[p]                  for every p          build_edge_rows
           sum_p e_uv[p,q] = s_v[q]                  for every q          build_edge_rows
           sum_{v in L} sum_p mem_v[p] s_v[p] <= budget   per live set L  build_memory_rows
+          y_k >= sum_{(v,P) in b} sum_{p in P} s_v[p] - (|b| - 1)
+                                                    per block b of shared cost k  build_shared_rows
           objective <= max_cost                     (when given)         build_max_cost_row
           s_u = s_v                                 per alias (u, v)     merge_aliases
           s_v[p] in {0, 1},  e_uv[p,q] >= 0
 
 The marginal constraints replace the quadratic ``s_u^T R_uv s_v``: once ``s_u`` and ``s_v`` are
 one-hot, ``e_uv`` is forced to the one-hot pair, so ``e`` may be continuous and only ``s`` is
-branched on. This local-polytope form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
+branched on. A shared cost ``k`` (one collective serving several edges: a value resharded once
+for all its consumers) is paid once when any of its blocks -- conjunctions of "node v picks a
+strategy in P" -- holds; ``y_k`` is continuous for the same reason as ``e``. The marginal
+form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
 ``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all. Strategies
 whose rows (columns) of ``R_uv`` are identical -- they emit (expect) the same sharding spec --
 share one row (column) class, and ``e_uv`` is indexed by class pairs with the marginals summed
@@ -105,7 +111,8 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
     """
     nodes = [np.asarray(row, dtype=np.float64) for row in problem.node_costs]
     edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
-    return reduce_problem(nodes, edges, problem.aliases)
+    shared = tuple((t.cost, t.blocks) for t in problem.shared)
+    return reduce_problem(nodes, edges, problem.aliases, shared)
 
 
 def _memory_spec(problem: IlpProblem, budget: float | None) -> MemorySpec:

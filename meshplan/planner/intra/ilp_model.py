@@ -10,6 +10,8 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
   variables exist per finite class pair, which is exact and often much smaller;
 - ``build_memory_rows``: ``sum_{v in L} sum_p mem[v, p] s[v, p] <= budget`` per live set ``L``
   (or ``<= M`` when minimizing memory); rows that can never bind are skipped;
+- ``build_shared_rows``: one continuous ``y`` per shared (fan-out) cost, paid when any of its
+  blocks holds: ``y >= sum_{(g, P) in block} sum_{p in P} s[g, p] - (|block| - 1)`` per block;
 - ``build_max_cost_row``: ``c^T x + offset <= max_cost``.
 """
 
@@ -127,6 +129,8 @@ def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
     coo = _Coo()
     choice_cols, offset = build_choice_rows(coo, reduced)
     build_edge_rows(coo, reduced, choice_cols, edge_form)
+    build_shared_rows(coo, reduced, choice_cols)
+    offset += reduced.shared_offset
     if memory is not None:
         build_memory_rows(coo, reduced, choice_cols, memory)
     if max_cost is not None:
@@ -163,6 +167,23 @@ def build_edge_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
         s_v = choice_cols[gv] + np.arange(allowed_v.size)
         build = _marginal_rows if edge_form == "marginal" else _mccormick_rows
         build(coo, classes, (row_class, s_u), (col_class, s_v))
+
+
+def build_shared_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray) -> None:
+    """One ``y`` column per shared cost and one row per block (see the module docstring).
+
+    With a positive cost the minimum puts ``y`` at the largest block indicator, which is 0 or 1
+    once ``s`` is integral, so the term is exact; the rows count as coupling rows because its LP
+    relaxation may be fractional.
+    """
+    for cost, blocks in reduced.shared:
+        y = coo.add_cols(np.array([cost]), 1.0, False)
+        for block in blocks:
+            row = coo.add_rows(-np.inf, float(len(block) - 1), 1)
+            cols = np.concatenate([choice_cols[g] + pos for g, pos in block])
+            coo.add_entries(np.full(cols.size, row), cols, 1.0)
+            coo.add_entries(np.array([row]), np.array([y]), -1.0)
+            coo.num_coupling_rows += 1
 
 
 def edge_classes(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -36,6 +36,41 @@ class IlpEdge:
         _check_matrix(self.costs, f"IlpEdge({self.u}, {self.v}).costs", rectangular=True)
 
 
+Condition = tuple[int, tuple[int, ...]]  # (node, strategies it may pick)
+
+
+@dataclass(frozen=True)
+class SharedCost:
+    """A cost paid once when any of its ``blocks`` holds (a fan-out term).
+
+    A block is a conjunction of one or two conditions ``(node, strategies)``: it holds when every
+    named node picks one of its listed strategies. One collective that serves several edges (a
+    value resharded once for all its consumers, a tied parameter synchronized once for all its
+    uses) is one shared cost whose blocks are the strategy pairs that need it; pairwise edge
+    matrices would charge it once per edge. Raises ValueError for a negative or non-finite cost,
+    an empty block list, a block without conditions or an empty strategy list.
+    """
+
+    cost: float
+    blocks: tuple[tuple[Condition, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cost) and self.cost >= 0):
+            raise ValueError(f"SharedCost.cost must be finite and >= 0, got {self.cost!r}")
+        _check_tuple(self.blocks, "SharedCost.blocks")
+        if not self.blocks:
+            raise ValueError("SharedCost has no blocks; give at least one")
+        for block in self.blocks:
+            _check_tuple(block, "SharedCost block")
+            if not block or any(not strategies for _, strategies in block):
+                raise ValueError(f"SharedCost block {block!r} needs conditions with strategies")
+
+    def holds(self, choices: tuple[int, ...]) -> bool:
+        """Whether ``choices`` satisfy some block (the cost is then paid)."""
+        return any(all(choices[v] in strategies for v, strategies in block)
+                   for block in self.blocks)
+
+
 @dataclass(frozen=True)
 class IlpProblem:
     """A strategy-choice problem: pick one strategy per node minimizing node plus edge costs.
@@ -44,6 +79,7 @@ class IlpProblem:
     ``aliases`` pairs must pick the same strategy index (they need equal strategy counts).
     ``node_memory[v][p]`` is bytes held by ``v`` under ``p``; each live set's chosen memory must
     not exceed ``memory_budget`` (bytes) when that is given. ``max_cost`` caps the objective.
+    ``shared`` costs are paid once each when one of their blocks holds (see `SharedCost`).
     Raises ValueError naming the bad index for wrong matrix sizes, out-of-range node indices,
     aliases between nodes with different strategy counts, or memory settings without
     ``node_memory``; TypeError for lists where tuples are expected.
@@ -56,6 +92,7 @@ class IlpProblem:
     live_sets: tuple[tuple[int, ...], ...] = ()
     memory_budget: float | None = None
     max_cost: float | None = None
+    shared: tuple[SharedCost, ...] = ()
 
     def __post_init__(self) -> None:
         _check_matrix(self.node_costs, "node_costs")
@@ -63,6 +100,9 @@ class IlpProblem:
         _check_tuple(self.edges, "edges")
         for i, edge in enumerate(self.edges):
             _check_edge(edge, i, counts)
+        _check_tuple(self.shared, "shared")
+        for i, term in enumerate(self.shared):
+            _check_shared(term, i, counts)
         _check_aliases(self.aliases, counts)
         _check_memory(self, counts)
         if self.max_cost is not None and math.isnan(self.max_cost):
@@ -106,6 +146,8 @@ class IlpSolution:
 def evaluate(problem: IlpProblem, choices: tuple[int, ...]) -> tuple[float, float]:
     """Return ``(node_cost, edge_cost)`` of a fixed assignment, in the problem's cost unit.
 
+    ``edge_cost`` includes the shared costs whose blocks hold.
+
     Raises ValueError when ``choices`` has the wrong length or an out-of-range index, violates an
     alias, or picks a forbidden (infinite) strategy or pair. Memory is not checked here; see
     ``peak_memory``.
@@ -124,6 +166,7 @@ def evaluate(problem: IlpProblem, choices: tuple[int, ...]) -> tuple[float, floa
             edge = problem.edges[i]
             raise ValueError(f"edge {i} ({edge.u}, {edge.v}) picks forbidden pair "
                              f"({choices[edge.u]}, {choices[edge.v]})")
+    edge_terms += [t.cost for t in problem.shared if t.holds(choices)]
     return math.fsum(node_terms), math.fsum(edge_terms)
 
 
@@ -191,6 +234,17 @@ def _check_edge(edge: IlpEdge, i: int, counts: tuple[int, ...]) -> None:
     if shape != (counts[edge.u], counts[edge.v]):
         raise ValueError(f"edges[{i}] ({edge.u}, {edge.v}) costs are {shape[0]}x{shape[1]}; "
                          f"the nodes have {counts[edge.u]}x{counts[edge.v]} strategies")
+
+
+def _check_shared(term: SharedCost, i: int, counts: tuple[int, ...]) -> None:
+    if not isinstance(term, SharedCost):
+        raise TypeError(f"shared[{i}] must be a SharedCost, got {type(term).__name__}")
+    for block in term.blocks:
+        for v, strategies in block:
+            _check_index(v, f"shared[{i}] node")
+            if v >= len(counts) or any(not 0 <= p < counts[v] for p in strategies):
+                raise ValueError(f"shared[{i}] names node {v} strategies {strategies}; valid "
+                                 f"nodes 0..{len(counts) - 1} with their strategy ranges")
 
 
 def _check_aliases(aliases: tuple[tuple[int, int], ...], counts: tuple[int, ...]) -> None:

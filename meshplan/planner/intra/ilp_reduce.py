@@ -10,6 +10,9 @@
    - an edge whose allowed block is separable, ``R[p, q] = a[p] + b[q]`` (all-zero included),
      becomes node costs ``a`` and ``b`` on its ends.
 A group with no allowed strategy left proves the problem infeasible.
+4. ``reduce_shared``: shared (fan-out) costs are restated over groups and their allowed
+   strategies; a condition on a fixed group is true or false, so a block may drop out or make its
+   cost a constant.
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ class ReducedIlp:
 
     ``group_of_node[v]`` is node ``v``'s group; ``costs[g][p]`` the group's cost of strategy
     ``p`` with folded edges included (``inf`` = forbidden); ``edges`` join two free groups
-    (more than one allowed strategy) as ``(gu, gv, R)`` with ``gu < gv``.
+    (more than one allowed strategy) as ``(gu, gv, R)`` with ``gu < gv``. ``shared`` holds each
+    remaining shared cost as ``(cost, blocks)``, a block being ``((g, positions), ...)`` over free
+    groups with positions into ``allowed(g)``; ``shared_offset`` sums the shared costs paid
+    whatever the choice.
     """
 
     group_of_node: np.ndarray
     costs: tuple[np.ndarray, ...]
     edges: tuple[tuple[int, int, np.ndarray], ...]
+    shared: tuple[tuple[float, tuple[tuple[tuple[int, np.ndarray], ...], ...]], ...] = ()
+    shared_offset: float = 0.0
 
     def allowed(self, group: int) -> np.ndarray:
         """Indices of the group's allowed strategies."""
@@ -47,8 +55,10 @@ class ReducedIlp:
 
 
 def reduce_problem(node_costs: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
-                   aliases: tuple[tuple[int, int], ...]) -> ReducedIlp:
-    """Apply every reduction of the module docstring to validated arrays.
+                   aliases: tuple[tuple[int, int], ...],
+                   shared: tuple[tuple[float, tuple], ...] = ()) -> ReducedIlp:
+    """Apply every reduction of the module docstring to validated arrays. ``shared`` lists
+    ``(cost, blocks)`` as `SharedCost` states them, over nodes.
 
     Raises InfeasibleIlpError naming a node once some node has no allowed strategy left.
     """
@@ -62,7 +72,49 @@ def reduce_problem(node_costs: list[np.ndarray], edges: list[tuple[int, int, np.
     first_node = np.unique(group_of_node, return_index=True)[1]
     propagate(costs, merged, first_node)
     kept = tuple((gu, gv, r) for (gu, gv), r in sorted(merged.items()))
-    return ReducedIlp(group_of_node, tuple(costs), kept)
+    terms, offset = reduce_shared(shared, group_of_node, costs)
+    return ReducedIlp(group_of_node, tuple(costs), kept, terms, offset)
+
+
+def reduce_shared(shared: tuple[tuple[float, tuple], ...], group_of_node: np.ndarray,
+                  costs: list[np.ndarray]) -> tuple[tuple, float]:
+    """Shared costs over free groups (see ``ReducedIlp.shared``) and the always-paid total."""
+    terms, offset = [], 0.0
+    for cost, blocks in shared:
+        kept, always = [], False
+        for block in blocks:
+            conds = _reduce_block(block, group_of_node, costs)
+            if conds is None:
+                continue
+            if not conds:
+                always = True
+                break
+            kept.append(conds)
+        if always:
+            offset += cost
+        elif kept and cost > 0:
+            terms.append((cost, tuple(kept)))
+    return tuple(terms), offset
+
+
+def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarray]
+                  ) -> tuple[tuple[int, np.ndarray], ...] | None:
+    """A block's conditions on free groups as positions into their allowed strategies; ``()``
+    when it always holds, None when it never can."""
+    wanted: dict[int, set[int]] = {}
+    for v, strategies in block:
+        g = int(group_of_node[v])
+        mine = set(strategies)
+        wanted[g] = wanted[g] & mine if g in wanted else mine
+    conds = []
+    for g, strategies in wanted.items():
+        allowed = np.flatnonzero(np.isfinite(costs[g]))
+        hit = np.flatnonzero(np.isin(allowed, sorted(strategies)))
+        if hit.size == 0:
+            return None
+        if allowed.size > 1:
+            conds.append((g, hit))
+    return tuple(conds)
 
 
 def merge_aliases(num_nodes: int, aliases: tuple[tuple[int, int], ...]) -> np.ndarray:

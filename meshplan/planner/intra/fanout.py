@@ -1,0 +1,191 @@
+"""Operand costs charged once per value and once per parameter, not once per edge (fan-out).
+
+A value read by several consumers is moved once per distinct resharding recipe: consumers that
+need it in the same layout with the same gradient marks share the moved tensor, so its forward
+collectives and its backward all-reduce run once, on the gradients summed locally (Megatron's
+q, k and v projections read one layer-norm output and all-reduce its gradient once). A parameter
+read by several ops (a tied embedding) is synchronized once per distinct set of axes its uses
+leave its gradient partial over (see `param_sync`).
+
+Each use of a value, at a pair of root choices ``(p, q)``, yields *charges* ``(unit, key,
+cost)``: ``("move", value, recipe)`` costs the recipe's collectives; ``("sync", param, mode,
+layout, axes)`` the update-phase synchronization over ``axes`` of a parameter kept in that
+layout and mode. A key is paid once however many uses need it. When every use of a unit lies
+between the same two roots, the dedup is a function of that pair of choices and stays in the
+pairwise matrices of Alpa's eq. 1; otherwise each key becomes one `SharedCost` of the ILP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from meshplan.ir.graph import Graph, Node
+from meshplan.planner.intra.ilp_problem import SharedCost
+from meshplan.planner.intra.layout import Axes
+from meshplan.planner.intra.op_costs import OpCosts, local_bytes, recipe_cost, sync_cost
+
+Charge = tuple[Hashable, tuple, float]   # (unit, key, cost)
+Use = tuple[str, int]                    # (consumer node, operand position)
+
+
+def operand_uses(graph: Graph) -> dict[str, list[Use]]:
+    """Every use of every value, in graph order: value -> [(consumer, operand position)]."""
+    out: dict[str, list[Use]] = defaultdict(list)
+    for node in graph.nodes:
+        for j, name in enumerate(node.inputs):
+            out[name].append((node.name, j))
+    return out
+
+
+def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Charge] | None:
+    """What reading operand ``j`` of ``node`` costs when its producer's root picks ``p`` and the
+    node's root ``q``; None when the pair is forbidden (a parameter resharded before a use)."""
+    u = costs.g.by_name[node.inputs[j]]
+    recipe = costs.operand_recipe(node, j, p, q)
+    param = costs.param_root.get(u.name)
+    if param is not None and recipe.steps and not costs.ctx.param_reshard:
+        # A parameter is computed with in the layout it is kept in (its spec); keeping it
+        # in another layout is what the ZeRO-3 update mode is for.
+        return None
+    out: list[Charge] = []
+    if recipe.steps:
+        out.append((("v", u.name), ("move", u.name, recipe),
+                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh)))
+    if recipe.sync_axes:
+        choice = costs.nc.choices[param][p]
+        lay = choice.strategy.output
+        nbytes = local_bytes(costs.g.by_name[param], lay, costs.shape)
+        out.append((("p", param), ("sync", param, choice.mode, lay, recipe.sync_axes),
+                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh)))
+    return out
+
+
+def operand_cost(costs: OpCosts, node: Node, j: int, p: int, q: int) -> float:
+    """The cost of one use on its own, as if no other use shared it (greedy baselines)."""
+    charges = use_charges(costs, node, j, p, q)
+    return math.inf if charges is None else math.fsum(c for _, _, c in charges)
+
+
+def units_of(costs: OpCosts, value: str) -> list[Hashable]:
+    units: list[Hashable] = [("v", value)]
+    if value in costs.param_root:
+        units.append(("p", costs.param_root[value]))
+    return units
+
+
+@dataclass
+class OperandCharges:
+    """Operand costs for the ILP: additions to root costs, edge matrices and shared costs."""
+
+    node_costs: dict[str, list[float]]
+    edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    shared: list[tuple[float, tuple]] = field(default_factory=list)  # (cost, blocks by root)
+
+    def add(self, a: str, r: str, p: int, q: int, cost: float) -> None:
+        if a == r:
+            self.node_costs[r][p] += cost
+        else:
+            self.edges[(a, r)][p][q] += cost
+
+
+def charge_operands(costs: OpCosts) -> OperandCharges:
+    """Charge every operand use once per key (see the module docstring)."""
+    nc, g = costs.nc, costs.g
+    out = OperandCharges({r: [0.0] * len(nc.choices[r]) for r in nc.roots})
+    uses = operand_uses(g)
+    unit_uses: dict[Hashable, int] = defaultdict(int)
+    for value, value_uses in uses.items():
+        for unit in units_of(costs, value):
+            unit_uses[unit] += len(value_uses)
+    pending: dict[Hashable, list[tuple[str, str, int, int, tuple, float]]] = defaultdict(list)
+    for node in g.nodes:
+        r = nc.root_of[node.name]
+        for j, name in enumerate(node.inputs):
+            a = nc.root_of[name]
+            if a != r and (a, r) not in out.edges:
+                out.edges[(a, r)] = [[0.0] * len(nc.choices[r]) for _ in nc.choices[a]]
+            for p, q in _pairs(a, r, len(nc.choices[a]), len(nc.choices[r])):
+                charges = use_charges(costs, node, j, p, q)
+                if charges is None:
+                    out.add(a, r, p, q, math.inf)
+                    continue
+                for unit, key, cost in charges:
+                    if unit_uses[unit] == 1:
+                        out.add(a, r, p, q, cost)
+                    elif cost > 0:
+                        pending[unit].append((a, r, p, q, key, cost))
+    for entries in pending.values():
+        _charge_unit(out, entries)
+    return out
+
+
+def _pairs(a: str, r: str, num_a: int, num_r: int) -> list[tuple[int, int]]:
+    if a == r:  # a follower in its producer's tree: one index for both
+        return [(p, p) for p in range(num_a)]
+    return [(p, q) for p in range(num_a) for q in range(num_r)]
+
+
+def _charge_unit(out: OperandCharges, entries: list[tuple[str, str, int, int, tuple, float]]
+                 ) -> None:
+    """Keys of one unit: deduplicated per pair of choices when every use lies between the same
+    two roots, else one shared cost per key."""
+    ends = {(a, r) for a, r, *_ in entries}
+    if len(ends) == 1:
+        cells: dict[tuple[int, int], dict[tuple, float]] = defaultdict(dict)
+        for a, r, p, q, key, cost in entries:
+            cells[(p, q)][key] = cost
+        (a, r), = ends
+        for (p, q), keys in cells.items():
+            out.add(a, r, p, q, math.fsum(keys.values()))
+        return
+    by_key: dict[tuple, dict[tuple[str, str, int], set[int]]] = defaultdict(
+        lambda: defaultdict(set))
+    cost_of: dict[tuple, float] = {}
+    for a, r, p, q, key, cost in entries:
+        by_key[key][(a, r, p)].add(q)
+        cost_of[key] = cost
+    for key, cells in by_key.items():
+        out.shared.append((cost_of[key], _blocks(cells)))
+
+
+def _blocks(cells: dict[tuple[str, str, int], set[int]]) -> tuple:
+    """Blocks (by root name) of one key: the producer choices with the same consumer choices
+    merged into one block."""
+    merged: dict[tuple[str, str, frozenset[int]], list[int]] = defaultdict(list)
+    for (a, r, p), qs in cells.items():
+        merged[(a, r, frozenset(qs) if a != r else frozenset())].append(p)
+    blocks = []
+    for (a, r, qs), ps in merged.items():
+        if a == r:
+            blocks.append(((a, tuple(sorted(ps))),))
+        else:
+            blocks.append(((a, tuple(sorted(ps))), (r, tuple(sorted(qs)))))
+    return tuple(blocks)
+
+
+def shared_costs(out: OperandCharges, index: dict[str, int]) -> tuple[SharedCost, ...]:
+    """The shared costs with roots replaced by their ILP node indices."""
+    return tuple(SharedCost(cost, tuple(tuple((index[root], ps) for root, ps in block)
+                                        for block in blocks))
+                 for cost, blocks in out.shared)
+
+
+def param_sync(use_axes: Sequence[Axes]) -> tuple[Axes, tuple[Axes, ...]]:
+    """How a parameter whose uses leave its gradient partial over ``use_axes`` (one entry per
+    use, ``()`` for a use computed whole) is synchronized: ``(update_axes, backward_axes)``.
+
+    The update phase synchronizes over ``update_axes``, the set with the most axes (first in use
+    order on ties). Every other distinct non-empty set is all-reduced in backward on its own
+    uses' contribution (``backward_axes``); and every use whose set is not ``update_axes`` has its
+    contribution divided by the size of the ``update_axes`` group, because once complete it is
+    summed again, identical, over that group. Each distinct set is thus one collective, which is
+    what the ILP charges (`use_charges`).
+    """
+    keys = list(dict.fromkeys(a for a in use_axes if a))
+    if not keys:
+        return (), ()
+    update = max(keys, key=len)
+    return update, tuple(k for k in keys if k != update)
