@@ -22,6 +22,8 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from meshplan.capture.cse import merge_common_subexpressions
+
 aten = torch.ops.aten
 
 
@@ -116,4 +118,4 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
                          f"{None if val is None else tuple(val.shape)}")
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
              + [("input", f"input{i}") for i in range(len(inputs))] + [("target", "target")])
-    return Traced(gm, tuple(roles))
+    return Traced(merge_common_subexpressions(gm), tuple(roles))
