@@ -175,6 +175,10 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
         return [Choice(_source_strategy(l)) for l in layouts]
     if opts.force_data_parallel:
         layouts = [l for l in layouts if not l.split_axes]
+    # A parameter is split only into equal pieces (as Megatron pads its vocabulary): the plan's
+    # one list of collectives then holds on every rank, whose update buckets carry its pieces.
+    layouts = [l for l in layouts if all(n % _group_size(ax, mesh_shape) == 0
+                                         for n, ax in zip(shape, l.dims))]
     out = []
     for lay in layouts:
         for mode in param_modes(lay, shape, axes, mesh_shape, opts):
@@ -199,6 +203,13 @@ def param_modes(layout: Layout, shape: Sequence[int], axes: Axes, mesh_shape: tu
     if opts.memory_budget is None or not can_shard:
         return ["replicated"]  # without a memory limit, ZeRO only adds latency
     return list(UPDATE_MODES)
+
+
+def _group_size(axes: Axes, mesh_shape: tuple[int, int]) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh_shape[a]
+    return n
 
 
 def _split_of(layout: Layout, dim: int, mesh_shape: tuple[int, int]) -> int:

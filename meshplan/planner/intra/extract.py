@@ -115,7 +115,8 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
             counts: Counter) -> tuple[ParamDecision, ...]:
     nc, g = form.choices, form.choices.graph
     shape = tuple(form.ctx.mesh.shape)
-    buckets: Counter[tuple[str, tuple[int, ...], str]] = Counter()
+    # The runtime synchronizes one bucket per (update mode, axes) and collective kind.
+    buckets: Counter[tuple[str, tuple[int, ...], str, str]] = Counter()
     out = []
     for n in g.params():
         choice = nc.choices[n.name][idx[n.name]]
@@ -126,15 +127,15 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
         for extra in backward:  # uses synchronized apart from the update (`param_sync`)
             counts[("all_reduce", nbytes, extra, "backward")] += 1
         if axes and mode == "replicated":
-            buckets[("all_reduce", axes, "update")] += nbytes
+            buckets[("all_reduce", axes, "update", mode)] += nbytes
         elif axes:
-            buckets[("reduce_scatter", axes, "update")] += nbytes
+            buckets[("reduce_scatter", axes, "update", mode)] += nbytes
             if mode == "zero2":
-                buckets[("all_gather", axes, "update")] += nbytes
+                buckets[("all_gather", axes, "update", mode)] += nbytes
             else:
                 counts[("all_gather", nbytes, axes, "forward")] += 1
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
-    for (kind, axes, phase), nbytes in buckets.items():
+    for (kind, axes, phase, _), nbytes in buckets.items():
         counts[(kind, nbytes, axes, phase)] += 1
     return tuple(out)

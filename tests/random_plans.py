@@ -1,0 +1,59 @@
+"""Random valid plans: the ILP's own feasible set, explored by solving it under random costs.
+
+Every strategy assignment the ILP allows (no forbidden pair, aliases kept, every parameter in a
+layout its uses can read) is a plan meshplan may one day choose on some cluster; each must train
+exactly like one device. Solving the real problem with random node, edge and shared costs picks
+such an assignment at random, with update modes included when a memory budget opens them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Any
+
+import meshplan.api as api
+from meshplan.plan.plan import Plan
+from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem, SharedCost
+
+# A budget no test model comes near: ZeRO-2/3 become choices without ever binding.
+OPEN_BUDGET_GB = 1e6
+
+
+def randomize(problem: IlpProblem, rng: random.Random) -> IlpProblem:
+    """The same feasible set with random finite costs (forbidden entries stay forbidden)."""
+    def pick(x: float) -> float:
+        return math.inf if math.isinf(x) else rng.random()
+
+    return dataclasses.replace(
+        problem,
+        node_costs=tuple(tuple(pick(x) for x in row) for row in problem.node_costs),
+        edges=tuple(IlpEdge(e.u, e.v, tuple(tuple(pick(x) for x in row) for row in e.costs))
+                    for e in problem.edges),
+        shared=tuple(SharedCost(rng.random(), t.blocks) for t in problem.shared),
+        memory_budget=None, live_sets=())
+
+
+def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
+                shape: tuple[int, int], seed: int, monkeypatch: Any) -> Plan:
+    """A plan of ``model`` on a ``shape`` mesh whose strategies are a random valid assignment."""
+    rng = random.Random(seed)
+
+    def random_solve(problem: IlpProblem, **kw: Any) -> Any:
+        # Random costs make the MIP hard to prove optimal; any feasible point is as random.
+        shuffled = randomize(problem, rng)
+        try:
+            return solve(shuffled, **{"time_limit_s": 0.3, **kw})
+        except TimeoutError:
+            return solve(shuffled, **kw)
+
+    monkeypatch.setattr(api, "solve", random_solve)
+    try:
+        return api.plan(model, loss_fn, optimizer, example_batch,
+                        f"local:{shape[0] * shape[1]}", mesh_shape=shape,
+                        memory_budget_gb=OPEN_BUDGET_GB, share_blocks=False,
+                        name=f"random-{seed}")
+    finally:
+        monkeypatch.undo()
