@@ -10,9 +10,9 @@ leave its gradient partial over (see `param_sync`).
 Each use of a value, at a pair of root choices ``(p, q)``, yields *charges* ``(unit, key,
 cost)``: ``("move", value, recipe)`` costs the recipe's collectives; ``("sync", param, mode,
 layout, axes)`` the update-phase synchronization over ``axes`` of a parameter kept in that
-layout and mode. A key is paid once however many uses need it. When every use of a unit lies
-between the same two roots, the dedup is a function of that pair of choices and stays in the
-pairwise matrices of Alpa's eq. 1; otherwise each key becomes one `SharedCost` of the ILP.
+layout and mode. A key is paid once however many uses need it. A key that only one pair of roots
+can need is a function of that pair's choices and stays in the pairwise matrices of Alpa's
+eq. 1 (deduplicated per cell); a key several pairs can need becomes one `SharedCost`.
 """
 
 from __future__ import annotations
@@ -130,25 +130,25 @@ def _pairs(a: str, r: str, num_a: int, num_r: int) -> list[tuple[int, int]]:
 
 def _charge_unit(out: OperandCharges, entries: list[tuple[str, str, int, int, tuple, float]]
                  ) -> None:
-    """Keys of one unit: deduplicated per pair of choices when every use lies between the same
-    two roots, else one shared cost per key."""
-    ends = {(a, r) for a, r, *_ in entries}
-    if len(ends) == 1:
-        cells: dict[tuple[int, int], dict[tuple, float]] = defaultdict(dict)
-        for a, r, p, q, key, cost in entries:
-            cells[(p, q)][key] = cost
-        (a, r), = ends
-        for (p, q), keys in cells.items():
-            out.add(a, r, p, q, math.fsum(keys.values()))
-        return
+    """Keys of one unit: a key needed through one pair of roots only is paid in that pair's
+    matrix (once per cell); a key several pairs can need becomes one shared cost."""
+    ends: dict[tuple, set[tuple[str, str]]] = defaultdict(set)
+    for a, r, _, _, key, _ in entries:
+        ends[key].add((a, r))
+    cells: dict[tuple[str, str, int, int], dict[tuple, float]] = defaultdict(dict)
     by_key: dict[tuple, dict[tuple[str, str, int], set[int]]] = defaultdict(
         lambda: defaultdict(set))
     cost_of: dict[tuple, float] = {}
     for a, r, p, q, key, cost in entries:
-        by_key[key][(a, r, p)].add(q)
-        cost_of[key] = cost
-    for key, cells in by_key.items():
-        out.shared.append((cost_of[key], _blocks(cells)))
+        if len(ends[key]) == 1:
+            cells[(a, r, p, q)][key] = cost
+        else:
+            by_key[key][(a, r, p)].add(q)
+            cost_of[key] = cost
+    for (a, r, p, q), keys in cells.items():
+        out.add(a, r, p, q, math.fsum(keys.values()))
+    for key, key_cells in by_key.items():
+        out.shared.append((cost_of[key], _blocks(key_cells)))
 
 
 def _blocks(cells: dict[tuple[str, str, int], set[int]]) -> tuple:
