@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 import meshplan.api as api
+from meshplan.cost.collectives import collective_cost
+from meshplan.cost.mesh import LogicalMesh
 from meshplan.capture.to_ir import capture
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm
@@ -60,6 +62,24 @@ def make_plan(spec: str, shape: tuple[int, int], method: str, opt: OptimizerSpec
     extra = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if abstract else {}
     return api.plan(w.model, w.loss_fn, opt, w.example_batch, f"local:{shape[0] * shape[1]}",
                     mesh_shape=shape, method=method, memory_budget_gb=0, name=spec, **extra, **kw)
+
+
+UPDATE_KINDS = {"replicated": ("all_reduce",), "zero2": ("reduce_scatter", "all_gather"),
+                "zero3": ("reduce_scatter",)}
+
+
+def alpha_beta_sum(plan: Plan) -> float:
+    """The α-β cost of the plan's collectives as the ILP charges them: the runtime buckets the
+    update-phase synchronizations of all parameters into one collective per kind and axes, which
+    the ILP, pricing each parameter alone, counts as one latency per parameter."""
+    mesh = LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta)
+    listed = sum(c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
+                 for c in plan.collectives)
+    per_param = sum(collective_cost(kind, mesh, p.sync_axes, 0)
+                    for p in plan.params if p.sync_axes for kind in UPDATE_KINDS[p.update])
+    bucketed = sum(c.count * collective_cost(c.kind, mesh, c.mesh_axes, 0)
+                   for c in plan.collectives if c.phase == "update")
+    return listed + per_param - bucketed
 
 
 def record_counter(records: list) -> Counter:

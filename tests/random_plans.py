@@ -15,7 +15,7 @@ from typing import Any
 
 import meshplan.api as api
 from meshplan.plan.plan import Plan
-from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp import evaluate, solve
 from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem, SharedCost
 
 # A budget no test model comes near: ZeRO-2/3 become choices without ever binding.
@@ -37,23 +37,32 @@ def randomize(problem: IlpProblem, rng: random.Random) -> IlpProblem:
 
 
 def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
-                shape: tuple[int, int], seed: int, monkeypatch: Any) -> Plan:
-    """A plan of ``model`` on a ``shape`` mesh whose strategies are a random valid assignment."""
+                shape: tuple[int, int], seed: int, monkeypatch: Any, *,
+                abstract: bool = False) -> Plan:
+    """A plan of ``model`` on a ``shape`` mesh whose strategies are a random valid assignment.
+
+    Its ``objective`` is what the real problem charges for that assignment. ``abstract``: α=β=1
+    units and no memory budget (replicated updates only); else the cluster's own costs with a
+    budget that never binds, so ZeRO-2/3 updates are drawn too.
+    """
     rng = random.Random(seed)
 
     def random_solve(problem: IlpProblem, **kw: Any) -> Any:
         # Random costs make the MIP hard to prove optimal; any feasible point is as random.
         shuffled = randomize(problem, rng)
         try:
-            return solve(shuffled, **{"time_limit_s": 0.3, **kw})
+            sol = solve(shuffled, **{"time_limit_s": 0.3, **kw})
         except TimeoutError:
-            return solve(shuffled, **kw)
+            sol = solve(shuffled, **kw)
+        node, edge = evaluate(problem, sol.choices)
+        return dataclasses.replace(sol, objective=node + edge, node_cost=node, edge_cost=edge)
 
+    units = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0), "memory_budget_gb": 0} if abstract \
+        else {"memory_budget_gb": OPEN_BUDGET_GB}
     monkeypatch.setattr(api, "solve", random_solve)
     try:
         return api.plan(model, loss_fn, optimizer, example_batch,
-                        f"local:{shape[0] * shape[1]}", mesh_shape=shape,
-                        memory_budget_gb=OPEN_BUDGET_GB, share_blocks=False,
-                        name=f"random-{seed}")
+                        f"local:{shape[0] * shape[1]}", mesh_shape=shape, share_blocks=False,
+                        name=f"random-{seed}", **units)
     finally:
         monkeypatch.undo()

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.cost.collectives import collective_cost
-from meshplan.cost.mesh import LogicalMesh
 from meshplan.plan.plan import Plan
 from meshplan.planner.intra.fanout import param_sync
-from oracle import GPT, SGD, make_plan
+from oracle import GPT, SGD, alpha_beta_sum, make_plan
 from test_equivalence_emulated import run_case
 
 # Blocks with separate q, k and v projections of one layer-norm output.
@@ -24,24 +22,6 @@ ACTIVATION_BYTES = 8 * 16 * 64 * 4  # batch x seq x hidden, fp32
 def activation_all_reduces(plan: Plan, phase: str) -> int:
     return sum(c.count for c in plan.collectives if c.kind == "all_reduce"
                and c.phase == phase and c.bytes == ACTIVATION_BYTES)
-
-
-UPDATE_KINDS = {"replicated": ("all_reduce",), "zero2": ("reduce_scatter", "all_gather"),
-                "zero3": ("reduce_scatter",)}
-
-
-def alpha_beta_sum(plan: Plan) -> float:
-    """The α-β cost of the plan's collectives as the ILP charges them: the runtime buckets the
-    update-phase synchronizations of all parameters into one collective per kind and axes, which
-    the ILP, pricing each parameter alone, counts as one latency per parameter."""
-    mesh = LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta)
-    listed = sum(c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
-                 for c in plan.collectives)
-    per_param = sum(collective_cost(kind, mesh, p.sync_axes, 0)
-                    for p in plan.params if p.sync_axes for kind in UPDATE_KINDS[p.update])
-    bucketed = sum(c.count * collective_cost(c.kind, mesh, c.mesh_axes, 0)
-                   for c in plan.collectives if c.phase == "update")
-    return listed + per_param - bucketed
 
 
 def test_megatron_all_reduces_each_activation_gradient_once() -> None:

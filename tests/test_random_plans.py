@@ -2,7 +2,8 @@
 
 Each case solves the model's own ILP under random costs (`random_plans.py`), lowers the plan,
 trains two steps on emulated ranks and checks losses, parameters and recorded == planned
-collectives against the single-device oracle. Several hundred plans across the zoo's families,
+collectives against the single-device oracle; in α-β units, the ILP's charge for the plan equals
+the α-β cost of the collectives it lists. Several hundred plans across the zoo's families,
 tied language models and mixture-of-experts.
 """
 
@@ -13,7 +14,8 @@ import pytest
 from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.spec import build_workload
-from oracle import assert_matches, batches, reference, shared_capture, train_rank
+from oracle import (alpha_beta_sum, assert_matches, batches, reference, shared_capture,
+                    train_rank)
 from random_plans import random_plan
 
 SGD = OptimizerSpec("sgd", lr=0.05)
@@ -40,9 +42,13 @@ def test_random_plans_equal_single_device(name: str, shape: tuple[int, int],
     captured = shared_capture(w)
     seen = set()
     for seed in range(SEEDS[name]):
+        abstract = seed % 2 == 1
         plan = random_plan(meta.model, meta.loss_fn, SGD, meta.example_batch, shape,
-                           1000 * shape[0] + 100 * shape[1] + seed, monkeypatch)
+                           1000 * shape[0] + 100 * shape[1] + seed, monkeypatch,
+                           abstract=abstract)
         seen.add(tuple(o.strategy for o in plan.ops) + tuple(p.update for p in plan.params))
+        if abstract:  # the ILP charges exactly what runs
+            assert plan.objective == pytest.approx(alpha_beta_sum(plan), rel=1e-6, abs=1e-3)
         for r in run_emulated(train_rank, shape, plan, w, data, captured):
             assert_matches(r, ref, plan, SGD)
     assert len(seen) >= max(1, SEEDS[name] // 2), "random plans should differ"
