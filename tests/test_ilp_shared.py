@@ -19,10 +19,13 @@ def random_shared(rng: random.Random, counts: tuple[int, ...]) -> tuple[SharedCo
     for _ in range(rng.randint(1, 4)):
         blocks = []
         for _ in range(rng.randint(1, 3)):
-            nodes = rng.sample(range(len(counts)), rng.randint(1, min(2, len(counts))))
-            blocks.append(tuple((v, tuple(sorted(rng.sample(range(counts[v]),
-                                                            rng.randint(1, counts[v])))))
-                                for v in nodes))
+            clauses = []
+            for _ in range(rng.randint(1, 2)):
+                nodes = rng.sample(range(len(counts)), rng.randint(1, min(3, len(counts))))
+                clauses.append(tuple((v, tuple(sorted(rng.sample(range(counts[v]),
+                                                                 rng.randint(1, counts[v])))))
+                                     for v in nodes))
+            blocks.append(tuple(clauses))
         terms.append(SharedCost(float(rng.randint(1, 40)), tuple(blocks)))
     return tuple(terms)
 
@@ -49,7 +52,7 @@ def test_a_shared_cost_is_paid_once_for_all_its_edges() -> None:
     # One value read by three consumers: each consumer computes for 9 in layout 0, or for free in
     # layout 1, into which the value must be moved for 10 -- once, however many consumers
     # want it. Charged per edge (30) the move would lose to 27; shared, it wins at 10.
-    move = SharedCost(10.0, tuple(((v, (1,)),) for v in (0, 1, 2)))
+    move = SharedCost(10.0, ((((0, (1,)), (1, (1,)), (2, (1,))),),))
     problem = IlpProblem(node_costs=((9.0, 0.0), (9.0, 0.0), (9.0, 0.0)), shared=(move,))
     sol = solve(problem)
     assert sol.choices == (1, 1, 1) and sol.objective == 10.0
@@ -58,10 +61,12 @@ def test_a_shared_cost_is_paid_once_for_all_its_edges() -> None:
 
 def test_shared_cost_validation_names_the_problem() -> None:
     with pytest.raises(ValueError, match="finite"):
-        SharedCost(math.inf, (((0, (0,)),),))
+        SharedCost(math.inf, ((((0, (0,)),),),))
     with pytest.raises(ValueError, match="no blocks"):
         SharedCost(1.0, ())
+    with pytest.raises(ValueError, match="clauses"):
+        SharedCost(1.0, (((),),))
     with pytest.raises(ValueError, match="strategies"):
-        IlpProblem(node_costs=((0.0,),), shared=(SharedCost(1.0, (((0, (3,)),),)),))
+        IlpProblem(node_costs=((0.0,),), shared=(SharedCost(1.0, ((((0, (3,)),),),)),))
     with pytest.raises(ValueError, match="edges"):  # unrelated checks still run
         IlpProblem(node_costs=((0.0,), (0.0,)), edges=(IlpEdge(0, 1, ((0.0, 1.0),)),))

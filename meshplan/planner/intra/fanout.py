@@ -152,24 +152,29 @@ def _charge_unit(out: OperandCharges, entries: list[tuple[str, str, int, int, tu
 
 
 def _blocks(cells: dict[tuple[str, str, int], set[int]]) -> tuple:
-    """Blocks (by root name) of one key: the producer choices with the same consumer choices
-    merged into one block."""
-    merged: dict[tuple[str, str, frozenset[int]], list[int]] = defaultdict(list)
+    """Blocks (by root name) of one key: "the producer picks p, and some consumer picks one of
+    the choices needing the key at p" -- producer choices with the same consumer clause merged;
+    a consumer inside the producer's tree needs only the producer's choice."""
+    same: dict[str, set[int]] = defaultdict(set)
+    across: dict[tuple[str, int], dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     for (a, r, p), qs in cells.items():
-        merged[(a, r, frozenset(qs) if a != r else frozenset())].append(p)
-    blocks = []
-    for (a, r, qs), ps in merged.items():
         if a == r:
-            blocks.append(((a, tuple(sorted(ps))),))
+            same[a].add(p)
         else:
-            blocks.append(((a, tuple(sorted(ps))), (r, tuple(sorted(qs)))))
+            across[(a, p)][r].update(qs)
+    merged: dict[tuple[str, tuple], list[int]] = defaultdict(list)
+    for (a, p), by_root in across.items():
+        clause = tuple(sorted((r, tuple(sorted(qs))) for r, qs in by_root.items()))
+        merged[(a, clause)].append(p)
+    blocks = [(((a, tuple(sorted(ps))),),) for a, ps in same.items()]
+    blocks += [(((a, tuple(sorted(ps))),), clause) for (a, clause), ps in merged.items()]
     return tuple(blocks)
 
 
 def shared_costs(out: OperandCharges, index: dict[str, int]) -> tuple[SharedCost, ...]:
     """The shared costs with roots replaced by their ILP node indices."""
-    return tuple(SharedCost(cost, tuple(tuple((index[root], ps) for root, ps in block)
-                                        for block in blocks))
+    return tuple(SharedCost(cost, tuple(tuple(tuple((index[root], ps) for root, ps in clause)
+                                              for clause in block) for block in blocks))
                  for cost, blocks in out.shared)
 
 

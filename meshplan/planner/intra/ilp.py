@@ -10,8 +10,8 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
           sum_q e_uv[p,q] = s_u[p]                  for every p          build_edge_rows
           sum_p e_uv[p,q] = s_v[q]                  for every q          build_edge_rows
           sum_{v in L} sum_p mem_v[p] s_v[p] <= budget   per live set L  build_memory_rows
-          y_k >= sum_{(v,P) in b} sum_{p in P} s_v[p] - (|b| - 1)
-                                                    per block b of shared cost k  build_shared_rows
+          y_k >= sum_{c in b} [c] - (|b| - 1)     per block b of shared cost k  build_shared_rows
+          z_c >= sum_{p in P} s_v[p]                per condition (v, P) of a clause c
           objective <= max_cost                     (when given)         build_max_cost_row
           s_u = s_v                                 per alias (u, v)     merge_aliases
           s_v[p] in {0, 1},  e_uv[p,q] >= 0
@@ -19,8 +19,10 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
 The marginal constraints replace the quadratic ``s_u^T R_uv s_v``: once ``s_u`` and ``s_v`` are
 one-hot, ``e_uv`` is forced to the one-hot pair, so ``e`` may be continuous and only ``s`` is
 branched on. A shared cost ``k`` (one collective serving several edges: a value resharded once
-for all its consumers) is paid once when any of its blocks -- conjunctions of "node v picks a
-strategy in P" -- holds; ``y_k`` is continuous for the same reason as ``e``. The marginal
+for all its consumers) is paid once when any of its blocks holds; a block is a conjunction of
+clauses, a clause a disjunction of conditions "node v picks a strategy in P" (``[c]`` is
+``sum_{p in P} s_v[p]`` for one condition, ``z_c`` for several); ``y`` and ``z`` are continuous
+for the same reason as ``e``. The marginal
 form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
 ``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all. Strategies
 whose rows (columns) of ``R_uv`` are identical -- they emit (expect) the same sharding spec --

@@ -11,7 +11,9 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
 - ``build_memory_rows``: ``sum_{v in L} sum_p mem[v, p] s[v, p] <= budget`` per live set ``L``
   (or ``<= M`` when minimizing memory); rows that can never bind are skipped;
 - ``build_shared_rows``: one continuous ``y`` per shared (fan-out) cost, paid when any of its
-  blocks holds: ``y >= sum_{(g, P) in block} sum_{p in P} s[g, p] - (|block| - 1)`` per block;
+  blocks holds: ``y >= sum_{clause in block} [clause] - (|block| - 1)`` per block, where a
+  clause's indicator is ``sum_{p in P} s[g, p]`` for one condition ``(g, P)`` and a continuous
+  ``z >= sum_{p in P_i} s[g_i, p]`` (for each of its conditions i) for several;
 - ``build_max_cost_row``: ``c^T x + offset <= max_cost``.
 """
 
@@ -172,18 +174,45 @@ def build_edge_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
 def build_shared_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray) -> None:
     """One ``y`` column per shared cost and one row per block (see the module docstring).
 
-    With a positive cost the minimum puts ``y`` at the largest block indicator, which is 0 or 1
-    once ``s`` is integral, so the term is exact; the rows count as coupling rows because its LP
+    A clause of one condition enters a block's row as its ``s`` columns; a clause of several is
+    one continuous ``z >= sum_{p in P} s[g, p]`` per condition, built once per distinct clause
+    (the consumers wanting one layout are one clause, shared by the keys that need it). With a
+    positive cost the minimum puts ``y`` and ``z`` at their largest indicator, 0 or 1 once ``s``
+    is integral, so the terms are exact; the rows count as coupling rows because the LP
     relaxation may be fractional.
     """
+    clause_cols: dict[tuple, int] = {}
     for cost, blocks in reduced.shared:
         y = coo.add_cols(np.array([cost]), 1.0, False)
         for block in blocks:
+            cols, vals = [np.array([y])], [np.array([-1.0])]
+            for clause in block:
+                if len(clause) == 1:
+                    g, pos = clause[0]
+                    cols.append(choice_cols[g] + pos)
+                else:
+                    cols.append(np.array([_clause_col(coo, clause, choice_cols, clause_cols)]))
+                vals.append(np.ones(cols[-1].size))
             row = coo.add_rows(-np.inf, float(len(block) - 1), 1)
-            cols = np.concatenate([choice_cols[g] + pos for g, pos in block])
-            coo.add_entries(np.full(cols.size, row), cols, 1.0)
-            coo.add_entries(np.array([row]), np.array([y]), -1.0)
+            flat = np.concatenate(cols)
+            coo.add_entries(np.full(flat.size, row), flat, np.concatenate(vals))
             coo.num_coupling_rows += 1
+
+
+def _clause_col(coo: _Coo, clause: tuple, choice_cols: np.ndarray,
+                cache: dict[tuple, int]) -> int:
+    """The ``z`` column of a clause of several conditions (one per distinct clause)."""
+    key = tuple(sorted((g, tuple(int(p) for p in pos)) for g, pos in clause))
+    if key not in cache:
+        z = coo.add_cols(np.zeros(1), 1.0, False)
+        for g, pos in clause:
+            row = coo.add_rows(-np.inf, 0.0, 1)
+            coo.add_entries(np.full(pos.size + 1, row),
+                            np.concatenate([choice_cols[g] + pos, [z]]),
+                            np.concatenate([np.ones(pos.size), [-1.0]]))
+            coo.num_coupling_rows += 1
+        cache[key] = z
+    return cache[key]
 
 
 def edge_classes(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

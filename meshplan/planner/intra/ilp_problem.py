@@ -37,22 +37,25 @@ class IlpEdge:
 
 
 Condition = tuple[int, tuple[int, ...]]  # (node, strategies it may pick)
+Clause = tuple[Condition, ...]           # holds when any of its conditions holds
+Block = tuple[Clause, ...]               # holds when all of its clauses hold
 
 
 @dataclass(frozen=True)
 class SharedCost:
     """A cost paid once when any of its ``blocks`` holds (a fan-out term).
 
-    A block is a conjunction of one or two conditions ``(node, strategies)``: it holds when every
-    named node picks one of its listed strategies. One collective that serves several edges (a
-    value resharded once for all its consumers, a tied parameter synchronized once for all its
-    uses) is one shared cost whose blocks are the strategy pairs that need it; pairwise edge
-    matrices would charge it once per edge. Raises ValueError for a negative or non-finite cost,
-    an empty block list, a block without conditions or an empty strategy list.
+    A block is a conjunction of clauses; a clause holds when any of its conditions
+    ``(node, strategies)`` does, i.e. when that node picks one of those strategies. One collective
+    that serves several edges -- a value moved once for all the consumers that need it in one
+    layout, a tied parameter synchronized once for all its uses -- is one shared cost, e.g. with a
+    block "the producer keeps layout L, and some consumer (a clause of several conditions) wants
+    layout M"; pairwise edge matrices would charge it once per edge. Raises ValueError for a
+    negative or non-finite cost, or an empty block, clause or strategy list.
     """
 
     cost: float
-    blocks: tuple[tuple[Condition, ...], ...]
+    blocks: tuple[Block, ...]
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cost) and self.cost >= 0):
@@ -62,13 +65,15 @@ class SharedCost:
             raise ValueError("SharedCost has no blocks; give at least one")
         for block in self.blocks:
             _check_tuple(block, "SharedCost block")
-            if not block or any(not strategies for _, strategies in block):
-                raise ValueError(f"SharedCost block {block!r} needs conditions with strategies")
+            if not block or any(not clause or any(not strategies for _, strategies in clause)
+                                for clause in block):
+                raise ValueError(f"SharedCost block {block!r} needs clauses of conditions "
+                                 "with strategies")
 
     def holds(self, choices: tuple[int, ...]) -> bool:
         """Whether ``choices`` satisfy some block (the cost is then paid)."""
-        return any(all(choices[v] in strategies for v, strategies in block)
-                   for block in self.blocks)
+        return any(all(any(choices[v] in strategies for v, strategies in clause)
+                       for clause in block) for block in self.blocks)
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,7 @@ def _check_shared(term: SharedCost, i: int, counts: tuple[int, ...]) -> None:
     if not isinstance(term, SharedCost):
         raise TypeError(f"shared[{i}] must be a SharedCost, got {type(term).__name__}")
     for block in term.blocks:
-        for v, strategies in block:
+        for v, strategies in (cond for clause in block for cond in clause):
             _check_index(v, f"shared[{i}] node")
             if v >= len(counts) or any(not 0 <= p < counts[v] for p in strategies):
                 raise ValueError(f"shared[{i}] names node {v} strategies {strategies}; valid "

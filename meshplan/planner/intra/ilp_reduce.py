@@ -39,14 +39,14 @@ class ReducedIlp:
     ``p`` with folded edges included (``inf`` = forbidden); ``edges`` join two free groups
     (more than one allowed strategy) as ``(gu, gv, R)`` with ``gu < gv``. ``shared`` holds each
     remaining shared cost as ``(cost, blocks)``, a block being ``((g, positions), ...)`` over free
-    groups with positions into ``allowed(g)``; ``shared_offset`` sums the shared costs paid
-    whatever the choice.
+    groups: a block is a tuple of clauses, a clause a tuple of ``(g, positions into allowed(g))``
+    alternatives; ``shared_offset`` sums the shared costs paid whatever the choice.
     """
 
     group_of_node: np.ndarray
     costs: tuple[np.ndarray, ...]
     edges: tuple[tuple[int, int, np.ndarray], ...]
-    shared: tuple[tuple[float, tuple[tuple[tuple[int, np.ndarray], ...], ...]], ...] = ()
+    shared: tuple[tuple[float, tuple], ...] = ()
     shared_offset: float = 0.0
 
     def allowed(self, group: int) -> np.ndarray:
@@ -98,23 +98,30 @@ def reduce_shared(shared: tuple[tuple[float, tuple], ...], group_of_node: np.nda
 
 
 def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarray]
-                  ) -> tuple[tuple[int, np.ndarray], ...] | None:
-    """A block's conditions on free groups as positions into their allowed strategies; ``()``
-    when it always holds, None when it never can."""
-    wanted: dict[int, set[int]] = {}
-    for v, strategies in block:
-        g = int(group_of_node[v])
-        mine = set(strategies)
-        wanted[g] = wanted[g] & mine if g in wanted else mine
-    conds = []
-    for g, strategies in wanted.items():
-        allowed = np.flatnonzero(np.isfinite(costs[g]))
-        hit = np.flatnonzero(np.isin(allowed, sorted(strategies)))
-        if hit.size == 0:
+                  ) -> tuple[tuple[tuple[int, np.ndarray], ...], ...] | None:
+    """A block's clauses over free groups, each a tuple of ``(group, positions into its allowed
+    strategies)``; ``()`` when the block always holds, None when it never can."""
+    clauses = []
+    for clause in block:
+        wanted: dict[int, set[int]] = defaultdict(set)
+        for v, strategies in clause:
+            wanted[int(group_of_node[v])].update(strategies)
+        alternatives, always = [], False
+        for g, strategies in wanted.items():
+            allowed = np.flatnonzero(np.isfinite(costs[g]))
+            hit = np.flatnonzero(np.isin(allowed, sorted(strategies)))
+            if hit.size == 0:
+                continue
+            if allowed.size == 1:
+                always = True
+                break
+            alternatives.append((g, hit))
+        if always:
+            continue
+        if not alternatives:
             return None
-        if allowed.size > 1:
-            conds.append((g, hit))
-    return tuple(conds)
+        clauses.append(tuple(alternatives))
+    return tuple(clauses)
 
 
 def merge_aliases(num_nodes: int, aliases: tuple[tuple[int, int], ...]) -> np.ndarray:
