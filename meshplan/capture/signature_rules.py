@@ -76,14 +76,24 @@ def bmm_rule(c: OpCall) -> OpRule:
 
 def sdpa_rule(c: OpCall) -> OpRule:
     # All device variants of scaled-dot-product attention normalize to one op. Sequence and head
-    # dims pass through a softmax, so only batch and heads can be split.
+    # dims pass through a softmax, so only batch and heads can be split. A mask (boolean or
+    # additive, broadcast against (…, s, t)) is split with the batch and heads it belongs to.
     q, k, v = c.in_shapes[:3]
     lead = "".join(fresh_atoms(len(q) - 2, 600))
-    dims = [lead + "sd", lead + "te", lead + "tf"]
-    if len(c.in_shapes) > 3:
-        raise ValueError("attention with an explicit mask tensor is not supported yet")
-    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction",
-                 unsplittable={"s", "t", "d", "e", "f"})
+    dims: list = [lead + "sd", lead + "te", lead + "tf"]
+    pinned = {"s", "t", "d", "e", "f"}
+    for m, mask in enumerate(c.in_shapes[3:]):
+        full = lead + "st"
+        mine = []
+        for i, n in enumerate(mask):
+            atom = full[len(full) - len(mask) + i]
+            if atom in "st" or n == (q[:-2] + (q[-2], k[-2]))[len(q) - len(mask) + i]:
+                mine.append(atom)
+            else:  # broadcast size-1 dim: its own atom, never split
+                mine.append(fresh_atoms(1, 640 + 8 * m + i)[0])
+                pinned.add(mine[-1])
+        dims.append(tuple(mine))
+    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction", unsplittable=pinned)
     batch = math.prod(q[:-2])
     return OpRule("sdpa", sig, 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1]))
 
@@ -296,15 +306,24 @@ def expand_rule(c: OpCall) -> OpRule:
 
 
 def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
-    """Ops that keep shapes except along one dim, which must stay whole (cat, slice, split)."""
+    """Ops that keep shapes except along one dim, which must stay whole (cat, slice, split).
+    ``torch.cat`` also accepts 1-D empty operands of any other rank: they get atoms of their own
+    (a key/value cache that starts empty)."""
     def rule(c: OpCall) -> OpRule:
-        x = c.in_shapes[0]
+        x = c.out_shape if name == "cat" else c.in_shapes[0]
         atoms = list(fresh_atoms(len(x)))
         d = c.arg(dim_arg, dim_name, 0) % len(x)
         fixed = set()
         ins = []
-        for k in range(len(c.in_shapes)):
-            a = list(atoms); a[d] = fresh_atoms(1, 500 + k)[0]; fixed.add(a[d]); ins.append(a)
+        for k, shape in enumerate(c.in_shapes):
+            if len(shape) != len(x):
+                a = list(fresh_atoms(len(shape), 520 + 8 * k))
+                fixed.update(a)
+            else:
+                a = list(atoms)
+                a[d] = fresh_atoms(1, 500 + k)[0]
+                fixed.add(a[d])
+            ins.append(a)
         out = list(atoms); out[d] = fresh_atoms(1, 499)[0]; fixed.add(out[d])
         sig = _sized(ins, out, c.in_shapes, c.out_shape, "view", fixed)
         return OpRule(name, sig, 0.0)
@@ -399,6 +418,9 @@ RULES: dict[str, Rule] = {
     "_scaled_dot_product_cudnn_attention": sdpa_rule,
     "native_layer_norm": normalize_last_rule("layer_norm", 8.0, None),
     "_softmax": normalize_last_rule("softmax", 5.0, 1),
+    # A softmax that gives zeros for fully masked rows: its dim is never split (no statistics
+    # exchange for it), every other dim is.
+    "_safe_softmax": along_dim_rule("safe_softmax"),
     "_log_softmax": normalize_last_rule("log_softmax", 5.0, 1),
     "sum": reduction_rule("sum", mean=False), "mean": reduction_rule("mean", mean=True),
     "nll_loss_forward": nll_loss_rule, "mse_loss": mse_loss_rule,
@@ -425,5 +447,21 @@ RULES.update({f"{name}_": rule for name, rule in list(RULES.items())
 
 # Ops that create tensors from nothing (or only from another tensor's shape): planned as
 # replicated constants of the global shape.
-CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor"})
-LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like"})
+CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor",
+                          "eye", "linspace", "empty_strided"})
+# Ops whose tensor operand gives only a dtype (``x.new_ones(size)``) or a shape (``ones_like``):
+# constants of the *global* shape, whatever piece of the operand a rank holds.
+LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "new_ones",
+                      "new_zeros", "new_full", "new_empty", "new_empty_strided"})
+
+
+def is_pointwise(target: Any) -> bool:
+    """An aten overload tagged pointwise (elementwise with broadcasting) and not random."""
+    import torch
+    tags = getattr(target, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def is_random(target: Any) -> bool:
+    import torch
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())

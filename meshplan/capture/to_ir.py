@@ -1,10 +1,12 @@
 """Turn a traced fx graph into meshplan's IR (`meshplan.ir.graph.Graph`).
 
 Each fx call becomes one IR node with its normalized op name, signature, FLOPs and bytes.
-Multi-output ops are represented by their first output (``getitem(op, 0)`` folds into the op);
-the other outputs (layer norm's statistics, attention's log-sum-exp) only feed the backward pass,
-which autograd derives at run time. An op without a rule is planned replicated, with one warning
-naming it: it never aborts the plan.
+A multi-output op whose forward reads only its first output is that output (``getitem(op, 0)``
+folds into the op; layer norm's statistics, attention's log-sum-exp only feed the backward
+pass, which autograd derives at run time); one whose other outputs are read (``topk``'s
+indices, ``split``'s pieces) becomes one node per output read. Pointwise aten ops (by their
+tag) are elementwise with broadcasting. Tensor constants of the trace are constant nodes. An op
+without a rule is planned replicated, with one warning naming it: it never aborts the plan.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall
+from meshplan.capture.signature_rules import (CONSTANT_OPS, LIKE_OPS, RULES, OpCall,
+                                              elementwise_rule, is_pointwise, is_random)
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph, Node, TensorInfo
 from meshplan.ir.signatures import Signature, replicated_signature
@@ -41,18 +44,19 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-# Multi-output ops whose outputs the forward program uses one by one: each used output is an
-# IR node of its own (lowering calls the op and takes that output).
-ITEM_OPS = ("split", "split_with_sizes", "max", "min")
+def _is_multi(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
 
 
-def _is_split_item(node: fx.Node) -> bool:
-    return (node.target is operator.getitem
-            and _packet(node.args[0].target) in ITEM_OPS)
-
-
-def _is_first_output(node: fx.Node) -> bool:
-    return node.target is operator.getitem and node.args[1] == 0 and not _is_split_item(node)
+def _items_used(node: fx.Node) -> bool:
+    """Whether the forward reads outputs of a multi-output op one by one: any output but the
+    first, or a list output (split's pieces). Each read output is then an IR node of its own
+    (lowering calls the op on local operands and takes that output); otherwise the op is one
+    node standing for its first output (layer norm's statistics only feed the backward pass)."""
+    if not _is_multi(node):
+        return False
+    return isinstance(node.meta["val"], list) or any(
+        u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
 
 
 def _opcall(node: fx.Node, operands: list[fx.Node], packet: str) -> OpCall:
@@ -60,10 +64,11 @@ def _opcall(node: fx.Node, operands: list[fx.Node], packet: str) -> OpCall:
                   _info(node.meta["val"]).shape, tuple(node.args), tuple(node.kwargs.items()))
 
 
-def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad: bool) -> Node:
+def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad: bool,
+             target: Any) -> Node:
     packet = op_call.target
     out = _info(node.meta["val"])
-    rule = RULES.get(packet)
+    rule = RULES.get(packet) or (elementwise_rule(packet) if is_pointwise(target) else None)
     r = rule(op_call) if rule is not None else None
     if r is None:
         sig = replicated_signature(tuple(len(s) for s in op_call.in_shapes), len(out.shape))
@@ -77,7 +82,11 @@ def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad:
 
 
 def to_ir(traced: Traced) -> Graph:
-    """Build the IR graph of a traced program (see the module docstring)."""
+    """Build the IR graph of a traced program (see the module docstring).
+
+    Raises ValueError naming the op when the program draws random numbers meshplan cannot
+    reproduce on every rank, or has shapes that depend on data.
+    """
     alias: dict[str, str] = {}
     nodes: list[Node] = []
     grad: dict[str, bool] = {}
@@ -91,12 +100,16 @@ def to_ir(traced: Traced) -> Graph:
         elif node.op == "output":
             out = node.args[0]
             loss = alias.get((out[0] if isinstance(out, (list, tuple)) else out).name)
-        elif _is_first_output(node):
-            alias[node.name] = alias[node.args[0].name]
-        elif _is_split_item(node):
-            nodes.append(_split_item(node, alias, grad))
+        elif node.op == "get_attr":  # a tensor constant of the program (torch.tensor(...))
+            nodes.append(Node(node.name, "constant", "tensor_constant", (),
+                              _info(getattr(traced.graph_module, node.target)), None))
         elif node.target is operator.getitem:
-            pass  # secondary outputs feed only the backward pass
+            parent = node.args[0]
+            if _items_used(parent):
+                nodes.append(_item_node(node, alias, grad))
+            elif node.args[1] == 0:
+                alias[node.name] = alias[parent.name]
+            # other outputs of an op read whole feed only the backward pass
         else:
             packet = _packet(node.target)
             operands = _tensor_args(node)
@@ -104,18 +117,37 @@ def to_ir(traced: Traced) -> Graph:
             if (not operands and packet in CONSTANT_OPS) or packet in LIKE_OPS:
                 nodes.append(Node(node.name, "constant", packet, (), _info(node.meta["val"]),
                                   None))
-            elif packet in ITEM_OPS and isinstance(node.meta.get("val"), (tuple, list)):
+            elif _items_used(node):
                 pass  # represented by its getitem users
             else:
+                _check_supported(node, packet)
                 rg = any(grad.get(n, False) for n in names)
-                nodes.append(_op_node(node, names, _opcall(node, operands, packet), rg))
+                nodes.append(_op_node(node, names, _opcall(node, operands, packet), rg,
+                                      node.target))
         if nodes and nodes[-1].name == node.name:
             alias[node.name] = node.name
             grad[node.name] = nodes[-1].requires_grad
-    _check_used_outputs(nodes, traced)
     assert loss is not None, "traced graph has no output"
     live = _prune_dead(nodes, loss)
     return Graph(tuple(live), loss, _warn_unsupported(live))
+
+
+def _check_supported(node: fx.Node, packet: str) -> None:
+    if is_random(node.target) and packet not in RULES:
+        raise ValueError(
+            f"the program draws random numbers with '{packet}'{_where(node)}; meshplan reproduces "
+            "one device's random draws only for dropout and bernoulli. Use nn.Dropout / "
+            "torch.bernoulli, or draw the tensor outside the model and pass it as an input")
+
+
+def _where(node: fx.Node) -> str:
+    """`` in module 'x.y' (Class)`` from the trace's module stack, when it has one."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, cls = list(stack.values())[-1]
+    cls_name = getattr(cls, "__name__", str(cls)).rsplit(".", 1)[-1]
+    return f" in module '{path}' ({cls_name})"
 
 
 def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
@@ -129,22 +161,15 @@ def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
     return names
 
 
-def _split_item(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> Node:
+def _item_node(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> Node:
+    """One output of a multi-output op, over all of the op's tensor operands."""
     parent = node.args[0]
-    src = parent.args[0]
-    call = OpCall(_packet(parent.target), (_info(src.meta["val"]).shape,),
+    operands = _tensor_args(parent)
+    names = [alias[o.name] for o in operands]
+    call = OpCall(_packet(parent.target), tuple(_info(o.meta["val"]).shape for o in operands),
                   _info(node.meta["val"]).shape, tuple(parent.args), tuple(parent.kwargs.items()))
-    return _op_node(node, [alias[src.name]], call, grad.get(alias[src.name], False))
-
-
-def _check_used_outputs(nodes: list[Node], traced: Traced) -> None:
-    # A forward op reading a secondary output (e.g. layer norm's mean) is outside the IR's model.
-    for node in traced.graph_module.graph.nodes:
-        if node.target is operator.getitem and node.args[1] != 0 and node.users:
-            parent = _packet(node.args[0].target)
-            if parent not in ITEM_OPS:
-                raise ValueError(f"the forward program uses output {node.args[1]} of '{parent}', "
-                                 "which meshplan cannot shard yet")
+    _check_supported(parent, call.target)
+    return _op_node(node, names, call, any(grad.get(n, False) for n in names), parent.target)
 
 
 def _prune_dead(nodes: list[Node], loss: str) -> list[Node]:

@@ -12,6 +12,7 @@ backward pass is not traced: at run time autograd differentiates the sharded for
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -25,6 +26,10 @@ from torch.func import functional_call
 from meshplan.capture.cse import merge_common_subexpressions
 
 aten = torch.ops.aten
+
+# make_fx patches module-level state while it traces; emulated ranks are threads of one process,
+# so traces run one at a time.
+_TRACE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,9 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
         return loss_fn(out, tgt)
 
-    with mode:
+    # Tracing is what torch.compile/export do: libraries (Hugging Face) then skip data-dependent
+    # checks (``if (mask == 1).all()``) that fake tensors cannot answer.
+    with _TRACE_LOCK, torch.compiler._compile_session_context(), mode:
         gm = make_fx(step, decomposition_table=_decompositions())(
             list(fake_state.values()), fake_inputs, fake_target)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]

@@ -121,9 +121,11 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
     ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
-    if orig.target is operator.getitem:  # one piece of a split
+    if orig.target is operator.getitem:  # one output of a multi-output op
         parent = orig.args[0]
         args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
+        if partial and node.sig is not None and node.sig.mean_atoms and orig.args[1] == 0:
+            return _split_mean(g, _packet(parent.target), node, args)
         pieces = g.call_function(parent.target, args, kwargs)
         return g.call_function(operator.getitem, (pieces, orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
@@ -175,14 +177,24 @@ def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
                                                      offsets))
 
 
-def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
-    """``empty_like``/``zeros_like``/``ones_like``/``full_like`` of the *global* shape."""
-    dt = getattr(torch, dtype)
+def fill_value(kind: str, args: tuple) -> Any:
+    """The fill of ``full_like(x, v)`` / ``x.new_full(size, v)``; None for the other kinds."""
     if kind == "full_like":
+        return args[1]
+    if kind == "new_full":
+        return args[2]
+    return None
+
+
+def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
+    """``*_like`` / ``new_*`` constants of the *global* shape (the operand gives only a dtype
+    or a shape, whatever piece of it a rank holds)."""
+    dt = getattr(torch, dtype)
+    if kind in ("full_like", "new_full"):
         return torch.full(shape, fill, dtype=dt)
-    if kind == "ones_like":
+    if kind in ("ones_like", "new_ones"):
         return torch.ones(shape, dtype=dt)
-    return torch.zeros(shape, dtype=dt)  # empty_like: zeros, so a rank never reads garbage
+    return torch.zeros(shape, dtype=dt)  # empty: zeros, so a rank never reads garbage
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int

@@ -59,6 +59,7 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
+        self.constants: dict[str, torch.Tensor] = {}
         self.comm = self.out.placeholder("comm")
         self.rng = self.out.placeholder("rng")
 
@@ -71,7 +72,10 @@ class _Lowerer:
             else:
                 self._op(node)
         self.out.output(self.env[self.graph.loss])
-        gm = fx.GraphModule(torch.nn.Module(), self.out)
+        root = torch.nn.Module()
+        for name, tensor in self.constants.items():
+            root.register_buffer(name, tensor)
+        gm = fx.GraphModule(root, self.out)
         return LocalProgram(gm, tuple(phs), self.values, self.values[self.graph.loss].layout.partial)
 
     # ---------------------------------------------------------------- sources
@@ -81,7 +85,10 @@ class _Lowerer:
             if node.op in LIKE_OPS:  # from the global shape, not a local operand's
                 self.env[node.name] = self.out.call_function(
                     local_ops.constant_like, (node.op, node.out.shape, node.out.dtype,
-                                              orig.args[1] if node.op == "full_like" else None))
+                                              local_ops.fill_value(node.op, orig.args)))
+            elif orig.op == "get_attr":  # a tensor constant: the program carries its value
+                self.constants[orig.target] = getattr(self.traced.graph_module, orig.target)
+                self.env[node.name] = self.out.get_attr(orig.target)
             else:
                 self.env[node.name] = self.out.call_function(orig.target, orig.args,
                                                              dict(orig.kwargs))
