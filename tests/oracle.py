@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import meshplan.api as api
+from meshplan.capture.batch import batch_layout, batch_tensors, forward_loss
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.capture.to_ir import capture
@@ -43,12 +44,15 @@ def batches(w: Workload, n: int, seed: int = 5) -> list[Any]:
 
 
 def reference(w: Workload, opt: OptimizerSpec, data: list[Any]) -> tuple[list[float], dict]:
-    """Single-device training: the oracle."""
+    """Single-device training: the oracle. Step i runs after ``torch.manual_seed(i)``, the seed
+    the Trainer gives step i's dropout."""
     model = copy.deepcopy(w.model)
     o = make_optimizer(opt, model.parameters())
     losses = []
-    for (inputs, target) in data:
-        loss = w.loss_fn(model(*inputs), target)
+    for step, batch in enumerate(data):
+        torch.manual_seed(step)
+        layout, tensors = batch_layout(batch), batch_tensors(batch)
+        loss = forward_loss(model, w.loss_fn, layout, [tensors[n] for n in layout.names])
         loss.backward()
         o.step()
         o.zero_grad()

@@ -359,12 +359,11 @@ def test_file_model_on_meta_and_list_structures(model_file: Path) -> None:
 @pytest.mark.parametrize(
     ("fn", "pattern"),
     [
-        ("bare_tensor_inputs", r"bare_tensor_inputs\(\) returned inputs of type Tensor.*wrap one tensor"),
         ("two_items", r"returned a tuple of length 2; expected \(model: nn.Module"),
         ("not_a_module", r"returned a model of type str, not an nn.Module"),
         ("loss_not_callable", r"loss_fn of type int, which is not callable"),
-        ("bad_target", r"target of type list, not a Tensor"),
-        ("batch_of_three", r"example_batch of type tuple, not an \(inputs, target\) pair"),
+        ("bad_target", r"unusable example batch \(a batch is \(inputs, target\)"),
+        ("batch_of_three", r"unusable example batch .*or a dict of keyword arguments"),
         ("returns_none", r"returned a NoneType; expected"),
         ("missing", r"has no function 'missing'; functions defined there: \['bad_target', .*'make'"),
         ("CONSTANT", r"'CONSTANT' in model file .* is a int, not a function"),
@@ -385,3 +384,8 @@ def test_file_model_spec_errors(model_file: Path, tmp_path: Path) -> None:
     (tmp_path / "folder.py").mkdir()
     with pytest.raises(ValueError, match="is not a file"):
         build_workload(f"{tmp_path / 'folder.py'}:make")
+
+
+def test_file_model_inputs_may_be_one_tensor_or_keyword_arguments(model_file: Path) -> None:
+    w = build_workload(f"{model_file}:bare_tensor_inputs")
+    assert isinstance(w.example_batch[0], tuple) and len(w.example_batch[0]) == 1

@@ -174,15 +174,22 @@ def reduction_rule(name: str, mean: bool) -> Rule:
 
 
 def nll_loss_rule(c: OpCall) -> OpRule:
+    """NLL over (N, C) log-probabilities. A split class dim c picks each target on the shard
+    that holds it: partial sums. A mean divides by the weight of the targets that are not
+    ``ignore_index`` (padding labels), so a split batch all-reduces that one count
+    (`StatSync`); class weights keep the class dim whole."""
     x = c.in_shapes[0]
-    if len(c.in_shapes) > 2:
-        raise ValueError("nll_loss with class weights is not supported yet")
     reduction = c.arg(3, "reduction", 1)
     if len(x) != 2 or reduction not in (1, 2):
-        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
-    # A split class dim c picks each target on the shard that holds it: partial sums.
-    sig = _sized(["nc", "n"], (), c.in_shapes, c.out_shape, "reduction",
+        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum; got "
+                         f"input shape {tuple(x)}, reduction {reduction}")
+    weighted = len(c.in_shapes) > 2
+    sig = _sized(["nc", "n", "c"][:len(c.in_shapes)], (), c.in_shapes, c.out_shape, "reduction",
+                 unsplittable={"c"} if weighted else set(),
                  mean={"n"} if reduction == 1 else set())
+    if reduction == 1:
+        sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
+                        sig.atom_sizes, StatSync(frozenset("n"), (), 8, (("all_reduce", "none"),)))
     return OpRule("nll_loss", sig, float(x[0]))
 
 
@@ -373,15 +380,19 @@ def pool_rule(name: str) -> Rule:
     return rule
 
 
-def along_dim_rule(name: str) -> Rule:
-    """Ops that scan or select along one dim (cumsum; max/min over a dim): that dim is whole."""
+def along_dim_rule(name: str, dim_arg: int = 1, default: int | None = None) -> Rule:
+    """Ops that scan or select along one dim (cumsum, sort, topk; max/min/argmax over a dim):
+    that dim is whole, the others split freely. Without a dim (``max(x)``) nothing splits."""
     def rule(c: OpCall) -> OpRule:
         x = c.in_shapes[0]
         atoms = fresh_atoms(len(x))
-        if c.arg(1, "dim") is None:  # over everything: nothing can be split
-            sig = _sized([atoms], (), c.in_shapes, c.out_shape, "elementwise", set(atoms))
+        d = c.arg(dim_arg, "dim", default)
+        if d is None or not x:  # over everything: nothing can be split
+            out = atoms if len(c.out_shape) == len(x) else fresh_atoms(len(c.out_shape), 400)
+            sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
+                         set(atoms) | set(out))
             return OpRule(name, sig, float(math.prod(x)))
-        d = c.arg(1, "dim") % len(x)
+        d = d % len(x)
         if len(c.out_shape) == len(x):
             out = list(atoms)
             if c.out_shape[d] != x[d]:
@@ -391,6 +402,119 @@ def along_dim_rule(name: str) -> Rule:
         sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
                      unsplittable={atoms[d], *[a for a in out if a not in atoms]})
         return OpRule(name, sig, float(math.prod(x)))
+    return rule
+
+
+def pad_rule(c: OpCall) -> OpRule:
+    """``constant_pad_nd``: padded (trailing) dims stay whole, the others split freely."""
+    x = c.in_shapes[0]
+    pad = list(c.arg(1, "pad"))
+    padded = {len(x) - 1 - i // 2 for i, p in enumerate(pad) if p}
+    atoms = fresh_atoms(len(x))
+    out = [fresh_atoms(1, 400 + d)[0] if d in padded else a for d, a in enumerate(atoms)]
+    pinned = {atoms[d] for d in padded} | {out[d] for d in padded}
+    sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise", pinned)
+    return OpRule("pad", sig, float(math.prod(c.out_shape)))
+
+
+def gather_rule(c: OpCall) -> OpRule:
+    """``gather(x, dim, index)``: the output has the index's shape; along ``dim`` x stays whole
+    while index and output split together; other dims of equal size split all three alike."""
+    x, idx = c.in_shapes[:2]
+    d = c.arg(1, "dim") % len(x)
+    out = list(fresh_atoms(len(idx)))
+    xs, pinned = [], set()
+    for i, n in enumerate(x):
+        if i != d and n == idx[i]:
+            xs.append(out[i])
+        else:
+            xs.append(fresh_atoms(1, 420 + i)[0])
+            pinned.add(xs[-1])
+    for i, n in enumerate(idx):
+        if i != d and n != x[i]:
+            pinned.add(out[i])
+    sig = _sized([xs, out], out, c.in_shapes, c.out_shape, "elementwise", pinned)
+    return OpRule("gather", sig, float(math.prod(c.out_shape)))
+
+
+def scatter_rule(c: OpCall) -> OpRule:
+    """``scatter(x, dim, index, src)`` / ``scatter_add``: the output is x's shape; along ``dim``
+    everything stays whole; other dims where all operands agree split together."""
+    x = c.in_shapes[0]
+    d = c.arg(1, "dim") % len(x)
+    atoms = list(fresh_atoms(len(x)))
+    pinned = {atoms[d]}
+    ins = [atoms]
+    for k, shape in enumerate(c.in_shapes[1:]):
+        mine = []
+        for i, n in enumerate(shape):
+            if i != d and n == x[i]:
+                mine.append(atoms[i])
+            else:
+                mine.append(fresh_atoms(1, 440 + 8 * k + i)[0])
+                pinned.add(mine[-1])
+                if i != d:
+                    pinned.add(atoms[i])
+        ins.append(mine)
+    sig = _sized(ins, atoms, c.in_shapes, c.out_shape, "elementwise", pinned)
+    return OpRule(c.target.rstrip("_"), sig, float(math.prod(c.in_shapes[-1])))
+
+
+def index_select_rule(c: OpCall) -> OpRule:
+    """``index_select(x, dim, index)``: x whole along ``dim``; the output's dim follows the
+    index, split with it; other dims split freely."""
+    x = c.in_shapes[0]
+    d = c.arg(1, "dim") % len(x)
+    atoms = list(fresh_atoms(len(x)))
+    pick = fresh_atoms(1, 460)[0]
+    out = list(atoms)
+    out[d] = pick
+    sig = _sized([atoms, [pick]], out, c.in_shapes, c.out_shape, "elementwise", {atoms[d]})
+    return OpRule("index_select", sig, float(math.prod(c.out_shape)))
+
+
+def index_rule(c: OpCall) -> OpRule:
+    """``x[i0, i1, ...]`` (``index.Tensor``): indexed dims of x stay whole and the index
+    tensors' (broadcast) dims stay whole; the dims of x that are not indexed split freely."""
+    x = c.in_shapes[0]
+    indices = list(c.arg(1, "indices"))
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    atoms = list(fresh_atoms(len(x)))
+    idx_nd = len(c.out_shape) - (len(x) - len(indexed))
+    idx_atoms = list(fresh_atoms(idx_nd, 480))
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    rest = [a for d, a in enumerate(atoms) if d not in indexed]
+    if adjacent:
+        before = [a for d, a in enumerate(atoms) if d < indexed[0]]
+        out = before + idx_atoms + rest[len(before):]
+    else:
+        out = idx_atoms + rest
+    ins = [atoms]
+    for k, shape in enumerate(c.in_shapes[1:]):
+        ins.append(idx_atoms[idx_nd - len(shape):] if all(
+            n == c.out_shape[out.index(a)] for n, a in zip(shape, idx_atoms[idx_nd - len(shape):]))
+            else list(fresh_atoms(len(shape), 500 + 8 * k)))
+    pinned = {atoms[d] for d in indexed} | set(idx_atoms) | {a for i in ins[1:] for a in i}
+    sig = _sized(ins, out, c.in_shapes, c.out_shape, "elementwise", pinned)
+    return OpRule("index", sig, float(math.prod(c.out_shape)))
+
+
+def stat_reduction_rule(name: str) -> Rule:
+    """Variance-like reductions (``var``, ``std``, ``var_mean``): the reduced dims stay whole
+    (a split one would need its moments combined), kept dims split freely."""
+    def rule(c: OpCall) -> OpRule:
+        x = c.in_shapes[0]
+        atoms = fresh_atoms(len(x))
+        dims = c.arg(1, "dim")
+        dims = range(len(x)) if dims is None or dims == [] else [d % len(x) for d in dims]
+        keep = len(c.out_shape) == len(x)
+        red = {atoms[d] for d in dims}
+        kept = fresh_atoms(len(x), 400)
+        out = [(kept[i] if keep else None) if a in red else a for i, a in enumerate(atoms)]
+        out = [a for a in out if a is not None]
+        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
+                     unsplittable=red | set(kept))
+        return OpRule(name, sig, 2.0 * math.prod(x))
     return rule
 
 
@@ -434,7 +558,13 @@ RULES: dict[str, Rule] = {
     "adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
     "bernoulli_": random_rule, "bernoulli": random_rule,
     "cumsum": along_dim_rule("cumsum"), "max": along_dim_rule("max"),
-    "min": along_dim_rule("min"),
+    "min": along_dim_rule("min"), "topk": along_dim_rule("topk", 2, -1), "sort": along_dim_rule("sort", 1, -1),
+    "argmax": along_dim_rule("argmax"), "argmin": along_dim_rule("argmin"),
+    "cumprod": along_dim_rule("cumprod"), "logsumexp": stat_reduction_rule("logsumexp"),
+    "constant_pad_nd": pad_rule, "gather": gather_rule, "scatter": scatter_rule,
+    "scatter_add": scatter_rule, "index_select": index_select_rule, "index": index_rule,
+    "var": stat_reduction_rule("var"), "std": stat_reduction_rule("std"),
+    "var_mean": stat_reduction_rule("var_mean"), "std_mean": stat_reduction_rule("std_mean"),
     "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),

@@ -5,8 +5,10 @@ This is the one module that touches torch's tracing internals (``make_fx`` and
 buffers and the example batch become fake *CPU* tensors (fake CUDA breaks autograd on a CPU
 build), so a model built on the ``meta`` device traces at any size.
 
-The traced function is ``loss_fn(functional_call(model, state, inputs), target)``; its
-placeholders are, in order, every parameter, every buffer, every input and the target. The
+The traced function is the batch's loss with the model called through
+``functional_call(model, state, ...)`` (`meshplan.capture.batch`: ``loss_fn(model(*inputs),
+target)``, or a model called with keyword arguments that may return its own loss); its
+placeholders are, in order, every parameter, every buffer and every tensor of the batch. The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
 """
 
@@ -23,6 +25,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from meshplan.capture.batch import batch_layout, batch_tensors, forward_loss
 from meshplan.capture.cse import merge_common_subexpressions
 
 aten = torch.ops.aten
@@ -38,7 +41,7 @@ class Traced:
 
     ``placeholders[i]`` is ``(role, name)`` for the i-th placeholder node, where ``role`` is
     ``"param"``, ``"buffer"``, ``"input"`` or ``"target"`` and ``name`` the state-dict name (for
-    params/buffers) or ``"input{i}"`` / ``"target"``.
+    params/buffers) or the batch tensor's name (``"input{i}"`` / ``"target"``, or a keyword).
     """
 
     graph_module: GraphModule
@@ -78,44 +81,35 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
-def _check_batch(example_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
-        raise TypeError("example_batch must be a pair (inputs, target) with inputs a tuple of "
-                        f"tensors; got {type(example_batch).__name__}")
-    inputs, target = example_batch
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not all(isinstance(t, torch.Tensor) for t in inputs) or not isinstance(target, torch.Tensor):
-        raise TypeError("example_batch = (inputs, target): inputs must be a tuple of tensors and "
-                        "target a tensor")
-    return tuple(inputs), target
-
-
-def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-          example_batch: Sequence[Any]) -> Traced:
-    """Trace ``loss_fn(model(*inputs), target)`` at aten level without allocating memory.
+def trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+          example_batch: Any) -> Traced:
+    """Trace one batch's loss (see `meshplan.capture.batch` for the batch forms and how the
+    loss is formed) at aten level without allocating memory.
 
     Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
     """
-    inputs, target = _check_batch(example_batch)
+    layout = batch_layout(example_batch)
+    tensors = batch_tensors(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
-    fake_inputs = [_as_fake(mode, t) for t in inputs]
-    fake_target = _as_fake(mode, target)
+    fake_batch = [_as_fake(mode, tensors[n]) for n in layout.names]
     names = list(fake_state)
 
-    def step(state_list: list[torch.Tensor], batch: list[torch.Tensor], tgt: torch.Tensor
-             ) -> torch.Tensor:
-        out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
-        return loss_fn(out, tgt)
+    def step(state_list: list[torch.Tensor], batch: list[torch.Tensor]) -> torch.Tensor:
+        state = dict(zip(names, state_list))
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, state, args, kwargs, strict=False)
+
+        return forward_loss(call, loss_fn, layout, batch)
 
     # Tracing is what torch.compile/export do: libraries (Hugging Face) then skip data-dependent
     # checks (``if (mask == 1).all()``) that fake tensors cannot answer.
     with _TRACE_LOCK, torch.compiler._compile_session_context(), mode:
         gm = make_fx(step, decomposition_table=_decompositions())(
-            list(fake_state.values()), fake_inputs, fake_target)
+            list(fake_state.values()), fake_batch)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -124,5 +118,6 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         raise ValueError("loss_fn must return a scalar tensor (e.g. a mean-reduced loss); got "
                          f"{None if val is None else tuple(val.shape)}")
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
-             + [("input", f"input{i}") for i in range(len(inputs))] + [("target", "target")])
+             + [("target" if n == "target" and layout.kind == "pair" else "input", n)
+                for n in layout.names])
     return Traced(merge_common_subexpressions(gm), tuple(roles))

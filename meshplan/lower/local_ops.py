@@ -42,13 +42,27 @@ def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple
     return new_args, new_kwargs
 
 
-def nll_loss_split_mean(x: torch.Tensor, target: torch.Tensor, weight: Any, ignore_index: int,
-                        count: int) -> torch.Tensor:
-    """This rank's share of a mean NLL over a batch split across ranks."""
-    if bool((target == ignore_index).any()):
-        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
-                         "the batch is split: the mean's divisor would depend on other ranks' data")
-    return aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0] / count
+def nll_loss_split_mean(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
+                        ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's share of a mean NLL over a batch split across ``axes``: its sum over the
+    targets it holds, divided by the weight of every counted target of the whole batch (padding
+    labels equal to ``ignore_index`` count for nothing), all-reduced like any partial sum."""
+    total = aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0]
+    return total / counted_targets(comm, target, weight, ignore_index, axes, x.dtype)
+
+
+def counted_targets(comm: Any, target: torch.Tensor, weight: Any, ignore_index: int,
+                    axes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The divisor of a mean NLL: the summed class weights (1 each without weights) of the
+    targets that are not ``ignore_index``, over this rank's targets and, if ``axes``, the
+    group's."""
+    # Counted in float64 (exact for any batch), as the plan's 8-byte statistic says.
+    valid = target != ignore_index
+    if weight is None:
+        local = valid.sum().to(torch.float64)
+    else:
+        local = (weight[target.clamp(min=0)] * valid.to(weight.dtype)).sum().to(torch.float64)
+    return (collectives.all_reduce(comm, local, axes) if axes else local).to(dtype)
 
 
 def mse_loss_split_mean(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
@@ -63,8 +77,6 @@ def sum_split_mean(x: torch.Tensor, dims: Any, keepdim: bool, count: int) -> tor
 
 def _split_mean(g: fx.Graph, packet: str, node: Node, args: tuple) -> fx.Node:
     count = math.prod(node.sig.size(a) for a in node.sig.mean_atoms)
-    if packet == "nll_loss_forward":
-        return g.call_function(nll_loss_split_mean, (args[0], args[1], args[2], args[4], count))
     if packet == "mse_loss":
         return g.call_function(mse_loss_split_mean, (args[0], args[1], count))
     if packet == "mean":
@@ -116,23 +128,37 @@ def _batch_norm(g: fx.Graph, args: tuple, node: Node, comm: fx.Node, axes: tuple
     return g.call_function(sync_batch_norm, (comm, x, w, b, rm, rv, momentum, eps, axes, count))
 
 
+def _reduced(g: fx.Graph, packet: str, node: Node, args: tuple, comm: fx.Node | None,
+             sync_axes: tuple[int, ...]) -> fx.Node:
+    """An op that exchanges statistics over ``sync_axes``, or a mean over split dims."""
+    if packet == "native_batch_norm":
+        return _batch_norm(g, args, node, comm, sync_axes)
+    if packet == "nll_loss_forward":
+        weight = args[2] if len(args) > 2 else None
+        ignore = args[4] if len(args) > 4 else -100
+        return g.call_function(nll_loss_split_mean, (comm, args[0], args[1], weight, ignore,
+                                                     sync_axes))
+    assert not sync_axes, packet
+    return _split_mean(g, packet, node, args)
+
+
 def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          out_shape: tuple[int, ...], partial: bool, comm: fx.Node | None = None,
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
-    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
+    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm's, the count of
+    a mean NLL's targets)."""
     if orig.target is operator.getitem:  # one output of a multi-output op
         parent = orig.args[0]
         args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
-        if partial and node.sig is not None and node.sig.mean_atoms and orig.args[1] == 0:
-            return _split_mean(g, _packet(parent.target), node, args)
+        if orig.args[1] == 0 and (sync_axes or (partial and node.sig.mean_atoms)):
+            return _reduced(g, _packet(parent.target), node, args, comm, sync_axes)
         pieces = g.call_function(parent.target, args, kwargs)
         return g.call_function(operator.getitem, (pieces, orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
     if sync_axes:
-        assert packet == "native_batch_norm", packet
-        return _batch_norm(g, args, node, comm, sync_axes)
+        return _reduced(g, packet, node, args, comm, sync_axes)
     target = orig.target
     if packet in SHAPE_ARG_OPS:
         args = (args[0], list(out_shape), *args[2:])
@@ -141,7 +167,7 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         # a split dim), so views become reshapes: a view when possible, else a copy.
         target = aten.reshape.default
     if partial and node.sig is not None and node.sig.mean_atoms:
-        return _split_mean(g, packet, node, args)
+        return _reduced(g, packet, node, args, comm, sync_axes)
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
@@ -220,16 +246,16 @@ def softmax_split(comm: Any, x: torch.Tensor, dim: int, axes: tuple[int, ...], l
     return shifted - total.log() if log else shifted.exp() / total
 
 
-def nll_loss_class_split(x: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int,
-                         count: int | None) -> torch.Tensor:
+def nll_loss_class_split(comm: Any, x: torch.Tensor, target: torch.Tensor, start: int,
+                         ignore_index: int, mean: bool, axes: tuple[int, ...]) -> torch.Tensor:
     """NLL over log-probabilities whose class dim is split: each rank picks the targets that
-    fall in its classes ``[start, start + C_local)``; the result is a partial sum (divided by
-    the global count for a mean)."""
-    if count is not None and bool((target == ignore_index).any()):
-        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
-                         "the classes are split: the mean's divisor would depend on them")
+    fall in its classes ``[start, start + C_local)``; the result is a partial sum, divided for a
+    mean by the count of targets that are not ``ignore_index`` (all-reduced over ``axes`` when
+    the batch is split too)."""
     local = target - start
-    inside = (local >= 0) & (local < x.shape[1])
+    inside = (local >= 0) & (local < x.shape[1]) & (target != ignore_index)
     picked = x.gather(1, local.clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
     total = -(picked * inside.to(x.dtype)).sum()
-    return total / count if count else total
+    if not mean:
+        return total
+    return total / counted_targets(comm, target, None, ignore_index, axes, x.dtype)

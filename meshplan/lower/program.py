@@ -15,6 +15,7 @@ gradients are not synchronized here: the trainer does that once per step, in buc
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -149,11 +150,12 @@ class _Lowerer:
                                                   node.op == "log_softmax"))
         if node.op == "nll_loss" and shardeds[0].layout.dims[1]:
             start = piece_offsets(shardeds[0], self.pos)[1][0]
-            mean = (orig.args[3] if len(orig.args) > 3 else 1) == 1
-            ignore = orig.args[4] if len(orig.args) > 4 else -100
-            count = node.sig.size("n") if mean else None
-            return call(local_ops.nll_loss_class_split, (operands[0], operands[1], start,
-                                                         ignore, count))
+            parent = orig.args[0] if orig.target is operator.getitem else orig
+            mean = (parent.args[3] if len(parent.args) > 3 else 1) == 1
+            ignore = parent.args[4] if len(parent.args) > 4 else -100
+            return call(local_ops.nll_loss_class_split, (self.comm, operands[0], operands[1],
+                                                         start, ignore, mean,
+                                                         tuple(dec.sync_axes)))
         return None
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...], consumer: str

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from meshplan.capture.batch import batch_layout, batch_tensors
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -57,7 +58,7 @@ class Trainer:
     trace differs from the program the plan was made for.
     """
 
-    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable, example_batch: Any,
+    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None) -> None:
         if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
@@ -79,6 +80,7 @@ class Trainer:
         self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
                                         [p.update for p in self.params])
         self._by_node = {p.node: p for p in self.params}
+        self.batch_layout = batch_layout(example_batch)
         self._steps = 0
 
     def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
@@ -88,16 +90,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def local_batch(self, batch: Any) -> list[torch.Tensor]:
-        """This rank's pieces of a global batch ``(inputs, target)``, in program order."""
-        inputs, target = batch
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        full = {f"input{i}": t for i, t in enumerate(inputs)}
-        full["target"] = target
-        out = []
-        for n in self.graph.nodes:
-            if n.role in ("input", "target"):
-                out.append(take_local(full[n.state_name], self.program.values[n.name], self.pos))
-        return out
+        """This rank's pieces of a global batch (the example batch's form, see
+        `meshplan.capture.batch`), in program order. Raises ValueError for another form."""
+        full = batch_tensors(batch, self.batch_layout)
+        return [take_local(full[n.state_name], self.program.values[n.name], self.pos)
+                for n in self.graph.nodes if n.role in ("input", "target")]
 
     def _program_args(self, batch_pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         pieces = iter(batch_pieces)

@@ -15,13 +15,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-Parts = tuple[nn.Module, Callable[..., Tensor], tuple[tuple[Tensor, ...], Tensor]]
+from meshplan.capture.batch import batch_layout
 
-_EXPECTED = "(model: nn.Module, loss_fn: callable, (inputs: tuple of Tensors, target: Tensor))"
+Parts = tuple[nn.Module, Callable[..., Tensor] | None, Any]
+
+_EXPECTED = ("(model: nn.Module, loss_fn: callable, (inputs: tuple of Tensors, target: Tensor)) "
+             "or (model, loss_fn or None, {keyword: Tensor, ...})")
 
 
 def is_file_spec(text: str, *, zoo_kinds: tuple[str, ...]) -> bool:
@@ -74,18 +78,17 @@ def _check_result(result: object, where: str) -> Parts:
     model, loss_fn, batch = result
     if not isinstance(model, nn.Module):
         raise fail(f"a model of type {type(model).__name__}, not an nn.Module")
-    if not callable(loss_fn):
-        raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable")
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise fail(f"an example_batch of type {type(batch).__name__}, not an (inputs, target) pair")
-    inputs, target = batch
-    if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, Tensor) for t in inputs):
-        raise fail(
-            f"inputs of type {type(inputs).__name__}, not a non-empty tuple of Tensors (wrap one tensor as (x,))"
-        )
-    if not isinstance(target, Tensor):
-        raise fail(f"a target of type {type(target).__name__}, not a Tensor")
-    return model, loss_fn, (tuple(inputs), target)
+    if loss_fn is not None and not callable(loss_fn):
+        raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable (give "
+                   "None when the model returns its loss)")
+    try:
+        layout = batch_layout(batch)
+    except TypeError as e:
+        raise fail(f"an unusable example batch ({e})") from None
+    if layout.kind == "pair":
+        inputs, target = batch
+        return model, loss_fn, ((inputs,) if isinstance(inputs, Tensor) else tuple(inputs), target)
+    return model, loss_fn, batch
 
 
 def load_model_file(text: str, *, device: str, seed: int) -> Parts:
