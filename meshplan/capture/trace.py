@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                          DynamicOutputShapeException, FakeTensorMode)
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -30,9 +31,18 @@ from meshplan.capture.cse import merge_common_subexpressions
 
 aten = torch.ops.aten
 
-# make_fx patches module-level state while it traces; emulated ranks are threads of one process,
-# so traces run one at a time.
+# make_fx patches module-level state while it traces, and functional_call swaps the model's own
+# parameters for fake ones; emulated ranks are threads of one process sharing a model, so traces
+# run one at a time and a thread reads a model's state only outside a trace (`model_state`).
 _TRACE_LOCK = threading.Lock()
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by state-dict name (detached), read while no trace
+    has them swapped out."""
+    with _TRACE_LOCK:
+        return {k: v.detach() for k, v in {**dict(model.named_parameters()),
+                                           **dict(model.named_buffers())}.items()}
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,42 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
+def _op_name(e: Exception) -> str:
+    func = getattr(e, "func", None)
+    name = getattr(func, "__name__", None) or (e.args[0] if e.args else type(e).__name__)
+    return str(getattr(func, "_schema", None) and func._schema.name.split("::")[-1] or name)
+
+
+def _module_of(e: BaseException, model: nn.Module) -> str:
+    """`` in module 'layers.0.router' (Router)``: the innermost module whose forward was running
+    when ``e`` was raised, from the traceback."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = owner
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    return f" in module '{names[id(found)] or '(the model)'}' ({type(found).__name__})"
+
+
 def trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
           example_batch: Any) -> Traced:
     """Trace one batch's loss (see `meshplan.capture.batch` for the batch forms and how the
     loss is formed) at aten level without allocating memory.
 
-    Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
+    Raises TypeError for a malformed batch, ValueError if the loss is not a scalar tensor, the
+    program's shapes depend on its data, or an op cannot be traced.
     """
+    with _TRACE_LOCK:
+        return _trace(model, loss_fn, example_batch)
+
+
+def _trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, example_batch: Any
+           ) -> Traced:
     layout = batch_layout(example_batch)
     tensors = batch_tensors(example_batch)
     params = dict(model.named_parameters())
@@ -107,9 +146,20 @@ def trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
 
     # Tracing is what torch.compile/export do: libraries (Hugging Face) then skip data-dependent
     # checks (``if (mask == 1).all()``) that fake tensors cannot answer.
-    with _TRACE_LOCK, torch.compiler._compile_session_context(), mode:
-        gm = make_fx(step, decomposition_table=_decompositions())(
-            list(fake_state.values()), fake_batch)
+    try:
+        with torch.compiler._compile_session_context(), mode:
+            gm = make_fx(step, decomposition_table=_decompositions())(
+                list(fake_state.values()), fake_batch)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise ValueError(
+            f"the program's shapes depend on its data at '{_op_name(e)}'{_module_of(e, model)}: "
+            "meshplan plans on fake tensors, whose values are unknown, and every rank must know "
+            "every shape. Give that step a static shape: e.g. a capacity-based mixture of experts "
+            "instead of dropless routing (nonzero), a mask instead of boolean indexing"
+        ) from None
+    except RuntimeError as e:  # an op that cannot run on fake CPU tensors as called
+        raise ValueError(f"tracing the model failed{_module_of(e, model)}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]

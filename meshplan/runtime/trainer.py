@@ -17,7 +17,7 @@ from torch import nn
 
 from meshplan.capture.batch import batch_layout, batch_tensors
 from meshplan.capture.to_ir import capture
-from meshplan.capture.trace import Traced
+from meshplan.capture.trace import Traced, model_state
 from meshplan.ir.graph import Graph
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
@@ -54,7 +54,7 @@ class Trainer:
     ``model`` holds the initial state on CPU (every rank passes the same state: each keeps its
     shards). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
     batch split on a (1, 2) mesh is ``((1.0,), (3.0, 1.0))``). ``captured`` reuses a capture
-    of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
+    of the same model (saves tracing it again on every rank). Raises ValueError if the model's
     trace differs from the program the plan was made for.
     """
 
@@ -73,7 +73,7 @@ class Trainer:
         self.comm, self.plan, self.graph = comm, plan, graph
         self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
         self.program = lower(traced, graph, plan, comm.rank, w)
-        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        state = model_state(model)
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
         self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
                         if n.role == "buffer"}
