@@ -340,16 +340,27 @@ def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
 # ---------------------------------------------------------------- convolutional nets
 def conv_rule(c: OpCall) -> OpRule | None:
     """``convolution`` without bias (capture splits the bias off): batch, out-channel and
-    in-channel (a contraction: partial sums) splits; spatial and kernel dims stay whole."""
-    if c.arg(6, "transposed") or c.arg(8, "groups", 1) != 1 or len(c.in_shapes) != 2:
+    in-channel (a contraction: partial sums) splits; spatial and kernel dims stay whole. With
+    ``groups`` G > 1 the channels are (group, channel in group) and only whole groups split:
+    input channels ``gc``, weight rows ``go``, output channels ``go`` with g leading (depthwise:
+    c of size 1)."""
+    if c.arg(6, "transposed") or len(c.in_shapes) != 2:
         return None
     x, w = c.in_shapes
+    groups = c.arg(8, "groups", 1)
     sp = "".join(fresh_atoms(len(x) - 2, 20))
     ksp = "".join(fresh_atoms(len(x) - 2, 40))
     osp = "".join(fresh_atoms(len(x) - 2, 60))
-    sig = _sized(["nc" + sp, "oc" + ksp], "no" + osp, c.in_shapes, c.out_shape, "contraction",
-                 unsplittable=set(sp + ksp + osp))
     flops = 2.0 * math.prod(c.out_shape) * math.prod(w[1:])
+    if groups == 1:
+        sig = _sized(["nc" + sp, "oc" + ksp], "no" + osp, c.in_shapes, c.out_shape,
+                     "contraction", unsplittable=set(sp + ksp + osp))
+        return OpRule("conv", sig, flops)
+    sig = _sized([["n", "gc", *sp], ["go", "c", *ksp]], ["n", "go", *osp], c.in_shapes,
+                 c.out_shape, "contraction", unsplittable=set(sp + ksp + osp))
+    sizes = {**dict(sig.atom_sizes), "g": groups, "c": w[1], "o": w[0] // groups}
+    sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
+                    tuple(sizes.items()))
     return OpRule("conv", sig, flops)
 
 

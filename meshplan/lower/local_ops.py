@@ -160,6 +160,9 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
     if sync_axes:
         return _reduced(g, packet, node, args, comm, sync_axes)
     target = orig.target
+    if packet == "convolution" and len(args) > 8 and args[8] != 1:
+        # A grouped convolution split over whole groups runs this rank's groups only.
+        args = (*args[:8], args[8] * out_shape[1] // node.out.shape[1], *args[9:])
     if packet in SHAPE_ARG_OPS:
         args = (args[0], list(out_shape), *args[2:])
     if packet in ("view", "_unsafe_view"):
