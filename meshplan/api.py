@@ -82,6 +82,31 @@ def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
     return replace(shared, solve_time_s=free.solve_time_s + shared.solve_time_s)
 
 
+def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> InfeasiblePlanError:
+    """The smallest per-device memory any plan needs, and what would make one fit: the
+    parameters' share (their state, fully sharded, cannot shrink further on this mesh) against
+    the activations' (proportional to the batch)."""
+    need = min_memory(form.problem)
+    mem, roots, graph = form.problem.node_memory, form.roots, form.choices.graph
+    state = sum(min(mem[i]) for i, r in enumerate(roots) if graph.by_name[r].role == "param")
+    rest = max(need - state, 0.0)
+    gib = 2**30
+    tips = [f"Of the smallest plan, at least {state / gib:.3f} GiB per device is parameters, "
+            f"gradients and optimizer state and about {rest / gib:.3f} GiB activations."]
+    if state > budget:
+        devices = form.ctx.mesh.shape[0] * form.ctx.mesh.shape[1]
+        tips.append(f"The state alone exceeds the budget: use about {state / budget:.1f}x more "
+                    f"devices than {devices}.")
+    elif rest > 0:
+        tips.append(f"A global batch about {rest / max(budget - state, 1.0):.1f}x smaller "
+                    "would fit.")
+    if method != "auto":
+        tips.append("Method 'auto' may find a plan that uses less memory (ZeRO-3, tensor "
+                    "parallelism).")
+    tips.append("Pipeline stages and activation recomputation are not implemented yet.")
+    return InfeasiblePlanError(budget, need, " ".join(tips))
+
+
 def _ilp_memory(form: Any, choices: Sequence[int]) -> float:
     mem = form.problem.node_memory
     return float(sum(mem[i][c] for i, c in enumerate(choices))) if mem else 0.0
@@ -129,10 +154,11 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
     form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks)
     try:
         sol = _refine(form.problem, solve(form.problem))
-    except InfeasibleIlpError:
+    except InfeasibleIlpError as e:
         if budget is None:
-            raise
-        raise InfeasiblePlanError(budget, min_memory(form.problem)) from None
+            raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "
+                             f"mesh ({e}); try method 'auto' or another mesh shape") from None
+        raise _infeasible(form, budget, cl, method) from None
     search = time.perf_counter() - t0
     real = CostContext(real_mesh, cl.device, opt.state_bytes_per_param(), ctx.param_reshard)
     result = extract(form, sol.choices, real)

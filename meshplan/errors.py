@@ -35,14 +35,16 @@ class InfeasiblePlanError(ValueError):
     """No plan fits the per-device memory budget.
 
     ``min_memory_bytes`` is the smallest per-device memory any plan on this mesh needs (by the
-    memory model), so the caller can say what budget would work.
+    memory model), so the caller can say what budget would work; ``advice`` says what would
+    help, from what that smallest plan holds.
     """
 
-    def __init__(self, budget_bytes: float, min_memory_bytes: float) -> None:
+    def __init__(self, budget_bytes: float, min_memory_bytes: float, advice: str = "") -> None:
         self.budget_bytes = budget_bytes
         self.min_memory_bytes = min_memory_bytes
+        self.advice = advice
         super().__init__(
             f"no plan fits a memory budget of {budget_bytes / 2**30:.3f} GiB per device; the "
             f"smallest plan needs {min_memory_bytes / 2**30:.3f} GiB per device "
-            f"({min_memory_bytes:.0f} bytes). Raise the budget, use more devices, or a smaller "
-            "batch")
+            f"({min_memory_bytes:.0f} bytes). "
+            + (advice or "Raise the budget, use more devices, or a smaller batch"))

@@ -281,7 +281,10 @@ def build_memory_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     for live in dict.fromkeys(frozenset(s) for s in memory.live_sets):
         const, cols, coefs = _live_set_terms(live, reduced, choice_cols, memory)
         if m_col >= 0:
-            _add_row(coo, cols + [np.array([m_col])], coefs + [np.array([-1.0])], -const)
+            # M counts in units of the row's largest coefficient: after _add_row's scaling its
+            # coefficient is -1, not -1/bytes (which a solver would read as zero).
+            unit = max([1.0] + [float(np.abs(c).max()) for c in coefs if c.size])
+            _add_row(coo, cols + [np.array([m_col])], coefs + [np.array([-unit])], -const)
             continue
         least = const + sum(float(c.min()) for c in coefs)
         if least > memory.budget * (1 + 1e-12):
