@@ -278,12 +278,13 @@ def build_memory_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     Raises InfeasibleIlpError when a live set exceeds the budget under every assignment.
     """
     m_col = -1 if memory.budget is not None else coo.add_cols(np.ones(1), np.inf, False)
+    unit = max([1.0] + [float(np.abs(m).max()) for m in memory.node_memory if m.size])
     for live in dict.fromkeys(frozenset(s) for s in memory.live_sets):
         const, cols, coefs = _live_set_terms(live, reduced, choice_cols, memory)
         if m_col >= 0:
-            # M counts in units of the row's largest coefficient: after _add_row's scaling its
-            # coefficient is -1, not -1/bytes (which a solver would read as zero).
-            unit = max([1.0] + [float(np.abs(c).max()) for c in coefs if c.size])
+            # M counts in units of the largest memory coefficient (one unit for every row): it
+            # then enters each scaled row with a coefficient near 1, not 1/bytes, which a
+            # solver would read as zero.
             _add_row(coo, cols + [np.array([m_col])], coefs + [np.array([-unit])], -const)
             continue
         least = const + sum(float(c.min()) for c in coefs)
