@@ -115,14 +115,14 @@ def enumerate_strategies(sig: Signature, axes: Axes, mesh_shape: tuple[int, ...]
     """All strategies of an op over the active mesh ``axes``.
 
     ``full_split`` keeps only strategies dividing the work over every active axis (Alpa's rule
-    for heavy ops when compute is left out of the objective). Atoms smaller than their group
-    are not split.
+    for heavy ops when compute is left out of the objective). Atoms that do not cut into equal
+    pieces over their group are not split.
     """
     atoms = sig.splittable_atoms()
     sizes = dict(sig.atom_sizes)
     out = []
     for amap in _axis_options(atoms, axes):
-        if any(sizes.get(a, 0) < _group(ax, mesh_shape) for a, ax in amap.items()):
+        if any(not _divides(ax, sizes.get(a, 0), mesh_shape) for a, ax in amap.items()):
             continue
         if full_split and sum(len(ax) for ax in amap.values()) < len(axes):
             continue
@@ -130,6 +130,14 @@ def enumerate_strategies(sig: Signature, axes: Axes, mesh_shape: tuple[int, ...]
         if s is not None:
             out.append(s)
     return tuple(out)
+
+
+def _divides(axes: Axes, size: int, mesh_shape: Sequence[int]) -> bool:
+    """Whether ``size`` cuts into equal pieces over ``axes``: the planner splits only so, as
+    Megatron pads a vocabulary, so the one collective list of a plan holds on every rank (uneven
+    shards of a heterogeneous cluster come from per-axis weights, not from odd sizes)."""
+    group = _group(axes, mesh_shape)
+    return size >= group and size % group == 0
 
 
 def _group(axes: Axes, mesh_shape: Sequence[int]) -> int:
@@ -151,7 +159,7 @@ def follow(sig: Signature, main: int, layout: Layout, mesh_shape: Sequence[int])
     ok = set(sig.splittable_atoms())
     amap: dict[str, Axes] = {}
     for dims, axes in zip(sig.inputs[main], layout.dims):
-        if axes and dims and dims[0] in ok and sizes.get(dims[0], 0) >= _group(axes, mesh_shape):
+        if axes and dims and dims[0] in ok and _divides(axes, sizes.get(dims[0], 0), mesh_shape):
             amap[dims[0]] = axes
     s = strategy_from_assignment(sig, amap)
     while s is None:  # drop splits until every operand can realize the rest
@@ -175,6 +183,6 @@ def source_layouts(ndim: int, sizes: Sequence[int], axes: Axes, mesh_shape: Sequ
         for axis, d in zip(axes, choice):
             if d is not None:
                 dims[d] = (*dims[d], axis)
-        if all(sizes[d] >= _group(ax, mesh_shape) for d, ax in enumerate(dims) if ax):
+        if all(_divides(ax, sizes[d], mesh_shape) for d, ax in enumerate(dims) if ax):
             out.append(Layout(tuple(dims)))
     return out
