@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench coverage clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+coverage: $(STAMP)
+	$(BIN)/python benchmarks/coverage.py --workers 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_speed.py

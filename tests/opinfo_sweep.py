@@ -149,6 +149,8 @@ def run_op(op: Any) -> Outcome:
         ref = _reference(w, data)
         if not all(torch.isfinite(torch.tensor(ref[0]))):
             return Outcome(name, variant, "skipped", None, "non-finite loss on one device")
+        if _reference(w, data)[0] != ref[0]:  # uninitialized memory (empty_like), ...
+            return Outcome(name, variant, "skipped", None, "not deterministic on one device")
     except Exception as e:  # the sample itself does not train on one device
         return Outcome(name, variant, "skipped", None, _first_line(e))
     signed = None

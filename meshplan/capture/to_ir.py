@@ -69,8 +69,8 @@ def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad:
     packet = op_call.target
     out = _info(node.meta["val"])
     rule = RULES.get(packet) or (elementwise_rule(packet) if is_pointwise(target) else None)
-    r = rule(op_call) if rule is not None else None
-    if r is None:
+    r = _apply(rule, op_call)
+    if r is None or not _fits(r.sig, op_call.in_shapes, out.shape):
         sig = replicated_signature(tuple(len(s) for s in op_call.in_shapes), len(out.shape))
         name, flops = packet, float(out.numel)
     else:
@@ -79,6 +79,24 @@ def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad:
     differentiable = out.dtype.startswith(("float", "bfloat", "complex"))
     return Node(node.name, "op", name, tuple(operands), out, sig, flops, in_bytes + out.nbytes,
                 requires_grad and differentiable)
+
+
+def _apply(rule: Any, op_call: OpCall) -> Any:
+    """The rule's result; None (planned replicated) when the rule does not cover this call --
+    an odd variant (a 0-d operand, an unusual overload) must never abort the plan."""
+    if rule is None:
+        return None
+    try:
+        return rule(op_call)
+    except (ZeroDivisionError, IndexError, KeyError, TypeError, AttributeError,
+            AssertionError, StopIteration):
+        return None
+
+
+def _fits(sig: Signature, in_shapes: tuple, out_shape: tuple) -> bool:
+    """Whether a signature names one dims entry per operand dim and per output dim."""
+    return (len(sig.inputs) == len(in_shapes) and len(sig.output) == len(out_shape)
+            and all(len(d) == len(s) for d, s in zip(sig.inputs, in_shapes)))
 
 
 def to_ir(traced: Traced) -> Graph:
@@ -91,6 +109,9 @@ def to_ir(traced: Traced) -> Graph:
     nodes: list[Node] = []
     grad: dict[str, bool] = {}
     placeholders = iter(traced.placeholders)
+    for node in traced.graph_module.graph.nodes:  # constants carry their value, not a fake
+        if node.op == "get_attr" and "val" not in node.meta:
+            node.meta["val"] = getattr(traced.graph_module, node.target)
     loss = None
     for node in traced.graph_module.graph.nodes:
         if node.op == "placeholder":
@@ -102,7 +123,9 @@ def to_ir(traced: Traced) -> Graph:
             loss = alias.get((out[0] if isinstance(out, (list, tuple)) else out).name)
         elif node.op == "get_attr":  # a tensor constant of the program (torch.tensor(...))
             nodes.append(Node(node.name, "constant", "tensor_constant", (),
-                              _info(getattr(traced.graph_module, node.target)), None))
+                              _info(node.meta["val"]), None))
+        elif node.op == "call_function" and node.meta.get("val") is None and not node.users:
+            continue  # a check run for its side effect (``_linalg_check_errors``)
         elif node.target is operator.getitem:
             parent = node.args[0]
             if _items_used(parent):

@@ -131,8 +131,12 @@ def _trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, exampl
     tensors = batch_tensors(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
+    # Real tensors a model closes over (not parameters or buffers) become constants of the trace.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # Parameters trace as tensors that require a gradient, so ops pick their differentiable
+    # variants (embedding_bag, not _embedding_bag_forward_only).
+    fake_state = {k: _as_fake(mode, v).requires_grad_(k in params and v.requires_grad)
+                  for k, v in {**params, **buffers}.items()}
     fake_batch = [_as_fake(mode, tensors[n]) for n in layout.names]
     names = list(fake_state)
 
