@@ -5,15 +5,16 @@ This is the one module that touches torch's tracing internals (``make_fx`` and
 buffers and the example batch become fake *CPU* tensors (fake CUDA breaks autograd on a CPU
 build), so a model built on the ``meta`` device traces at any size.
 
-The traced function is ``loss_fn(functional_call(model, state, inputs), target)``; its
-placeholders are, in order, every parameter, every buffer, every input and the target. The
+The traced function is the step's loss on ``functional_call(model, state, args, kwargs)``
+(``capture/batch.py``: the batch forms and the loss conventions); its placeholders are, in
+order, every parameter, every buffer, every batch tensor (positional, keyword, target). The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
+
+from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
 
 aten = torch.ops.aten
 
@@ -31,11 +34,13 @@ class Traced:
 
     ``placeholders[i]`` is ``(role, name)`` for the i-th placeholder node, where ``role`` is
     ``"param"``, ``"buffer"``, ``"input"`` or ``"target"`` and ``name`` the state-dict name (for
-    params/buffers) or ``"input{i}"`` / ``"target"``.
+    params/buffers) or the batch tensor's name (``"input{i}"``, a keyword, ``"target"``);
+    ``batch`` rebuilds the model call from the batch tensors.
     """
 
     graph_module: GraphModule
     placeholders: tuple[tuple[str, str], ...]
+    batch: BatchLayout | None = None
 
 
 def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -71,42 +76,29 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
-def _check_batch(example_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
-        raise TypeError("example_batch must be a pair (inputs, target) with inputs a tuple of "
-                        f"tensors; got {type(example_batch).__name__}")
-    inputs, target = example_batch
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not all(isinstance(t, torch.Tensor) for t in inputs) or not isinstance(target, torch.Tensor):
-        raise TypeError("example_batch = (inputs, target): inputs must be a tuple of tensors and "
-                        "target a tensor")
-    return tuple(inputs), target
-
-
-def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-          example_batch: Sequence[Any]) -> Traced:
-    """Trace ``loss_fn(model(*inputs), target)`` at aten level without allocating memory.
+def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
+    """Trace one step's loss (``loss_fn(model(...), target)``, ``loss_fn(model(...))`` or the
+    model's own loss when ``loss_fn`` is None; see ``capture/batch.py`` for the batch forms)
+    at aten level without allocating memory.
 
     Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
     """
-    inputs, target = _check_batch(example_batch)
+    layout, batch = flatten_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
-    fake_inputs = [_as_fake(mode, t) for t in inputs]
-    fake_target = _as_fake(mode, target)
+    fake_batch = [_as_fake(mode, t) for t in batch.values()]
     names = list(fake_state)
 
-    def step(state_list: list[torch.Tensor], batch: list[torch.Tensor], tgt: torch.Tensor
-             ) -> torch.Tensor:
-        out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
-        return loss_fn(out, tgt)
+    def step(state_list: list[torch.Tensor], batch_list: list[torch.Tensor]) -> torch.Tensor:
+        args, kwargs, target = layout.call(batch_list)
+        out = functional_call(model, dict(zip(names, state_list)), args, kwargs, strict=False)
+        return step_loss(loss_fn, out, target)
 
     with mode:
         gm = make_fx(step, decomposition_table=_decompositions())(
-            list(fake_state.values()), fake_inputs, fake_target)
+            list(fake_state.values()), fake_batch)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -115,5 +107,6 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         raise ValueError("loss_fn must return a scalar tensor (e.g. a mean-reduced loss); got "
                          f"{None if val is None else tuple(val.shape)}")
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
-             + [("input", f"input{i}") for i in range(len(inputs))] + [("target", "target")])
-    return Traced(gm, tuple(roles))
+             + [("target" if k == "target" and layout.has_target else "input", k)
+                for k in batch])
+    return Traced(gm, tuple(roles), layout)

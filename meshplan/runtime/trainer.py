@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from meshplan.capture.batch import check_static, flatten_batch
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -57,7 +58,7 @@ class Trainer:
     trace differs from the program the plan was made for.
     """
 
-    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable, example_batch: Any,
+    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None) -> None:
         if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
@@ -79,6 +80,7 @@ class Trainer:
         self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
                                         [p.update for p in self.params])
         self._by_node = {p.node: p for p in self.params}
+        self._layout = traced.batch
         self._steps = 0
 
     def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
@@ -88,11 +90,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def local_batch(self, batch: Any) -> list[torch.Tensor]:
-        """This rank's pieces of a global batch ``(inputs, target)``, in program order."""
-        inputs, target = batch
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        full = {f"input{i}": t for i, t in enumerate(inputs)}
-        full["target"] = target
+        """This rank's pieces of a global batch, in program order.
+
+        ``batch`` has the form of the traced example batch (``capture/batch.py``): ``(inputs,
+        target)`` or a dict of keyword arguments. Raises TypeError/ValueError if it does not.
+        """
+        layout, full = flatten_batch(batch)
+        if self._layout is not None:
+            check_static(self._layout, layout)
         out = []
         for n in self.graph.nodes:
             if n.role in ("input", "target"):
@@ -121,6 +126,9 @@ class Trainer:
 
     def step(self, batch: Any, *, seed: int | None = None) -> float:
         """One training step on the global ``batch``; returns the global loss.
+
+        ``batch`` has the example batch's form: ``(inputs, target)`` or a dict of keyword
+        arguments, every tensor split along dim 0 as planned.
 
         Dropout masks come from a generator seeded with ``seed`` (default: the step number),
         the same on every rank: the step equals single-device training run after
