@@ -8,10 +8,17 @@ build), so a model built on the ``meta`` device traces at any size.
 The traced function is ``loss_fn(functional_call(model, state, inputs), target)``; its
 placeholders are, in order, every parameter, every buffer, every input and the target. The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
+
+The graph is functionalized (in-place and ``out=`` ops become their pure forms) and
+``torch.cat``'s legacy empty operands are dropped, so every later pass sees plain values. A trace
+that torch refuses (data-dependent shapes, ops without fake-tensor support) ends in a ValueError
+naming the op and the module. Tracing holds one process-wide lock: make_fx's patching is global
+state, and emulated ranks (threads) may capture at once.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,7 +27,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
+from torch.func import functional_call, functionalize
+
+from meshplan.capture.trace_errors import explain_trace_failure
 
 aten = torch.ops.aten
 
@@ -61,6 +70,11 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return aten.add.Tensor(out, aten.view.default(bias, shape))
 
 
+# make_fx patches torch globally while it traces; two threads tracing at once corrupt each other
+# (and functional_call swaps the shared model's parameters), so tracing is serialized.
+_TRACE_LOCK = threading.Lock()
+
+
 def _decompositions() -> dict[Any, Callable]:
     return {aten.addmm.default: _addmm_as_mm_add, aten.convolution.default: _conv_bias_apart}
 
@@ -93,7 +107,9 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     inputs, target = _check_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors met during tracing (a plain tensor attribute, a torch.tensor(...) literal)
+    # are constants of the program: fx keeps them as get_attr nodes.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
     fake_inputs = [_as_fake(mode, t) for t in inputs]
     fake_target = _as_fake(mode, target)
@@ -104,9 +120,17 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
         return loss_fn(out, tgt)
 
-    with mode:
-        gm = make_fx(step, decomposition_table=_decompositions())(
-            list(fake_state.values()), fake_inputs, fake_target)
+    with _TRACE_LOCK:
+        try:
+            with mode:
+                gm = make_fx(functionalize(step, remove="mutations"),
+                             decomposition_table=_decompositions())(
+                    list(fake_state.values()), fake_inputs, fake_target)
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
+            raise explain_trace_failure(exc, model) from exc
+    drop_empty_cat_operands(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -117,3 +141,34 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
              + [("input", f"input{i}") for i in range(len(inputs))] + [("target", "target")])
     return Traced(gm, tuple(roles))
+
+
+def drop_empty_cat_operands(gm: GraphModule) -> None:
+    """Remove ``torch.cat``'s legacy operands: 1-D tensors of size 0 that torch.cat accepts
+    next to tensors of any rank (a key/value cache that starts empty). They add nothing; a
+    cat left with one operand is that operand."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.cat.default:
+            continue
+        parts = list(node.args[0])
+        kept = [p for p in parts if not _is_legacy_empty(p)]
+        if len(kept) == len(parts) or not kept:
+            continue
+        changed = True
+        if len(kept) == 1:
+            with gm.graph.inserting_before(node):
+                alone = gm.graph.call_function(aten.clone.default, (kept[0],))
+            alone.meta.update(node.meta)
+            node.replace_all_uses_with(alone)
+            gm.graph.erase_node(node)
+        else:
+            node.args = (kept, *node.args[1:])
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _is_legacy_empty(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == 0

@@ -176,13 +176,31 @@ def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
 
 
 def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
-    """``empty_like``/``zeros_like``/``ones_like``/``full_like`` of the *global* shape."""
+    """``*_like`` and ``new_*`` constants (their shape and dtype come from another tensor, or
+    are given) made whole, of the *global* shape and the traced dtype."""
     dt = getattr(torch, dtype)
-    if kind == "full_like":
+    if kind in ("full_like", "new_full"):
         return torch.full(shape, fill, dtype=dt)
-    if kind == "ones_like":
+    if kind in ("ones_like", "new_ones"):
         return torch.ones(shape, dtype=dt)
-    return torch.zeros(shape, dtype=dt)  # empty_like: zeros, so a rank never reads garbage
+    return torch.zeros(shape, dtype=dt)  # empty: zeros, so a rank never reads garbage
+
+
+def fill_value(kind: str, orig: fx.Node) -> Any:
+    """The fill of a traced ``full_like(x, fill)`` / ``new_full(x, size, fill)``, else None."""
+    position = {"full_like": 1, "new_full": 2}.get(kind)
+    if position is None:
+        return None
+    return orig.args[position] if len(orig.args) > position else orig.kwargs["fill_value"]
+
+
+def materialize_constant(value: torch.Tensor) -> torch.Tensor:
+    """A real copy of a tensor constant kept in the traced program (make_fx stores the real
+    tensor it met; a fake one would mean the constant was computed under tracing)."""
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(value):
+        raise AssertionError("meshplan internal error: a traced tensor constant is fake")
+    return value.detach().clone()
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int
