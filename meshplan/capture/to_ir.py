@@ -172,7 +172,14 @@ def graph_signature_check(graph: Graph) -> None:
 
 
 def capture(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> tuple[Traced, Graph]:
-    """Trace and convert: the capture pass's front door."""
+    """Trace and convert: the capture pass's front door. Safe from several threads: see
+    `meshplan.capture.memo` (emulated ranks share one capture of their shared model)."""
+    from meshplan.capture.memo import captured_once
+    return captured_once(model, loss_fn, example_batch, _capture_now)
+
+
+def _capture_now(model: torch.nn.Module, loss_fn: Any, example_batch: Any
+                 ) -> tuple[Traced, Graph]:
     from meshplan.capture.trace import trace
     traced = trace(model, loss_fn, example_batch)
     graph = to_ir(traced)
