@@ -400,6 +400,8 @@ RULES: dict[str, Rule] = {
     "_scaled_dot_product_cudnn_attention": sdpa_rule,
     "native_layer_norm": normalize_last_rule("layer_norm", 8.0, None),
     "_softmax": normalize_last_rule("softmax", 5.0, 1),
+    # Softmax that gives 0 (not NaN) on fully masked rows: computed over the whole dim.
+    "_safe_softmax": along_dim_rule("safe_softmax"),
     "_log_softmax": normalize_last_rule("log_softmax", 5.0, 1),
     "sum": reduction_rule("sum", mean=False), "mean": reduction_rule("mean", mean=True),
     "nll_loss_forward": nll_loss_rule, "mse_loss": mse_loss_rule,

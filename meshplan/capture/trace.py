@@ -18,9 +18,10 @@ state, and emulated ranks (threads) may capture at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -75,6 +76,19 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 _TRACE_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _as_a_tracer() -> Iterator[None]:
+    """Tell the model it is being traced, as torch.export does: libraries (Hugging Face's mask
+    helpers) then skip value-dependent shortcuts (``if torch.all(mask == 1)``) that fake tensors
+    cannot answer, and take the path that is the same for every value."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
 def _decompositions() -> dict[Any, Callable]:
     return {aten.addmm.default: _addmm_as_mm_add, aten.convolution.default: _conv_bias_apart}
 
@@ -120,7 +134,7 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
         return loss_fn(out, tgt)
 
-    with _TRACE_LOCK:
+    with _TRACE_LOCK, _as_a_tracer():
         try:
             with mode:
                 gm = make_fx(functionalize(step, remove="mutations"),
