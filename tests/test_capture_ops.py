@@ -111,6 +111,21 @@ class Constants(nn.Module):
         return y
 
 
+class ViewWrites(nn.Module):
+    """In-place writes into views (functionalized into select/slice_scatter and copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 1.0
+        h[:, 0] += 1.0
+        h[..., 2:6] *= 2
+        h[:, -1].copy_(h[:, 1])
+        return h + h[:, :, 3:4]
+
+
 class MaskedAttention(nn.Module):
     """Attention with a padding mask (batch-shaped, broadcast over heads and queries) and an
     additive per-head bias (ALiBi/T5 style, broadcast over the batch)."""
@@ -162,7 +177,7 @@ def _inputs(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 CASES: dict[str, Callable[[], nn.Module]] = {
     "pointwise": Pointwise, "kv-cache": KVCache, "multi-output": MultiOutput,
-    "indexing": Indexing, "constants": Constants, "masked-attention": MaskedAttention,
+    "indexing": Indexing, "constants": Constants, "view-writes": ViewWrites, "masked-attention": MaskedAttention,
     "batched-matmul": BatchedMatmul,
 }
 

@@ -137,7 +137,40 @@ def whole_reduction_rule(name: str) -> Rule:
     return rule
 
 
+def select_rule(c: OpCall) -> OpRule:
+    """``select(x, dim, i)`` (``x[:, i]``): x's ``dim`` whole, the others split freely."""
+    x = c.in_shapes[0]
+    atoms = fresh_atoms(len(x))
+    d = c.arg(1, "dim") % len(x)
+    sig = _sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
+                 "view", {atoms[d]})
+    return OpRule("select", sig, 0.0)
+
+
+def scatter_into_rule(c: OpCall) -> OpRule | None:
+    """``slice_scatter``/``select_scatter`` (x, src, dim, …): what functionalization makes of
+    an in-place write into a view (``x[:, 0] += …``). ``dim`` is whole in x, src and the
+    output; every other dim splits with src, which has the same extent there."""
+    x, src = c.in_shapes
+    d = c.arg(2, "dim", 0) % len(x)
+    atoms = list(fresh_atoms(len(x)))
+    atoms[d] = _pinned(0)
+    if c.target == "select_scatter":
+        src_dims = [a for i, a in enumerate(atoms) if i != d]
+    else:
+        src_dims = list(atoms)
+        src_dims[d] = _pinned(1)
+    if [n for i, n in enumerate(x) if i != d] != [n for i, n in enumerate(src)
+                                                  if c.target == "select_scatter" or i != d]:
+        return None
+    sig = _sized([atoms, src_dims], atoms, c.in_shapes, c.out_shape, "elementwise",
+                 {_pinned(0), _pinned(1)})
+    return OpRule(c.target, sig, float(math.prod(src)))
+
+
 SELECT_RULES: dict[str, Rule] = {
+    "select": select_rule, "slice_scatter": scatter_into_rule,
+    "select_scatter": scatter_into_rule,
     "gather": gather_rule, "index": index_rule, "index_select": index_select_rule,
     "scatter": scatter_rule, "scatter_add": scatter_rule, "scatter_reduce": scatter_rule,
     "topk": along_whole_dim_rule("topk", 2), "sort": along_whole_dim_rule("sort", 1),

@@ -420,6 +420,8 @@ RULES: dict[str, Rule] = {
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
     "unbind": unbind_rule,
+    # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
+    "copy": elementwise_rule("copy"),
     **SELECT_RULES,
     **{n: elementwise_rule(n) for n in UNARY + BINARY},
 }

@@ -140,10 +140,18 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         target = aten.reshape.default
     if partial and node.sig is not None and node.sig.mean_atoms:
         return _split_mean(g, packet, node, args)
+    if packet == "copy":  # aten.copy has no derivative; its meaning does
+        return g.call_function(functional_copy, args[:2])
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
     return value
+
+
+def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``aten.copy(dst, src)`` (a functionalized ``dst.copy_(src)``) as differentiable ops:
+    src cast to dst's dtype and broadcast to its shape; dst's values are not read."""
+    return src.to(dst.dtype).expand(dst.shape).clone()
 
 
 def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
