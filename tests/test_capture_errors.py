@@ -100,3 +100,34 @@ def test_view_with_a_unit_dim_inside_a_merged_block_is_signed() -> None:
     # (4, 8) -> (2, 1, 4, 4): every atom sized, the signature fits (was replicated).
     r = view_rule(OpCall("view", ((4, 8),), (2, 1, 4, 4), (None, [2, 1, 4, 4]), ()))
     assert signature_fits(r.sig, ((4, 8),), (2, 1, 4, 4))
+
+
+class GroupedMM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+        return torch._grouped_mm(x, self.experts, offs=offsets)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return h * 2 if h.sum() > 0 else h
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_an_op_refusing_fake_float32_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"_grouped_mm.*GroupedMM.*plain equivalent"):
+        capture(GroupedMM(), lambda o, t: o.sum(), ((torch.randn(8, 8),), torch.zeros(())))
+
+
+def test_reading_a_tensor_value_in_python_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"Branchy.*test_capture_errors.py:\d+.*value in Python"):
+        capture(Branchy(), lambda o, t: o.sum(), ((torch.randn(8, 8),), torch.zeros(())))

@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call, functionalize
 
-from meshplan.capture.trace_errors import explain_trace_failure
+from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
 
 aten = torch.ops.aten
 
@@ -134,7 +134,7 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         out = functional_call(model, dict(zip(names, state_list)), tuple(batch), strict=False)
         return loss_fn(out, tgt)
 
-    with _TRACE_LOCK, _as_a_tracer():
+    with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
         try:
             with mode:
                 gm = make_fx(functionalize(step, remove="mutations"),
@@ -143,7 +143,7 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
         except (TypeError, ValueError):
             raise
         except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
-            raise explain_trace_failure(exc, model) from exc
+            raise explain_trace_failure(exc, model, modules) from exc
     drop_empty_cat_operands(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:

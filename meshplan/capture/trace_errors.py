@@ -9,10 +9,15 @@ ValueError a user can act on.
 
 from __future__ import annotations
 
+import os
+import threading
 import types
+from typing import Any
 import torch
 from torch import nn
 from torch._subclasses import fake_tensor
+from torch.nn.modules.module import (register_module_forward_hook,
+                                     register_module_forward_pre_hook)
 
 _DATA_DEPENDENT = (fake_tensor.DynamicOutputShapeException,
                    fake_tensor.DataDependentOutputException)
@@ -29,27 +34,68 @@ def _failing_op(exc: BaseException) -> str | None:
     return None if func is None else str(func).removeprefix("aten.")
 
 
-def _failing_module(exc: BaseException, model: nn.Module) -> str | None:
-    """The qualified name of the innermost module whose forward was running."""
-    names = {id(m): name for name, m in model.named_modules()}
-    found = None
-    for frame in _frames(exc):
-        owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "forward" and isinstance(owner, nn.Module) \
-                and id(owner) in names:
-            found = names[id(owner)] or f"the model ({type(owner).__name__})"
-            if names[id(owner)]:
-                found = f"{found} ({type(owner).__name__})"
-    return found
+class ModuleStack:
+    """The modules whose forward is running, innermost last, recorded by global forward hooks
+    while one trace runs (in the tracing thread only). After a failure the stack still holds
+    the module that failed: its forward never returned."""
+
+    def __init__(self) -> None:
+        self.stack: list[nn.Module] = []
+        self._thread = threading.get_ident()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "ModuleStack":
+        def pre(module: nn.Module, _args: Any) -> None:
+            if threading.get_ident() == self._thread:
+                self.stack.append(module)
+
+        def post(module: nn.Module, _args: Any, _out: Any) -> None:
+            if threading.get_ident() == self._thread and self.stack:
+                self.stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre),
+                         register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def innermost(self, model: nn.Module) -> str | None:
+        names = {id(m): name for name, m in model.named_modules()}
+        for module in reversed(self.stack):
+            if id(module) in names:
+                name = names[id(module)]
+                kind = type(module).__name__
+                return f"{name} ({kind})" if name else f"the model ({kind})"
+        return None
 
 
 def _frames(exc: BaseException) -> list[types.FrameType]:
+    """Frames of the exception and of the ones it was raised from, outermost first."""
     out: list[types.FrameType] = []
-    tb = exc.__traceback__
-    while tb is not None:
-        out.append(tb.tb_frame)
-        tb = tb.tb_next
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame not in out:
+                out.append(tb.tb_frame)
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
     return out
+
+
+def _user_line(exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame outside torch (the model's own code)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(__file__))
+    found = None
+    for frame in _frames(exc):
+        name = frame.f_code.co_filename
+        if not name.startswith((torch_dir, here)) and "<" not in name:
+            found = f"{name}:{frame.f_lineno}"
+    return found
 
 
 def _is_data_dependent(exc: BaseException) -> bool:
@@ -59,13 +105,23 @@ def _is_data_dependent(exc: BaseException) -> bool:
     return type(exc).__name__ in ("GuardOnDataDependentSymNode", "DataDependentOutputException")
 
 
-def explain_trace_failure(exc: BaseException, model: nn.Module) -> ValueError:
+def explain_trace_failure(exc: BaseException, model: nn.Module, modules: ModuleStack
+                          ) -> ValueError:
     """A ValueError naming the op and module torch failed on, with a remedy when one is known."""
     op = _failing_op(exc)
-    module = _failing_module(exc, model)
+    module = modules.innermost(model)
     where = f"aten op '{op}'" if op else "an op"
     if module:
         where += f" in module {module}"
+    line = _user_line(exc)
+    if line:
+        where += f" (at {line})"
+    if op and op.startswith("_local_scalar_dense"):
+        return ValueError(
+            f"meshplan cannot trace {where}: the model reads a tensor's value in Python "
+            "(.item(), bool(t), int(t), `if t ...:` on a tensor), and a plan is made from shapes "
+            "alone. Compute the same thing with tensor ops (torch.where, a mask product, "
+            "clamp) or decide it from shapes or Python numbers.")
     if _is_data_dependent(exc):
         return ValueError(
             f"meshplan cannot trace {where}: its output shape depends on the values of its "
@@ -74,7 +130,8 @@ def explain_trace_failure(exc: BaseException, model: nn.Module) -> ValueError:
             "e.g. a capacity-based MoE (fixed slots per expert, as meshplan.zoo.moe_layer), "
             "torch.where / multiplying by a mask instead of indexing with it, or padding to a "
             "fixed size.")
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else \
+        type(exc).__name__
     return ValueError(
         f"meshplan cannot trace {where} on fake tensors (shapes without data, CPU): {detail}. "
         "If the op only supports other dtypes or devices (e.g. _grouped_mm), use its plain "
@@ -82,4 +139,4 @@ def explain_trace_failure(exc: BaseException, model: nn.Module) -> ValueError:
         "runs eagerly on the example batch first.")
 
 
-__all__ = ["explain_trace_failure"]
+__all__ = ["ModuleStack", "explain_trace_failure"]
