@@ -385,11 +385,9 @@ def random_rule(c: OpCall) -> OpRule:
     return OpRule(c.target.rstrip("_"), sig, float(math.prod(x)))
 
 
-UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
-         "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
-         "lift_fresh_copy", "square", "erf", "reciprocal")
-BINARY = ("add", "sub", "mul", "div", "where", "maximum", "minimum", "eq", "ne", "lt", "gt",
-          "le", "ge", "masked_fill", "rsub")
+# Elementwise ops that aten does not tag pointwise (every tagged op is signed by `rule_for`).
+UNTAGGED_ELEMENTWISE = ("_to_copy", "alias", "detach", "native_dropout", "dropout",
+                        "lift_fresh_copy", "clone")
 
 RULES: dict[str, Rule] = {
     "mm": mm_rule, "bmm": bmm_rule, "embedding": embedding_rule,
@@ -423,12 +421,9 @@ RULES: dict[str, Rule] = {
     # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
     "copy": elementwise_rule("copy"),
     **SELECT_RULES,
-    **{n: elementwise_rule(n) for n in UNARY + BINARY},
+    **{n: elementwise_rule(n) for n in UNTAGGED_ELEMENTWISE},
 }
 
-# In-place variants (``div_``) follow their functional op's rule.
-RULES.update({f"{name}_": rule for name, rule in list(RULES.items())
-              if name in UNARY + BINARY and f"{name}_" not in RULES})
 
 # Ops that create tensors from nothing (or only from another tensor's shape and dtype): planned
 # as replicated constants of the global shape.
