@@ -65,12 +65,14 @@ class MultiOutput(nn.Module):
         vals, idx = h.topk(4, dim=-1)
         m, arg = h.max(dim=-1)
         var, mean = torch.var_mean(h, dim=-1, keepdim=True)
+        _, ln_mean, ln_rstd = torch.native_layer_norm(h, [H], None, None, 1e-5)
         srt, order = torch.sort(h, dim=1)
         a, b = torch.chunk(h, 2, dim=-1)
         pieces = torch.split(h, [4, 12], dim=-1)
         first, *_ = h.unbind(1)
         extra = (idx.float().mean(-1) + arg.float() + order.float().mean(-1)) * 0.01
-        out = (h - mean) / (var + 1).sqrt() + torch.cat([b, a], -1) + srt * 0.1
+        out = (h - mean) / (var + 1).sqrt() + torch.cat([b, a], -1) + srt * 0.1 \
+            + (h - ln_mean) * ln_rstd
         return out + (vals.sum(-1) + m + extra)[..., None] + pieces[0].sum(-1, keepdim=True) \
             + first[:, None, :]
 
@@ -211,7 +213,7 @@ def test_captures_with_every_op_signed(case: str) -> None:
     assert graph.unsupported_ops == ()
 
 
-RUNS = [("auto", (1, 2)), ("auto", (2, 2)), ("data", (2, 2)), ("megatron", (2, 2))]
+RUNS = [(method, shape) for method in ("auto", "data", "megatron") for shape in ((1, 2), (2, 2))]
 
 
 @pytest.mark.parametrize("method,shape", RUNS, ids=[f"{m}-{s[0]}x{s[1]}" for m, s in RUNS])

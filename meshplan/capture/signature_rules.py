@@ -112,7 +112,12 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
             sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                             sig.atom_sizes, sync)
             return OpRule(name, sig, flops_per_elem * math.prod(x))
-        sig = _sized([atoms, *extra], atoms, c.in_shapes, c.out_shape, "elementwise", fixed)
+        out = atoms
+        if tuple(c.out_shape) != tuple(x):  # the mean or rstd output: size 1 where normalized
+            stat = fresh_atoms(nd, 450)
+            out = (*atoms[:len(x) - nd], *stat)
+            fixed |= set(stat)
+        sig = _sized([atoms, *extra], out, c.in_shapes, c.out_shape, "elementwise", fixed)
         return OpRule(name, sig, flops_per_elem * math.prod(x))
     return rule
 
