@@ -153,12 +153,12 @@ def nll_loss_rule(c: OpCall) -> OpRule:
     return OpRule("nll_loss", sig, float(x[0]))
 
 
-def mse_loss_rule(c: OpCall) -> OpRule:
+def mse_loss_rule(c: OpCall) -> OpRule | None:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     reduction = c.arg(2, "reduction", 1)
     if reduction not in (1, 2):
-        raise ValueError("mse_loss is supported with reduction mean or sum")
+        return None  # reduction="none": an elementwise square, planned replicated
     sig = _sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
                  mean=set(atoms) if reduction == 1 else set())
     return OpRule("mse_loss", sig, 3.0 * math.prod(x))

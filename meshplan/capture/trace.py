@@ -19,6 +19,7 @@ state, and emulated ranks (threads) may capture at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -158,17 +159,20 @@ def trace(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def drop_empty_cat_operands(gm: GraphModule) -> None:
-    """Remove ``torch.cat``'s legacy operands: 1-D tensors of size 0 that torch.cat accepts
-    next to tensors of any rank (a key/value cache that starts empty). They add nothing; a
-    cat left with one operand is that operand."""
+    """Remove ``torch.cat``'s empty operands: the legacy 1-D size-0 tensor torch.cat accepts
+    next to tensors of any rank (a key/value cache that starts empty), or any operand with no
+    elements. They add nothing; a cat left with one operand is that operand."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.target is not aten.cat.default:
             continue
         parts = list(node.args[0])
-        kept = [p for p in parts if not _is_legacy_empty(p)]
+        kept = [p for p in parts if not _is_empty(p)]
         if len(kept) == len(parts) or not kept:
             continue
+        dtypes = [k.meta["val"].dtype for k in kept]
+        if functools.reduce(torch.promote_types, dtypes) != node.meta["val"].dtype:
+            continue  # the empty operand sets the result's dtype: keep it
         changed = True
         if len(kept) == 1:
             with gm.graph.inserting_before(node):
@@ -183,6 +187,6 @@ def drop_empty_cat_operands(gm: GraphModule) -> None:
         gm.recompile()
 
 
-def _is_legacy_empty(node: Any) -> bool:
+def _is_empty(node: Any) -> bool:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == 0
+    return isinstance(val, torch.Tensor) and val.numel() == 0
