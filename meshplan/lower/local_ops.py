@@ -121,7 +121,7 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
     ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
-    if orig.target is operator.getitem:  # one piece of a split
+    if orig.target is operator.getitem:  # one output of a multi-output op: re-run it locally
         parent = orig.args[0]
         args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
         pieces = g.call_function(parent.target, args, kwargs)
