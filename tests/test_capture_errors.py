@@ -131,3 +131,17 @@ def test_an_op_refusing_fake_float32_is_a_clear_error() -> None:
 def test_reading_a_tensor_value_in_python_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"Branchy.*test_capture_errors.py:\d+.*value in Python"):
         capture(Branchy(), lambda o, t: o.sum(), ((torch.randn(8, 8),), torch.zeros(())))
+
+
+def test_reading_dropouts_mask_is_a_clear_error() -> None:
+    class MaskReader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, mask = torch.ops.aten.native_dropout(self.lin(x), 0.5, True)
+            return out * mask
+
+    with pytest.raises(ValueError, match="mask of aten.native_dropout"):
+        capture(MaskReader(), lambda o, t: o.sum(), ((torch.randn(4, 8),), torch.zeros(())))

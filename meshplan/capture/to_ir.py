@@ -144,6 +144,12 @@ def _item_node(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> N
     """One used output of a multi-output op: an IR node over the op's operands, signed like
     the op for that output's shape (lowering re-runs the op locally and takes this output)."""
     parent = node.args[0]
+    if _packet(parent.target) == "native_dropout" and node.args[1] != 0:
+        # Lowering redraws dropout's mask per rank from the step's generator (so every split
+        # equals one device); a second draw for the mask alone would not be the same mask.
+        raise ValueError("the forward reads the mask of aten.native_dropout, which meshplan "
+                         "cannot reproduce on split tensors; use only F.dropout's output (its "
+                         "masks are reproduced exactly on every split)")
     operands = _tensor_args(parent)
     names = [alias[o.name] for o in operands]
     call = _opcall(parent, operands, _packet(parent.target), node.meta["val"])
