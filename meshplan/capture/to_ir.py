@@ -64,7 +64,10 @@ def _opcall(node: fx.Node, operands: list[fx.Node], packet: str, out_val: Any) -
 def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
              requires_grad: bool) -> Node:
     packet = op_call.target
-    r = rule_for(op_call)
+    try:
+        r = rule_for(op_call)
+    except Exception:  # noqa: BLE001 - a variant a rule does not handle: planned replicated
+        r = None  # (DESIGN §3.3: what cannot be sharded is replicated, never a crash)
     if r is None or not signature_fits(r.sig, op_call.in_shapes, out.shape):
         sig = replicated_signature(tuple(len(s) for s in op_call.in_shapes), len(out.shape))
         op_name, flops = packet, float(out.numel)
