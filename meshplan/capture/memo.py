@@ -10,6 +10,7 @@ step. The captured program is immutable (`Traced`, `Graph`), so sharing it is sa
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Any, Callable
@@ -17,7 +18,11 @@ from typing import Any, Callable
 import torch
 
 _LOCK = threading.RLock()
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+# The most recent captures (a bound, not a weak map: a loss_fn closing over its model would keep
+# a weakly keyed entry alive forever). Entries hold the model weakly and the loss_fn strongly,
+# so neither id can be reused by another object while its entry exists.
+_RECENT = 8
+_CACHE: "collections.OrderedDict[Any, tuple[weakref.ref, Any, Any]]" = collections.OrderedDict()
 
 
 def _layout(x: Any) -> Any:
@@ -42,11 +47,13 @@ def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
                   capture: Callable[[torch.nn.Module, Any, Any], Any]) -> Any:
     """``capture(model, loss_fn, example_batch)``, made once per key and under one lock."""
     with _LOCK:
-        per_model = _CACHE.setdefault(model, {})
-        key = _key(model, loss_fn, example_batch)
-        hit = per_model.get(key)
-        if hit is not None and hit[0] is loss_fn:
-            return hit[1]
+        key = (id(model), _key(model, loss_fn, example_batch))
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0]() is model and hit[1] is loss_fn:
+            _CACHE.move_to_end(key)
+            return hit[2]
         result = capture(model, loss_fn, example_batch)
-        per_model[key] = (loss_fn, result)  # keeps loss_fn alive, so its id is not reused
+        _CACHE[key] = (weakref.ref(model), loss_fn, result)
+        while len(_CACHE) > _RECENT:
+            _CACHE.popitem(last=False)
         return result
