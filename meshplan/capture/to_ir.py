@@ -44,6 +44,11 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+# Ops whose split strategies lowering implements by hand for their first output (batch norm's
+# statistics exchange, class-split NLL): their other outputs, when read, are planned replicated.
+SPECIALLY_LOWERED = frozenset({"native_batch_norm", "nll_loss_forward", "native_dropout"})
+
+
 def _outputs_used_apart(node: fx.Node) -> bool:
     """A multi-output op whose outputs the forward reads one by one: a list output (split,
     unbind, chunk) or any output but the first in use (topk's indices, var_mean's mean…)."""
@@ -62,10 +67,10 @@ def _opcall(node: fx.Node, operands: list[fx.Node], packet: str, out_val: Any) -
 
 
 def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
-             requires_grad: bool) -> Node:
+             requires_grad: bool, signed: bool = True) -> Node:
     packet = op_call.target
     try:
-        r = rule_for(op_call)
+        r = rule_for(op_call) if signed else None
     except Exception:  # noqa: BLE001 - a variant a rule does not handle: planned replicated
         r = None  # (DESIGN §3.3: what cannot be sharded is replicated, never a crash)
     if r is None or not signature_fits(r.sig, op_call.in_shapes, out.shape):
@@ -155,9 +160,10 @@ def _item_node(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> N
                          "masks are reproduced exactly on every split)")
     operands = _tensor_args(parent)
     names = [alias[o.name] for o in operands]
-    call = _opcall(parent, operands, _packet(parent.target), node.meta["val"])
+    packet = _packet(parent.target)
+    call = _opcall(parent, operands, packet, node.meta["val"])
     return _op_node(node.name, names, call, _info(node.meta["val"]),
-                    any(grad.get(n, False) for n in names))
+                    any(grad.get(n, False) for n in names), packet not in SPECIALLY_LOWERED)
 
 
 def _prune_dead(nodes: list[Node], loss: str) -> list[Node]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +21,9 @@ from meshplan.runtime import collectives
 aten = torch.ops.aten
 
 SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand"})
+
+# Per local program: the local call of each multi-output op, by (traced op, local operands).
+_MULTI_OUTPUT_CALLS: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
 def _packet(target: Any) -> str:
@@ -121,11 +125,15 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
     ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
-    if orig.target is operator.getitem:  # one output of a multi-output op: re-run it locally
+    if orig.target is operator.getitem:  # one output of a multi-output op: run it locally
         parent = orig.args[0]
-        args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
-        pieces = g.call_function(parent.target, args, kwargs)
-        return g.call_function(operator.getitem, (pieces, orig.args[1]))
+        # Outputs of one op over the same local operands share one local call.
+        calls = _MULTI_OUTPUT_CALLS.setdefault(g, {})
+        key = (parent, tuple(operands))
+        if key not in calls:
+            args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
+            calls[key] = g.call_function(parent.target, args, kwargs)
+        return g.call_function(operator.getitem, (calls[key], orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
     if sync_axes:
