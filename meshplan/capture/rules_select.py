@@ -85,6 +85,35 @@ def index_rule(c: OpCall) -> OpRule | None:
     return OpRule("index", sig, float(math.prod(c.out_shape)))
 
 
+def index_put_rule(c: OpCall) -> OpRule | None:
+    """``x[..., idx] = v`` (``index_put``, what functionalization makes of it): the indexed dims
+    of x and the index tensors' dims stay whole (every rank writes every indexed row); x's
+    other dims split with the values' matching dims (a broadcast values dim stays whole)."""
+    indices = c.arg(1, "indices")
+    x = c.in_shapes[0]
+    where = [i for i, t in enumerate(indices) if t is not None]
+    if not where or where != list(range(where[0], where[0] + len(where))):
+        return None
+    idx_shapes, values = c.in_shapes[1:-1], c.in_shapes[-1]
+    if any(s != idx_shapes[0] for s in idx_shapes):
+        return None
+    p, k = where[0], len(where)
+    lead, tail = fresh_atoms(p), fresh_atoms(len(x) - p - k, 100)
+    whole, mid = fresh_atoms(k, 300), fresh_atoms(len(idx_shapes[0]), 200)
+    full = (*lead, *mid, *tail)
+    full_shape = (*x[:p], *idx_shapes[0], *x[p + k:])
+    off = len(full) - len(values)
+    if off < 0:
+        return None
+    vdims = [full[off + i] if n == full_shape[off + i] else _pinned(i)
+             for i, n in enumerate(values)]
+    pinned = {*whole, *mid, *[a for a in vdims if a not in full]}
+    xdims = (*lead, *whole, *tail)
+    sig = _sized([xdims, *[mid] * len(idx_shapes), vdims], xdims, c.in_shapes, c.out_shape,
+                 "elementwise", pinned)
+    return OpRule("index_put", sig, float(math.prod(values)))
+
+
 def index_select_rule(c: OpCall) -> OpRule:
     """``index_select(x, dim, index)``: x's ``dim`` whole, the index split with the output."""
     x = c.in_shapes[0]
@@ -172,6 +201,7 @@ SELECT_RULES: dict[str, Rule] = {
     "select": select_rule, "slice_scatter": scatter_into_rule,
     "select_scatter": scatter_into_rule,
     "gather": gather_rule, "index": index_rule, "index_select": index_select_rule,
+    "index_put": index_put_rule,
     "scatter": scatter_rule, "scatter_add": scatter_rule, "scatter_reduce": scatter_rule,
     "topk": along_whole_dim_rule("topk", 2), "sort": along_whole_dim_rule("sort", 1),
     "argsort": along_whole_dim_rule("argsort", 1),
