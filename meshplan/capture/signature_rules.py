@@ -11,55 +11,13 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
+import torch
+
+from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, _sized
+from meshplan.capture.rules_select import SELECT_RULES
 from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """What a rule sees: operand shapes (tensor args in order), output shape, all args."""
-
-    target: str
-    in_shapes: tuple[Shape, ...]
-    out_shape: Shape
-    args: tuple[Any, ...]
-    kwargs: tuple[tuple[str, Any], ...]
-
-    def arg(self, i: int, name: str, default: Any = None) -> Any:
-        if i < len(self.args):
-            return self.args[i]
-        return dict(self.kwargs).get(name, default)
-
-
-@dataclass(frozen=True)
-class OpRule:
-    name: str
-    sig: Signature
-    flops: float
-
-
-Rule = Callable[[OpCall], "OpRule | None"]  # None: this variant of the op has no signature
-
-
-def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
-           kind: str, unsplittable: set[str] = frozenset(), mean: set[str] = frozenset()
-           ) -> Signature:
-    sizes: dict[str, int] = {}
-    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
-        for d, n in zip(dims, shape):
-            if len(d) == 1:
-                sizes.setdefault(d, n)
-    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
-        for d, n in zip(dims, shape):
-            for a in d:
-                sizes.setdefault(a, n)  # multi-atom dims: atoms sized by their own 1-atom dims
-    return Signature(tuple(tuple(d) for d in inputs), tuple(output), kind,
-                     frozenset(unsplittable), frozenset(mean), tuple(sizes.items()))
-
 
 # ---------------------------------------------------------------- contractions
 def mm_rule(c: OpCall) -> OpRule:
@@ -76,14 +34,28 @@ def bmm_rule(c: OpCall) -> OpRule:
 
 def sdpa_rule(c: OpCall) -> OpRule:
     # All device variants of scaled-dot-product attention normalize to one op. Sequence and head
-    # dims pass through a softmax, so only batch and heads can be split.
+    # dims pass through a softmax, so only batch and heads can be split. A mask (boolean or
+    # additive, attn_mask / attn_bias) broadcasts to (*lead, s, t): its dims split with the
+    # batch and heads they belong to; a broadcast size-1 dim has its own atom and stays whole.
     q, k, v = c.in_shapes[:3]
     lead = "".join(fresh_atoms(len(q) - 2, 600))
     dims = [lead + "sd", lead + "te", lead + "tf"]
+    pinned = {"s", "t", "d", "e", "f"}
     if len(c.in_shapes) > 3:
-        raise ValueError("attention with an explicit mask tensor is not supported yet")
-    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction",
-                 unsplittable={"s", "t", "d", "e", "f"})
+        full = c.out_shape[:-1] + (k[-2],)  # (*lead, s, t)
+        mask = c.in_shapes[3]
+        names = lead + "st"
+        off = len(full) - len(mask)
+        mdims = ""
+        for pos, n in enumerate(mask):
+            if n == full[off + pos]:
+                mdims += names[off + pos]
+            else:
+                a = fresh_atoms(1, 650 + pos)[0]
+                pinned.add(a)
+                mdims += a
+        dims.append(mdims)
+    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction", unsplittable=pinned)
     batch = math.prod(q[:-2])
     return OpRule("sdpa", sig, 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1]))
 
@@ -140,7 +112,12 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
             sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                             sig.atom_sizes, sync)
             return OpRule(name, sig, flops_per_elem * math.prod(x))
-        sig = _sized([atoms, *extra], atoms, c.in_shapes, c.out_shape, "elementwise", fixed)
+        out = atoms
+        if tuple(c.out_shape) != tuple(x):  # the mean or rstd output: size 1 where normalized
+            stat = fresh_atoms(nd, 450)
+            out = (*atoms[:len(x) - nd], *stat)
+            fixed |= set(stat)
+        sig = _sized([atoms, *extra], out, c.in_shapes, c.out_shape, "elementwise", fixed)
         return OpRule(name, sig, flops_per_elem * math.prod(x))
     return rule
 
@@ -176,12 +153,12 @@ def nll_loss_rule(c: OpCall) -> OpRule:
     return OpRule("nll_loss", sig, float(x[0]))
 
 
-def mse_loss_rule(c: OpCall) -> OpRule:
+def mse_loss_rule(c: OpCall) -> OpRule | None:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     reduction = c.arg(2, "reduction", 1)
     if reduction not in (1, 2):
-        raise ValueError("mse_loss is supported with reduction mean or sum")
+        return None  # reduction="none": an elementwise square, planned replicated
     sig = _sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
                  mean=set(atoms) if reduction == 1 else set())
     return OpRule("mse_loss", sig, 3.0 * math.prod(x))
@@ -221,7 +198,11 @@ def _view_dims(src: Shape, dst: Shape) -> tuple[list[str], list[str], set[str]]:
                 for _ in range(j - j0):
                     a = next(atoms); pinned.add(a); dst_dims.append(a)
             else:
-                src_dims.extend(block[0]); dst_dims.extend(block[1])
+                for side, out in zip(block, (src_dims, dst_dims)):
+                    for d in side:  # a size-1 dim inside the block: an atom of its own
+                        if not d:
+                            d = next(atoms); pinned.add(d)
+                        out.append(d)
     return src_dims, dst_dims, pinned
 
 
@@ -258,10 +239,25 @@ def view_rule(c: OpCall) -> OpRule:
 def _sized_view(sig: Signature, c: OpCall) -> Signature:
     # Atom sizes of merged dims come from the side where the atom is a whole dim.
     sizes = dict(sig.atom_sizes)
-    for dims, shape in ((sig.inputs[0], c.in_shapes[0]), (sig.output, c.out_shape)):
+    sides = ((sig.inputs[0], c.in_shapes[0]), (sig.output, c.out_shape))
+    known: set[str] = set()
+    for dims, shape in sides:
         for d, n in zip(dims, shape):
             if len(d) == 1:
                 sizes[d] = n
+                known.add(d)
+    # An atom only ever merged with others is sized by the dim where it is the one unknown.
+    progress = True
+    while progress:
+        progress = False
+        for dims, shape in sides:
+            for d, n in zip(dims, shape):
+                unknown = [a for a in d if a not in known]
+                if len(unknown) == 1:
+                    rest = math.prod(sizes[a] for a in d if a in known)
+                    sizes[unknown[0]] = n // max(rest, 1)
+                    known.add(unknown[0])
+                    progress = True
     return Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                      tuple(sizes.items()))
 
@@ -375,6 +371,16 @@ def along_dim_rule(name: str) -> Rule:
     return rule
 
 
+def unbind_rule(c: OpCall) -> OpRule:
+    """``unbind(x, dim)``: each piece is x without ``dim`` (whole); other dims split freely."""
+    x = c.in_shapes[0]
+    atoms = fresh_atoms(len(x))
+    d = c.arg(1, "dim", 0) % len(x)
+    sig = _sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
+                 "view", {atoms[d]})
+    return OpRule("unbind", sig, 0.0)
+
+
 def random_rule(c: OpCall) -> OpRule:
     """Random draws (dropout's bernoulli mask) stay whole: every rank draws the global tensor
     from the same generator, as one device would, and keeps the piece it needs."""
@@ -384,11 +390,9 @@ def random_rule(c: OpCall) -> OpRule:
     return OpRule(c.target.rstrip("_"), sig, float(math.prod(x)))
 
 
-UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
-         "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
-         "lift_fresh_copy", "square", "erf", "reciprocal")
-BINARY = ("add", "sub", "mul", "div", "where", "maximum", "minimum", "eq", "ne", "lt", "gt",
-          "le", "ge", "masked_fill", "rsub")
+# Elementwise ops that aten does not tag pointwise (every tagged op is signed by `rule_for`).
+UNTAGGED_ELEMENTWISE = ("_to_copy", "alias", "detach", "native_dropout", "dropout",
+                        "lift_fresh_copy", "clone")
 
 RULES: dict[str, Rule] = {
     "mm": mm_rule, "bmm": bmm_rule, "embedding": embedding_rule,
@@ -399,6 +403,8 @@ RULES: dict[str, Rule] = {
     "_scaled_dot_product_cudnn_attention": sdpa_rule,
     "native_layer_norm": normalize_last_rule("layer_norm", 8.0, None),
     "_softmax": normalize_last_rule("softmax", 5.0, 1),
+    # Softmax that gives 0 (not NaN) on fully masked rows: computed over the whole dim.
+    "_safe_softmax": along_dim_rule("safe_softmax"),
     "_log_softmax": normalize_last_rule("log_softmax", 5.0, 1),
     "sum": reduction_rule("sum", mean=False), "mean": reduction_rule("mean", mean=True),
     "nll_loss_forward": nll_loss_rule, "mse_loss": mse_loss_rule,
@@ -416,14 +422,31 @@ RULES: dict[str, Rule] = {
     "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
-    **{n: elementwise_rule(n) for n in UNARY + BINARY},
+    "unbind": unbind_rule,
+    # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
+    "copy": elementwise_rule("copy"),
+    **SELECT_RULES,
+    **{n: elementwise_rule(n) for n in UNTAGGED_ELEMENTWISE},
 }
 
-# In-place variants (``div_``) follow their functional op's rule.
-RULES.update({f"{name}_": rule for name, rule in list(RULES.items())
-              if name in UNARY + BINARY and f"{name}_" not in RULES})
 
-# Ops that create tensors from nothing (or only from another tensor's shape): planned as
-# replicated constants of the global shape.
-CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor"})
-LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like"})
+# Ops that create tensors from nothing (or only from another tensor's shape and dtype): planned
+# as replicated constants of the global shape.
+CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor",
+                          "empty_strided", "eye", "linspace"})
+LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "new_ones",
+                      "new_zeros", "new_full", "new_empty", "new_empty_strided"})
+
+
+def rule_for(c: OpCall) -> OpRule | None:
+    """The signature of one op call: its rule in `RULES`, else, for any aten op tagged
+    pointwise (and not random), the broadcasting elementwise rule; None when there is none."""
+    rule = RULES.get(c.target)
+    if rule is None and _is_pointwise(c.overload):
+        rule = elementwise_rule(c.target.rstrip("_"))
+    return rule(c) if rule is not None else None
+
+
+def _is_pointwise(overload: Any) -> bool:
+    tags = getattr(overload, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags

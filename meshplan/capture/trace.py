@@ -9,21 +9,31 @@ The traced function is the step's loss on ``functional_call(model, state, args, 
 (``capture/batch.py``: the batch forms and the loss conventions); its placeholders are, in
 order, every parameter, every buffer, every batch tensor (positional, keyword, target). The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
+
+The graph is functionalized (in-place and ``out=`` ops become their pure forms) and
+``torch.cat``'s legacy empty operands are dropped, so every later pass sees plain values. A trace
+that torch refuses (data-dependent shapes, ops without fake-tensor support) ends in a ValueError
+naming the op and the module. Tracing holds one process-wide lock: make_fx's patching is global
+state, and emulated ranks (threads) may capture at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
+from torch.func import functional_call, functionalize
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
+from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
 
 aten = torch.ops.aten
 
@@ -66,6 +76,24 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return aten.add.Tensor(out, aten.view.default(bias, shape))
 
 
+# make_fx patches torch globally while it traces; two threads tracing at once corrupt each other
+# (and functional_call swaps the shared model's parameters), so tracing is serialized.
+_TRACE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _as_a_tracer() -> Iterator[None]:
+    """Tell the model it is being traced, as torch.export does: libraries (Hugging Face's mask
+    helpers) then skip value-dependent shortcuts (``if torch.all(mask == 1)``) that fake tensors
+    cannot answer, and take the path that is the same for every value."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
 def _decompositions() -> dict[Any, Callable]:
     return {aten.addmm.default: _addmm_as_mm_add, aten.convolution.default: _conv_bias_apart}
 
@@ -86,7 +114,9 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     layout, batch = flatten_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors met during tracing (a plain tensor attribute, a torch.tensor(...) literal)
+    # are constants of the program: fx keeps them as get_attr nodes.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = {k: _as_fake(mode, v) for k, v in {**params, **buffers}.items()}
     fake_batch = [_as_fake(mode, t) for t in batch.values()]
     names = list(fake_state)
@@ -96,9 +126,17 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
         out = functional_call(model, dict(zip(names, state_list)), args, kwargs, strict=False)
         return step_loss(loss_fn, out, target)
 
-    with mode:
-        gm = make_fx(step, decomposition_table=_decompositions())(
-            list(fake_state.values()), fake_batch)
+    with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
+        try:
+            with mode:
+                gm = make_fx(functionalize(step, remove="mutations"),
+                             decomposition_table=_decompositions())(
+                    list(fake_state.values()), fake_batch)
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
+            raise explain_trace_failure(exc, model, modules) from exc
+    drop_empty_cat_operands(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -110,3 +148,37 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
              + [("target" if k == "target" and layout.has_target else "input", k)
                 for k in batch])
     return Traced(gm, tuple(roles), layout)
+
+
+def drop_empty_cat_operands(gm: GraphModule) -> None:
+    """Remove ``torch.cat``'s empty operands: the legacy 1-D size-0 tensor torch.cat accepts
+    next to tensors of any rank (a key/value cache that starts empty), or any operand with no
+    elements. They add nothing; a cat left with one operand is that operand."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.cat.default:
+            continue
+        parts = list(node.args[0])
+        kept = [p for p in parts if not _is_empty(p)]
+        if len(kept) == len(parts) or not kept:
+            continue
+        dtypes = [k.meta["val"].dtype for k in kept]
+        if functools.reduce(torch.promote_types, dtypes) != node.meta["val"].dtype:
+            continue  # the empty operand sets the result's dtype: keep it
+        changed = True
+        if len(kept) == 1:
+            with gm.graph.inserting_before(node):
+                alone = gm.graph.call_function(aten.clone.default, (kept[0],))
+            alone.meta.update(node.meta)
+            node.replace_all_uses_with(alone)
+            gm.graph.erase_node(node)
+        else:
+            node.args = (kept, *node.args[1:])
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _is_empty(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 0

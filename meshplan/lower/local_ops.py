@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +21,9 @@ from meshplan.runtime import collectives
 aten = torch.ops.aten
 
 SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand"})
+
+# Per local program: the local call of each multi-output op, by (traced op, local operands).
+_MULTI_OUTPUT_CALLS: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
 def _packet(target: Any) -> str:
@@ -121,11 +125,15 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
     ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
-    if orig.target is operator.getitem:  # one piece of a split
+    if orig.target is operator.getitem:  # one output of a multi-output op: run it locally
         parent = orig.args[0]
-        args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
-        pieces = g.call_function(parent.target, args, kwargs)
-        return g.call_function(operator.getitem, (pieces, orig.args[1]))
+        # Outputs of one op over the same local operands share one local call.
+        calls = _MULTI_OUTPUT_CALLS.setdefault(g, {})
+        key = (parent, tuple(operands))
+        if key not in calls:
+            args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
+            calls[key] = g.call_function(parent.target, args, kwargs)
+        return g.call_function(operator.getitem, (calls[key], orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
     if sync_axes:
@@ -140,10 +148,18 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         target = aten.reshape.default
     if partial and node.sig is not None and node.sig.mean_atoms:
         return _split_mean(g, packet, node, args)
+    if packet == "copy":  # aten.copy has no derivative; its meaning does
+        return g.call_function(functional_copy, args[:2])
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
     return value
+
+
+def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``aten.copy(dst, src)`` (a functionalized ``dst.copy_(src)``) as differentiable ops:
+    src cast to dst's dtype and broadcast to its shape; dst's values are not read."""
+    return src.to(dst.dtype).expand(dst.shape).clone()
 
 
 def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
@@ -176,13 +192,31 @@ def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
 
 
 def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
-    """``empty_like``/``zeros_like``/``ones_like``/``full_like`` of the *global* shape."""
+    """``*_like`` and ``new_*`` constants (their shape and dtype come from another tensor, or
+    are given) made whole, of the *global* shape and the traced dtype."""
     dt = getattr(torch, dtype)
-    if kind == "full_like":
+    if kind in ("full_like", "new_full"):
         return torch.full(shape, fill, dtype=dt)
-    if kind == "ones_like":
+    if kind in ("ones_like", "new_ones"):
         return torch.ones(shape, dtype=dt)
-    return torch.zeros(shape, dtype=dt)  # empty_like: zeros, so a rank never reads garbage
+    return torch.zeros(shape, dtype=dt)  # empty: zeros, so a rank never reads garbage
+
+
+def fill_value(kind: str, orig: fx.Node) -> Any:
+    """The fill of a traced ``full_like(x, fill)`` / ``new_full(x, size, fill)``, else None."""
+    position = {"full_like": 1, "new_full": 2}.get(kind)
+    if position is None:
+        return None
+    return orig.args[position] if len(orig.args) > position else orig.kwargs["fill_value"]
+
+
+def materialize_constant(value: torch.Tensor) -> torch.Tensor:
+    """A real copy of a tensor constant kept in the traced program (make_fx stores the real
+    tensor it met; a fake one would mean the constant was computed under tracing)."""
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(value):
+        raise AssertionError("meshplan internal error: a traced tensor constant is fake")
+    return value.detach().clone()
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int

@@ -58,6 +58,7 @@ class _Lowerer:
         self.sources = {s.node: s.spec for s in plan.sources}
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
+        self.constants: dict[str, torch.Tensor] = {}   # the program's tensor constants
         self.comm = self.out.placeholder("comm")
         self.rng = self.out.placeholder("rng")
 
@@ -70,17 +71,24 @@ class _Lowerer:
             else:
                 self._op(node)
         self.out.output(self.env[self.graph.loss])
-        gm = fx.GraphModule(torch.nn.Module(), self.out)
+        root = torch.nn.Module()
+        for attr, value in self.constants.items():
+            root.register_buffer(attr, value, persistent=False)
+        gm = fx.GraphModule(root, self.out)
         return LocalProgram(gm, tuple(phs), self.values, self.values[self.graph.loss].layout.partial)
 
     # ---------------------------------------------------------------- sources
     def _source(self, node: Node) -> None:
         if node.role == "constant":
             orig = self.fx_nodes[node.name]
-            if node.op in LIKE_OPS:  # from the global shape, not a local operand's
+            if orig.op == "get_attr":  # a tensor constant traced into the program
+                self.constants[orig.target] = local_ops.materialize_constant(
+                    getattr(self.traced.graph_module, orig.target))
+                self.env[node.name] = self.out.get_attr(orig.target)
+            elif node.op in LIKE_OPS:  # from the global shape, not a local operand's
                 self.env[node.name] = self.out.call_function(
                     local_ops.constant_like, (node.op, node.out.shape, node.out.dtype,
-                                              orig.args[1] if node.op == "full_like" else None))
+                                              local_ops.fill_value(node.op, orig)))
             else:
                 self.env[node.name] = self.out.call_function(orig.target, orig.args,
                                                              dict(orig.kwargs))
