@@ -8,6 +8,7 @@ here is planned replicated (see `meshplan.capture.to_ir`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -17,6 +18,7 @@ import torch
 
 from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, _sized
 from meshplan.capture.rules_select import SELECT_RULES
+from meshplan.ir.graph import TensorInfo
 from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
 
 # ---------------------------------------------------------------- contractions
@@ -142,14 +144,22 @@ def reduction_rule(name: str, mean: bool) -> Rule:
 
 def nll_loss_rule(c: OpCall) -> OpRule:
     x = c.in_shapes[0]
-    if len(c.in_shapes) > 2:
-        raise ValueError("nll_loss with class weights is not supported yet")
+    weighted = len(c.in_shapes) > 2
     reduction = c.arg(3, "reduction", 1)
     if len(x) != 2 or reduction not in (1, 2):
         raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
     # A split class dim c picks each target on the shard that holds it: partial sums.
-    sig = _sized(["nc", "n"], (), c.in_shapes, c.out_shape, "reduction",
-                 mean={"n"} if reduction == 1 else set())
+    sig = _sized(["nc", "n"] + (["c"] if weighted else []), (), c.in_shapes, c.out_shape,
+                 "reduction", mean={"n"} if reduction == 1 else set())
+    if reduction == 1:
+        # The mean's divisor counts the targets not equal to ignore_index (weighted: sums
+        # their class weights): one scalar per rank, all-reduced over the axes splitting the
+        # batch (and, weighted, the classes: each rank weighs only its own classes' targets).
+        # No gradient flows through a count.
+        itemsize = TensorInfo((), c.in_dtypes[0]).nbytes if c.in_dtypes else 4
+        sync = StatSync(frozenset("nc" if weighted else "n"), (), itemsize,
+                        (("all_reduce", "none"),))
+        sig = dataclasses.replace(sig, sync=sync)
     return OpRule("nll_loss", sig, float(x[0]))
 
 

@@ -46,13 +46,25 @@ def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple
     return new_args, new_kwargs
 
 
-def nll_loss_split_mean(x: torch.Tensor, target: torch.Tensor, weight: Any, ignore_index: int,
-                        count: int) -> torch.Tensor:
-    """This rank's share of a mean NLL over a batch split across ranks."""
-    if bool((target == ignore_index).any()):
-        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
-                         "the batch is split: the mean's divisor would depend on other ranks' data")
-    return aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0] / count
+def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The local part of a mean NLL's divisor: the targets not equal to ``ignore_index``,
+    weighted by their class weight. Detached, as torch's own total weight is."""
+    keep = target != ignore_index
+    if weight is None:
+        return keep.sum(dtype=dtype)
+    w = weight.detach()[target.clamp(0, max(weight.shape[0] - 1, 0))]
+    return (w * keep.to(dtype)).sum(dtype=dtype)
+
+
+def nll_loss_synced(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
+                    ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's share of a mean NLL over a batch split across ``axes``: the local sum over
+    the targets divided by the global count of non-ignored targets (weighted), one scalar
+    all-reduced over ``axes`` (the plan's collective for the loss's statistics)."""
+    total = aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0]
+    count = _nll_count(target, weight, ignore_index, x.dtype)
+    return total / collectives.all_reduce(comm, count, axes)
 
 
 def mse_loss_split_mean(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
@@ -67,8 +79,6 @@ def sum_split_mean(x: torch.Tensor, dims: Any, keepdim: bool, count: int) -> tor
 
 def _split_mean(g: fx.Graph, packet: str, node: Node, args: tuple) -> fx.Node:
     count = math.prod(node.sig.size(a) for a in node.sig.mean_atoms)
-    if packet == "nll_loss_forward":
-        return g.call_function(nll_loss_split_mean, (args[0], args[1], args[2], args[4], count))
     if packet == "mse_loss":
         return g.call_function(mse_loss_split_mean, (args[0], args[1], count))
     if packet == "mean":
@@ -124,7 +134,8 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          out_shape: tuple[int, ...], partial: bool, comm: fx.Node | None = None,
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
-    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm)."""
+    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm's moments, a
+    mean NLL's target count)."""
     if orig.target is operator.getitem:  # one output of a multi-output op: run it locally
         parent = orig.args[0]
         # Outputs of one op over the same local operands share one local call.
@@ -136,6 +147,11 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         return g.call_function(operator.getitem, (calls[key], orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
+    if sync_axes and packet == "nll_loss_forward":
+        weight = args[2] if len(args) > 2 else None
+        ignore = args[4] if len(args) > 4 else -100
+        return g.call_function(nll_loss_synced, (comm, args[0], args[1], weight, ignore,
+                                                 sync_axes))
     if sync_axes:
         assert packet == "native_batch_norm", packet
         return _batch_norm(g, args, node, comm, sync_axes)
@@ -242,16 +258,25 @@ def softmax_split(comm: Any, x: torch.Tensor, dim: int, axes: tuple[int, ...], l
     return shifted - total.log() if log else shifted.exp() / total
 
 
-def nll_loss_class_split(x: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int,
-                         count: int | None) -> torch.Tensor:
+def nll_loss_class_split(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
+                         start: int, ignore_index: int, mean: bool, axes: tuple[int, ...]
+                         ) -> torch.Tensor:
     """NLL over log-probabilities whose class dim is split: each rank picks the targets that
-    fall in its classes ``[start, start + C_local)``; the result is a partial sum (divided by
-    the global count for a mean)."""
-    if count is not None and bool((target == ignore_index).any()):
-        raise ValueError(f"targets equal to ignore_index ({ignore_index}) are not supported when "
-                         "the classes are split: the mean's divisor would depend on them")
+    fall in its classes ``[start, start + C_local)`` (``weight``: its classes' weights); the
+    result is a partial sum. A mean divides by the count of non-ignored targets (weighted),
+    all-reduced over ``axes`` (those splitting the batch, and the classes when weighted)."""
     local = target - start
     inside = (local >= 0) & (local < x.shape[1])
-    picked = x.gather(1, local.clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
-    total = -(picked * inside.to(x.dtype)).sum()
-    return total / count if count else total
+    rows = local.clamp(0, max(x.shape[1] - 1, 0))
+    picked = x.gather(1, rows.unsqueeze(1)).squeeze(1) * inside.to(x.dtype)
+    keep = target != ignore_index
+    if weight is not None:
+        w = weight[rows] * (inside & keep).to(x.dtype)
+        total = -(picked * w).sum()
+        count = w.detach().sum() if mean else None
+    else:
+        total = -(picked * keep.to(x.dtype)).sum()
+        count = keep.sum(dtype=x.dtype) if mean else None
+    if count is None:
+        return total
+    return total / (collectives.all_reduce(comm, count, axes) if axes else count)

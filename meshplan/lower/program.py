@@ -151,9 +151,10 @@ class _Lowerer:
             start = piece_offsets(shardeds[0], self.pos)[1][0]
             mean = (orig.args[3] if len(orig.args) > 3 else 1) == 1
             ignore = orig.args[4] if len(orig.args) > 4 else -100
-            count = node.sig.size("n") if mean else None
-            return call(local_ops.nll_loss_class_split, (operands[0], operands[1], start,
-                                                         ignore, count))
+            weight = operands[2] if len(operands) > 2 else None
+            return call(local_ops.nll_loss_class_split,
+                        (self.comm, operands[0], operands[1], weight, start, ignore, mean,
+                         tuple(dec.sync_axes)))
         return None
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...]
