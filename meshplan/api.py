@@ -112,7 +112,7 @@ def _ilp_memory(form: Any, choices: Sequence[int]) -> float:
     return float(sum(mem[i][c] for i, c in enumerate(choices))) if mem else 0.0
 
 
-def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any,
+def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
          alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
          method: str = "auto", force_batch_dim: int | None = None,
@@ -120,6 +120,12 @@ def plan(model: nn.Module, loss_fn: Callable, optimizer: Any, example_batch: Any
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
+
+    ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
+    keyword arguments; target a tensor or None) or a dict of keyword arguments alone; every
+    tensor's dim 0 is the batch. The loss is ``loss_fn(output, target)``, ``loss_fn(output)``
+    without target, or the model's own (``output.loss``, ``output["loss"]``) when ``loss_fn``
+    is None, as for a ``transformers`` model given ``labels=``.
 
     ``optimizer`` is a torch optimizer (SGD, Adam, AdamW) or its name. ``alpha``/``beta`` (per
     mesh axis) switch the objective to those abstract units with compute left out, as in Alpa;

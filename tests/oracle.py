@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import meshplan.api as api
-from meshplan.capture.batch import batch_layout, batch_tensors, forward_loss
+from meshplan.capture.batch import flatten_batch, step_loss
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.capture.to_ir import capture
@@ -51,8 +51,9 @@ def reference(w: Workload, opt: OptimizerSpec, data: list[Any]) -> tuple[list[fl
     losses = []
     for step, batch in enumerate(data):
         torch.manual_seed(step)
-        layout, tensors = batch_layout(batch), batch_tensors(batch)
-        loss = forward_loss(model, w.loss_fn, layout, [tensors[n] for n in layout.names])
+        layout, tensors = flatten_batch(batch)
+        args, kwargs, target = layout.call(list(tensors.values()))
+        loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
         loss.backward()
         o.step()
         o.zero_grad()

@@ -1,101 +1,138 @@
-"""The batch a user hands meshplan, in the forms people write, and the loss it leads to.
+"""What a batch is, and what the loss of one step is, as people write them.
 
-Two forms, for the example batch of `meshplan.api.plan` and every `Trainer.step`:
+One convention for ``example_batch`` (tracing) and ``Trainer.step(batch)`` (running):
 
-- ``(inputs, target)``: ``inputs`` a tensor or a tuple of tensors passed positionally to the
-  model, ``target`` a tensor; the loss is ``loss_fn(model(*inputs), target)``.
-- a dict of keyword arguments (``{"input_ids": ..., "attention_mask": ..., "labels": ...}``):
-  the model is called as ``model(**batch)``; the loss is ``loss_fn(output, batch)`` or, with
-  ``loss_fn=None``, the loss the model returns itself (``output.loss``, ``output["loss"]`` or
-  the first element of a tuple: Hugging Face's ``labels=`` loss). Entries that are not tensors
-  (``use_cache=False``) are fixed at trace time.
+* ``(inputs, target)``: ``inputs`` is one tensor, a tuple/list of tensors (positional
+  arguments of ``model``) or a dict of keyword arguments; ``target`` is a tensor (passed to
+  ``loss_fn(output, target)``) or None (``loss_fn(output)``, or the model's own loss);
+* a dict of keyword arguments alone, e.g. ``{"input_ids": ids, "attention_mask": mask,
+  "labels": labels}``: the same as ``(that_dict, None)``.
 
-Every tensor of a batch has the batch on dim 0; meshplan splits it there.
+Every tensor's dim 0 is the batch. Non-tensor keyword values (``use_cache=False``, None) are
+fixed at trace time: a step's batch must repeat them unchanged. With ``loss_fn=None`` the model
+returns its loss: a scalar tensor, a ``loss`` entry/attribute (``transformers``'
+``ModelOutput``, a dict) or, for a tuple, a scalar first element (``return_dict=False``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+_CONVENTION = ("a batch is (inputs, target) with inputs a tensor, a tuple of tensors or a dict "
+               "of keyword arguments and target a tensor or None, or a dict of keyword "
+               "arguments alone")
+
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Which form a batch has and the names of its tensors, in the order they are traced
-    (``input0``…, ``target`` for a pair; the dict's keys for keyword arguments)."""
+    """How the batch's tensors, flattened in placeholder order, rebuild the model's call.
 
-    kind: str                      # "pair" or "kwargs"
-    names: tuple[str, ...]
-    fixed: tuple[tuple[str, Any], ...] = ()   # non-tensor keyword arguments
+    Tensors come as ``positional`` inputs (named ``input{i}``), then the ``keywords`` (named by
+    their key), then the target (named ``target``) if ``has_target``. ``static`` holds the
+    non-tensor keyword arguments, fixed at trace time.
+    """
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
-        """The batch again, from its tensors in trace order."""
-        if self.kind == "pair":
-            return tuple(tensors[:-1]), tensors[-1]
-        return {**dict(zip(self.names, tensors)), **dict(self.fixed)}
+    positional: int
+    keywords: tuple[str, ...]
+    static: tuple[tuple[str, Any], ...]
+    has_target: bool
+
+    def names(self) -> tuple[str, ...]:
+        """Placeholder name of every batch tensor, in order."""
+        return (tuple(f"input{i}" for i in range(self.positional)) + self.keywords
+                + (("target",) if self.has_target else ()))
+
+    def call(self, tensors: list[torch.Tensor]
+             ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor | None]:
+        """``(args, kwargs, target)`` of the model call from the flattened ``tensors``."""
+        args = tuple(tensors[:self.positional])
+        k = self.positional + len(self.keywords)
+        kwargs = dict(zip(self.keywords, tensors[self.positional:k])) | dict(self.static)
+        return args, kwargs, tensors[k] if self.has_target else None
 
 
-def batch_layout(batch: Any) -> BatchLayout:
-    """The layout of a batch; TypeError naming what is wrong and the valid forms."""
-    if isinstance(batch, dict):
-        names = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
-        if not names:
-            raise TypeError("a keyword-argument batch needs at least one tensor, e.g. "
-                            "{'input_ids': ids, 'labels': labels}")
-        if not all(isinstance(k, str) for k in batch):
-            raise TypeError(f"batch keys must be argument names (str); got {list(batch)}")
-        fixed = tuple((k, v) for k, v in batch.items() if not isinstance(v, torch.Tensor))
-        return BatchLayout("kwargs", names, fixed)
+def _parts(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping):
+        return batch, None
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        inputs, target = batch
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
-        if (isinstance(inputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in inputs)
-                and isinstance(target, torch.Tensor)):
-            return BatchLayout("pair", tuple(f"input{i}" for i in range(len(inputs)))
-                               + ("target",))
-    raise TypeError("a batch is (inputs, target) with inputs a tensor or a tuple of tensors and "
-                    "target a tensor, or a dict of keyword arguments for the model such as "
-                    f"{{'input_ids': ids, 'labels': labels}}; got {type(batch).__name__}")
+        return batch[0], batch[1]
+    raise TypeError(f"{_CONVENTION}; got a {type(batch).__name__}"
+                    + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
 
 
-def batch_tensors(batch: Any, layout: BatchLayout | None = None) -> dict[str, torch.Tensor]:
-    """The batch's tensors by name. With ``layout`` (the example batch's), ValueError when this
-    batch has another form or other tensors."""
-    mine = batch_layout(batch)
-    if layout is not None and (mine.kind, mine.names) != (layout.kind, layout.names):
-        raise ValueError(f"this batch has tensors {list(mine.names)} ({mine.kind}); the plan was "
-                         f"made for {list(layout.names)} ({layout.kind})")
-    if mine.kind == "pair":
-        inputs, target = batch
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        return {**{f"input{i}": t for i, t in enumerate(inputs)}, "target": target}
-    return {k: batch[k] for k in mine.names}
+def flatten_batch(batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
+    """The layout of ``batch`` and its tensors by placeholder name, in placeholder order.
+
+    Raises TypeError naming the offending part when ``batch`` follows no valid form.
+    """
+    inputs, target = _parts(batch)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"keyword inputs must have string keys; got {bad[0]!r}")
+        positional: tuple = ()
+        keywords = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        static = tuple((k, v) for k, v in inputs.items() if not isinstance(v, torch.Tensor))
+    elif isinstance(inputs, (tuple, list)):
+        positional, keywords, static = tuple(inputs), {}, ()
+        bad = [i for i, t in enumerate(positional) if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise TypeError(f"positional input {bad[0]} is a {type(positional[bad[0]]).__name__}, "
+                            f"not a tensor; {_CONVENTION}")
+    else:
+        raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
+    if target is not None and not isinstance(target, torch.Tensor):
+        raise TypeError(f"the target is a {type(target).__name__}, not a tensor or None; "
+                        f"{_CONVENTION}")
+    if not positional and not keywords:
+        raise TypeError(f"the batch holds no input tensor; {_CONVENTION}")
+    if target is not None and "target" in keywords:
+        raise TypeError("a keyword input named 'target' clashes with the batch's target; pass "
+                        "the target inside the keyword dict or rename it")
+    layout = BatchLayout(len(positional), tuple(keywords), static, target is not None)
+    tensors = list(positional) + list(keywords.values()) + ([target] if target is not None else [])
+    return layout, dict(zip(layout.names(), tensors))
 
 
-def model_loss(output: Any) -> Any:
-    """The loss a model returned itself; ValueError when its output carries none."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError("loss_fn is None, so the model must return its loss (output.loss, "
-                         "output['loss'] or a tuple starting with it, e.g. a Hugging Face model "
-                         "given labels=); it returned "
-                         f"{type(output).__name__}. Pass labels in the batch or give a loss_fn")
-    return loss
+def check_static(traced: BatchLayout, given: BatchLayout) -> None:
+    """Raise ValueError if ``given`` (a step's batch) does not fit the traced layout."""
+    if given.names() != traced.names():
+        raise ValueError(f"the batch holds tensors {list(given.names())}, the traced example "
+                         f"batch {list(traced.names())}; give the same inputs at every step")
+    if given.static != traced.static:
+        raise ValueError(f"non-tensor keyword inputs {dict(given.static)} differ from the traced "
+                         f"ones {dict(traced.static)}; they are fixed when the plan is made")
 
 
-def forward_loss(model: Callable, loss_fn: Callable | None, layout: BatchLayout,
-                 tensors: list[torch.Tensor]) -> Any:
-    """The loss of one batch given as its tensors in trace order (see the module docstring)."""
-    batch = layout.rebuild(tensors)
-    if layout.kind == "pair":
-        inputs, target = batch
-        out = model(*inputs)
-        return loss_fn(out, target) if loss_fn is not None else model_loss(out)
-    out = model(**batch)
-    return loss_fn(out, batch) if loss_fn is not None else model_loss(out)
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model returned itself (``loss_fn=None``). Raises ValueError if there is none."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return out.loss
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
+            and out[0].dim() == 0:
+        return out[0]
+    raise ValueError(f"loss_fn is None, so the model must return its loss (a scalar tensor, a "
+                     f"'loss' entry or attribute, or a tuple starting with it); it returned a "
+                     f"{type(out).__name__} without one (a transformers model computes it when "
+                     f"given labels=...), or pass a loss_fn")
+
+
+def step_loss(loss_fn: Callable | None, out: Any, target: torch.Tensor | None) -> Any:
+    """The loss of one step: ``loss_fn(out, target)``, ``loss_fn(out)`` or the model's own."""
+    if loss_fn is None:
+        if target is not None:
+            raise ValueError("the batch has a target but loss_fn is None; give a "
+                             "loss_fn(output, target), or a batch without target (a dict of "
+                             "keyword arguments) for a model that returns its loss")
+        return model_loss(out)
+    return loss_fn(out) if target is None else loss_fn(out, target)

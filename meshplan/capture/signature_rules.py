@@ -8,58 +8,18 @@ here is planned replicated (see `meshplan.capture.to_ir`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
+import torch
+
+from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, _sized
+from meshplan.capture.rules_select import SELECT_RULES
+from meshplan.ir.graph import TensorInfo
 from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """What a rule sees: operand shapes (tensor args in order), output shape, all args."""
-
-    target: str
-    in_shapes: tuple[Shape, ...]
-    out_shape: Shape
-    args: tuple[Any, ...]
-    kwargs: tuple[tuple[str, Any], ...]
-
-    def arg(self, i: int, name: str, default: Any = None) -> Any:
-        if i < len(self.args):
-            return self.args[i]
-        return dict(self.kwargs).get(name, default)
-
-
-@dataclass(frozen=True)
-class OpRule:
-    name: str
-    sig: Signature
-    flops: float
-
-
-Rule = Callable[[OpCall], "OpRule | None"]  # None: this variant of the op has no signature
-
-
-def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
-           kind: str, unsplittable: set[str] = frozenset(), mean: set[str] = frozenset()
-           ) -> Signature:
-    sizes: dict[str, int] = {}
-    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
-        for d, n in zip(dims, shape):
-            if len(d) == 1:
-                sizes.setdefault(d, n)
-    for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
-        for d, n in zip(dims, shape):
-            for a in d:
-                sizes.setdefault(a, n)  # multi-atom dims: atoms sized by their own 1-atom dims
-    return Signature(tuple(tuple(d) for d in inputs), tuple(output), kind,
-                     frozenset(unsplittable), frozenset(mean), tuple(sizes.items()))
-
 
 # ---------------------------------------------------------------- contractions
 def mm_rule(c: OpCall) -> OpRule:
@@ -77,22 +37,26 @@ def bmm_rule(c: OpCall) -> OpRule:
 def sdpa_rule(c: OpCall) -> OpRule:
     # All device variants of scaled-dot-product attention normalize to one op. Sequence and head
     # dims pass through a softmax, so only batch and heads can be split. A mask (boolean or
-    # additive, broadcast against (…, s, t)) is split with the batch and heads it belongs to.
+    # additive, attn_mask / attn_bias) broadcasts to (*lead, s, t): its dims split with the
+    # batch and heads they belong to; a broadcast size-1 dim has its own atom and stays whole.
     q, k, v = c.in_shapes[:3]
     lead = "".join(fresh_atoms(len(q) - 2, 600))
-    dims: list = [lead + "sd", lead + "te", lead + "tf"]
+    dims = [lead + "sd", lead + "te", lead + "tf"]
     pinned = {"s", "t", "d", "e", "f"}
-    for m, mask in enumerate(c.in_shapes[3:]):
-        full = lead + "st"
-        mine = []
-        for i, n in enumerate(mask):
-            atom = full[len(full) - len(mask) + i]
-            if atom in "st" or n == (q[:-2] + (q[-2], k[-2]))[len(q) - len(mask) + i]:
-                mine.append(atom)
-            else:  # broadcast size-1 dim: its own atom, never split
-                mine.append(fresh_atoms(1, 640 + 8 * m + i)[0])
-                pinned.add(mine[-1])
-        dims.append(tuple(mine))
+    if len(c.in_shapes) > 3:
+        full = c.out_shape[:-1] + (k[-2],)  # (*lead, s, t)
+        mask = c.in_shapes[3]
+        names = lead + "st"
+        off = len(full) - len(mask)
+        mdims = ""
+        for pos, n in enumerate(mask):
+            if n == full[off + pos]:
+                mdims += names[off + pos]
+            else:
+                a = fresh_atoms(1, 650 + pos)[0]
+                pinned.add(a)
+                mdims += a
+        dims.append(mdims)
     sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction", unsplittable=pinned)
     batch = math.prod(q[:-2])
     return OpRule("sdpa", sig, 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1]))
@@ -150,7 +114,12 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
             sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                             sig.atom_sizes, sync)
             return OpRule(name, sig, flops_per_elem * math.prod(x))
-        sig = _sized([atoms, *extra], atoms, c.in_shapes, c.out_shape, "elementwise", fixed)
+        out = atoms
+        if tuple(c.out_shape) != tuple(x):  # the mean or rstd output: size 1 where normalized
+            stat = fresh_atoms(nd, 450)
+            out = (*atoms[:len(x) - nd], *stat)
+            fixed |= set(stat)
+        sig = _sized([atoms, *extra], out, c.in_shapes, c.out_shape, "elementwise", fixed)
         return OpRule(name, sig, flops_per_elem * math.prod(x))
     return rule
 
@@ -174,31 +143,32 @@ def reduction_rule(name: str, mean: bool) -> Rule:
 
 
 def nll_loss_rule(c: OpCall) -> OpRule:
-    """NLL over (N, C) log-probabilities. A split class dim c picks each target on the shard
-    that holds it: partial sums. A mean divides by the weight of the targets that are not
-    ``ignore_index`` (padding labels), so a split batch all-reduces that one count
-    (`StatSync`); class weights keep the class dim whole."""
     x = c.in_shapes[0]
+    weighted = len(c.in_shapes) > 2
     reduction = c.arg(3, "reduction", 1)
     if len(x) != 2 or reduction not in (1, 2):
-        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum; got "
-                         f"input shape {tuple(x)}, reduction {reduction}")
-    weighted = len(c.in_shapes) > 2
-    sig = _sized(["nc", "n", "c"][:len(c.in_shapes)], (), c.in_shapes, c.out_shape, "reduction",
-                 unsplittable={"c"} if weighted else set(),
-                 mean={"n"} if reduction == 1 else set())
+        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
+    # A split class dim c picks each target on the shard that holds it: partial sums.
+    sig = _sized(["nc", "n"] + (["c"] if weighted else []), (), c.in_shapes, c.out_shape,
+                 "reduction", mean={"n"} if reduction == 1 else set())
     if reduction == 1:
-        sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
-                        sig.atom_sizes, StatSync(frozenset("n"), (), 8, (("all_reduce", "none"),)))
+        # The mean's divisor counts the targets not equal to ignore_index (weighted: sums
+        # their class weights): one scalar per rank, all-reduced over the axes splitting the
+        # batch (and, weighted, the classes: each rank weighs only its own classes' targets).
+        # No gradient flows through a count.
+        itemsize = TensorInfo((), c.in_dtypes[0]).nbytes if c.in_dtypes else 4
+        sync = StatSync(frozenset("nc" if weighted else "n"), (), itemsize,
+                        (("all_reduce", "none"),))
+        sig = dataclasses.replace(sig, sync=sync)
     return OpRule("nll_loss", sig, float(x[0]))
 
 
-def mse_loss_rule(c: OpCall) -> OpRule:
+def mse_loss_rule(c: OpCall) -> OpRule | None:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     reduction = c.arg(2, "reduction", 1)
     if reduction not in (1, 2):
-        raise ValueError("mse_loss is supported with reduction mean or sum")
+        return None  # reduction="none": an elementwise square, planned replicated
     sig = _sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
                  mean=set(atoms) if reduction == 1 else set())
     return OpRule("mse_loss", sig, 3.0 * math.prod(x))
@@ -238,7 +208,11 @@ def _view_dims(src: Shape, dst: Shape) -> tuple[list[str], list[str], set[str]]:
                 for _ in range(j - j0):
                     a = next(atoms); pinned.add(a); dst_dims.append(a)
             else:
-                src_dims.extend(block[0]); dst_dims.extend(block[1])
+                for side, out in zip(block, (src_dims, dst_dims)):
+                    for d in side:  # a size-1 dim inside the block: an atom of its own
+                        if not d:
+                            d = next(atoms); pinned.add(d)
+                        out.append(d)
     return src_dims, dst_dims, pinned
 
 
@@ -275,10 +249,25 @@ def view_rule(c: OpCall) -> OpRule:
 def _sized_view(sig: Signature, c: OpCall) -> Signature:
     # Atom sizes of merged dims come from the side where the atom is a whole dim.
     sizes = dict(sig.atom_sizes)
-    for dims, shape in ((sig.inputs[0], c.in_shapes[0]), (sig.output, c.out_shape)):
+    sides = ((sig.inputs[0], c.in_shapes[0]), (sig.output, c.out_shape))
+    known: set[str] = set()
+    for dims, shape in sides:
         for d, n in zip(dims, shape):
             if len(d) == 1:
                 sizes[d] = n
+                known.add(d)
+    # An atom only ever merged with others is sized by the dim where it is the one unknown.
+    progress = True
+    while progress:
+        progress = False
+        for dims, shape in sides:
+            for d, n in zip(dims, shape):
+                unknown = [a for a in d if a not in known]
+                if len(unknown) == 1:
+                    rest = math.prod(sizes[a] for a in d if a in known)
+                    sizes[unknown[0]] = n // max(rest, 1)
+                    known.add(unknown[0])
+                    progress = True
     return Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                      tuple(sizes.items()))
 
@@ -313,24 +302,15 @@ def expand_rule(c: OpCall) -> OpRule:
 
 
 def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
-    """Ops that keep shapes except along one dim, which must stay whole (cat, slice, split).
-    ``torch.cat`` also accepts 1-D empty operands of any other rank: they get atoms of their own
-    (a key/value cache that starts empty)."""
+    """Ops that keep shapes except along one dim, which must stay whole (cat, slice, split)."""
     def rule(c: OpCall) -> OpRule:
-        x = c.out_shape if name == "cat" else c.in_shapes[0]
+        x = c.in_shapes[0]
         atoms = list(fresh_atoms(len(x)))
         d = c.arg(dim_arg, dim_name, 0) % len(x)
         fixed = set()
         ins = []
-        for k, shape in enumerate(c.in_shapes):
-            if len(shape) != len(x):
-                a = list(fresh_atoms(len(shape), 520 + 8 * k))
-                fixed.update(a)
-            else:
-                a = list(atoms)
-                a[d] = fresh_atoms(1, 500 + k)[0]
-                fixed.add(a[d])
-            ins.append(a)
+        for k in range(len(c.in_shapes)):
+            a = list(atoms); a[d] = fresh_atoms(1, 500 + k)[0]; fixed.add(a[d]); ins.append(a)
         out = list(atoms); out[d] = fresh_atoms(1, 499)[0]; fixed.add(out[d])
         sig = _sized(ins, out, c.in_shapes, c.out_shape, "view", fixed)
         return OpRule(name, sig, 0.0)
@@ -391,19 +371,15 @@ def pool_rule(name: str) -> Rule:
     return rule
 
 
-def along_dim_rule(name: str, dim_arg: int = 1, default: int | None = None) -> Rule:
-    """Ops that scan or select along one dim (cumsum, sort, topk; max/min/argmax over a dim):
-    that dim is whole, the others split freely. Without a dim (``max(x)``) nothing splits."""
+def along_dim_rule(name: str) -> Rule:
+    """Ops that scan or select along one dim (cumsum; max/min over a dim): that dim is whole."""
     def rule(c: OpCall) -> OpRule:
         x = c.in_shapes[0]
         atoms = fresh_atoms(len(x))
-        d = c.arg(dim_arg, "dim", default)
-        if d is None or not x:  # over everything: nothing can be split
-            out = atoms if len(c.out_shape) == len(x) else fresh_atoms(len(c.out_shape), 400)
-            sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
-                         set(atoms) | set(out))
+        if c.arg(1, "dim") is None:  # over everything: nothing can be split
+            sig = _sized([atoms], (), c.in_shapes, c.out_shape, "elementwise", set(atoms))
             return OpRule(name, sig, float(math.prod(x)))
-        d = d % len(x)
+        d = c.arg(1, "dim") % len(x)
         if len(c.out_shape) == len(x):
             out = list(atoms)
             if c.out_shape[d] != x[d]:
@@ -416,117 +392,14 @@ def along_dim_rule(name: str, dim_arg: int = 1, default: int | None = None) -> R
     return rule
 
 
-def pad_rule(c: OpCall) -> OpRule:
-    """``constant_pad_nd``: padded (trailing) dims stay whole, the others split freely."""
+def unbind_rule(c: OpCall) -> OpRule:
+    """``unbind(x, dim)``: each piece is x without ``dim`` (whole); other dims split freely."""
     x = c.in_shapes[0]
-    pad = list(c.arg(1, "pad"))
-    padded = {len(x) - 1 - i // 2 for i, p in enumerate(pad) if p}
     atoms = fresh_atoms(len(x))
-    out = [fresh_atoms(1, 400 + d)[0] if d in padded else a for d, a in enumerate(atoms)]
-    pinned = {atoms[d] for d in padded} | {out[d] for d in padded}
-    sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise", pinned)
-    return OpRule("pad", sig, float(math.prod(c.out_shape)))
-
-
-def gather_rule(c: OpCall) -> OpRule:
-    """``gather(x, dim, index)``: the output has the index's shape; along ``dim`` x stays whole
-    while index and output split together; other dims of equal size split all three alike."""
-    x, idx = c.in_shapes[:2]
-    d = c.arg(1, "dim") % len(x)
-    out = list(fresh_atoms(len(idx)))
-    xs, pinned = [], set()
-    for i, n in enumerate(x):
-        if i != d and n == idx[i]:
-            xs.append(out[i])
-        else:
-            xs.append(fresh_atoms(1, 420 + i)[0])
-            pinned.add(xs[-1])
-    for i, n in enumerate(idx):
-        if i != d and n != x[i]:
-            pinned.add(out[i])
-    sig = _sized([xs, out], out, c.in_shapes, c.out_shape, "elementwise", pinned)
-    return OpRule("gather", sig, float(math.prod(c.out_shape)))
-
-
-def scatter_rule(c: OpCall) -> OpRule:
-    """``scatter(x, dim, index, src)`` / ``scatter_add``: the output is x's shape; along ``dim``
-    everything stays whole; other dims where all operands agree split together."""
-    x = c.in_shapes[0]
-    d = c.arg(1, "dim") % len(x)
-    atoms = list(fresh_atoms(len(x)))
-    pinned = {atoms[d]}
-    ins = [atoms]
-    for k, shape in enumerate(c.in_shapes[1:]):
-        mine = []
-        for i, n in enumerate(shape):
-            if i != d and n == x[i]:
-                mine.append(atoms[i])
-            else:
-                mine.append(fresh_atoms(1, 440 + 8 * k + i)[0])
-                pinned.add(mine[-1])
-                if i != d:
-                    pinned.add(atoms[i])
-        ins.append(mine)
-    sig = _sized(ins, atoms, c.in_shapes, c.out_shape, "elementwise", pinned)
-    return OpRule(c.target.rstrip("_"), sig, float(math.prod(c.in_shapes[-1])))
-
-
-def index_select_rule(c: OpCall) -> OpRule:
-    """``index_select(x, dim, index)``: x whole along ``dim``; the output's dim follows the
-    index, split with it; other dims split freely."""
-    x = c.in_shapes[0]
-    d = c.arg(1, "dim") % len(x)
-    atoms = list(fresh_atoms(len(x)))
-    pick = fresh_atoms(1, 460)[0]
-    out = list(atoms)
-    out[d] = pick
-    sig = _sized([atoms, [pick]], out, c.in_shapes, c.out_shape, "elementwise", {atoms[d]})
-    return OpRule("index_select", sig, float(math.prod(c.out_shape)))
-
-
-def index_rule(c: OpCall) -> OpRule:
-    """``x[i0, i1, ...]`` (``index.Tensor``): indexed dims of x stay whole and the index
-    tensors' (broadcast) dims stay whole; the dims of x that are not indexed split freely."""
-    x = c.in_shapes[0]
-    indices = list(c.arg(1, "indices"))
-    indexed = [d for d, i in enumerate(indices) if i is not None]
-    atoms = list(fresh_atoms(len(x)))
-    idx_nd = len(c.out_shape) - (len(x) - len(indexed))
-    idx_atoms = list(fresh_atoms(idx_nd, 480))
-    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
-    rest = [a for d, a in enumerate(atoms) if d not in indexed]
-    if adjacent:
-        before = [a for d, a in enumerate(atoms) if d < indexed[0]]
-        out = before + idx_atoms + rest[len(before):]
-    else:
-        out = idx_atoms + rest
-    ins = [atoms]
-    for k, shape in enumerate(c.in_shapes[1:]):
-        ins.append(idx_atoms[idx_nd - len(shape):] if all(
-            n == c.out_shape[out.index(a)] for n, a in zip(shape, idx_atoms[idx_nd - len(shape):]))
-            else list(fresh_atoms(len(shape), 500 + 8 * k)))
-    pinned = {atoms[d] for d in indexed} | set(idx_atoms) | {a for i in ins[1:] for a in i}
-    sig = _sized(ins, out, c.in_shapes, c.out_shape, "elementwise", pinned)
-    return OpRule("index", sig, float(math.prod(c.out_shape)))
-
-
-def stat_reduction_rule(name: str) -> Rule:
-    """Variance-like reductions (``var``, ``std``, ``var_mean``): the reduced dims stay whole
-    (a split one would need its moments combined), kept dims split freely."""
-    def rule(c: OpCall) -> OpRule:
-        x = c.in_shapes[0]
-        atoms = fresh_atoms(len(x))
-        dims = c.arg(1, "dim")
-        dims = range(len(x)) if dims is None or dims == [] else [d % len(x) for d in dims]
-        keep = len(c.out_shape) == len(x)
-        red = {atoms[d] for d in dims}
-        kept = fresh_atoms(len(x), 400)
-        out = [(kept[i] if keep else None) if a in red else a for i, a in enumerate(atoms)]
-        out = [a for a in out if a is not None]
-        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
-                     unsplittable=red | set(kept))
-        return OpRule(name, sig, 2.0 * math.prod(x))
-    return rule
+    d = c.arg(1, "dim", 0) % len(x)
+    sig = _sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
+                 "view", {atoms[d]})
+    return OpRule("unbind", sig, 0.0)
 
 
 def random_rule(c: OpCall) -> OpRule:
@@ -538,11 +411,9 @@ def random_rule(c: OpCall) -> OpRule:
     return OpRule(c.target.rstrip("_"), sig, float(math.prod(x)))
 
 
-UNARY = ("relu", "gelu", "tanh", "silu", "sigmoid", "neg", "exp", "log", "rsqrt", "sqrt", "abs",
-         "pow", "clone", "_to_copy", "alias", "detach", "threshold", "native_dropout", "dropout",
-         "lift_fresh_copy", "square", "erf", "reciprocal")
-BINARY = ("add", "sub", "mul", "div", "where", "maximum", "minimum", "eq", "ne", "lt", "gt",
-          "le", "ge", "masked_fill", "rsub")
+# Elementwise ops that aten does not tag pointwise (every tagged op is signed by `rule_for`).
+UNTAGGED_ELEMENTWISE = ("_to_copy", "alias", "detach", "native_dropout", "dropout",
+                        "lift_fresh_copy", "clone")
 
 RULES: dict[str, Rule] = {
     "mm": mm_rule, "bmm": bmm_rule, "embedding": embedding_rule,
@@ -553,8 +424,7 @@ RULES: dict[str, Rule] = {
     "_scaled_dot_product_cudnn_attention": sdpa_rule,
     "native_layer_norm": normalize_last_rule("layer_norm", 8.0, None),
     "_softmax": normalize_last_rule("softmax", 5.0, 1),
-    # A softmax that gives zeros for fully masked rows: its dim is never split (no statistics
-    # exchange for it), every other dim is.
+    # Softmax that gives 0 (not NaN) on fully masked rows: computed over the whole dim.
     "_safe_softmax": along_dim_rule("safe_softmax"),
     "_log_softmax": normalize_last_rule("log_softmax", 5.0, 1),
     "sum": reduction_rule("sum", mean=False), "mean": reduction_rule("mean", mean=True),
@@ -569,40 +439,35 @@ RULES: dict[str, Rule] = {
     "adaptive_avg_pool2d": pool_rule("adaptive_avg_pool"),
     "bernoulli_": random_rule, "bernoulli": random_rule,
     "cumsum": along_dim_rule("cumsum"), "max": along_dim_rule("max"),
-    "min": along_dim_rule("min"), "topk": along_dim_rule("topk", 2, -1), "sort": along_dim_rule("sort", 1, -1),
-    "argmax": along_dim_rule("argmax"), "argmin": along_dim_rule("argmin"),
-    "cumprod": along_dim_rule("cumprod"), "logsumexp": stat_reduction_rule("logsumexp"),
-    "constant_pad_nd": pad_rule, "gather": gather_rule, "scatter": scatter_rule,
-    "scatter_add": scatter_rule, "index_select": index_select_rule, "index": index_rule,
-    "var": stat_reduction_rule("var"), "std": stat_reduction_rule("std"),
-    "var_mean": stat_reduction_rule("var_mean"), "std_mean": stat_reduction_rule("std_mean"),
+    "min": along_dim_rule("min"),
     "cat": dim_pinned_rule("cat", 1, "dim"), "slice": dim_pinned_rule("slice", 1, "dim"),
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
-    **{n: elementwise_rule(n) for n in UNARY + BINARY},
+    "unbind": unbind_rule,
+    # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
+    "copy": elementwise_rule("copy"),
+    **SELECT_RULES,
+    **{n: elementwise_rule(n) for n in UNTAGGED_ELEMENTWISE},
 }
 
-# In-place variants (``div_``) follow their functional op's rule.
-RULES.update({f"{name}_": rule for name, rule in list(RULES.items())
-              if name in UNARY + BINARY and f"{name}_" not in RULES})
 
-# Ops that create tensors from nothing (or only from another tensor's shape): planned as
-# replicated constants of the global shape.
+# Ops that create tensors from nothing (or only from another tensor's shape and dtype): planned
+# as replicated constants of the global shape.
 CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor",
-                          "eye", "linspace", "empty_strided"})
-# Ops whose tensor operand gives only a dtype (``x.new_ones(size)``) or a shape (``ones_like``):
-# constants of the *global* shape, whatever piece of the operand a rank holds.
+                          "empty_strided", "eye", "linspace"})
 LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "new_ones",
                       "new_zeros", "new_full", "new_empty", "new_empty_strided"})
 
 
-def is_pointwise(target: Any) -> bool:
-    """An aten overload tagged pointwise (elementwise with broadcasting) and not random."""
-    import torch
-    tags = getattr(target, "tags", ())
+def rule_for(c: OpCall) -> OpRule | None:
+    """The signature of one op call: its rule in `RULES`, else, for any aten op tagged
+    pointwise (and not random), the broadcasting elementwise rule; None when there is none."""
+    rule = RULES.get(c.target)
+    if rule is None and _is_pointwise(c.overload):
+        rule = elementwise_rule(c.target.rstrip("_"))
+    return rule(c) if rule is not None else None
+
+
+def _is_pointwise(overload: Any) -> bool:
+    tags = getattr(overload, "tags", ())
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-
-
-def is_random(target: Any) -> bool:
-    import torch
-    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())

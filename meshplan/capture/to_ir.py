@@ -1,12 +1,13 @@
 """Turn a traced fx graph into meshplan's IR (`meshplan.ir.graph.Graph`).
 
 Each fx call becomes one IR node with its normalized op name, signature, FLOPs and bytes.
-A multi-output op whose forward reads only its first output is that output (``getitem(op, 0)``
-folds into the op; layer norm's statistics, attention's log-sum-exp only feed the backward
-pass, which autograd derives at run time); one whose other outputs are read (``topk``'s
-indices, ``split``'s pieces) becomes one node per output read. Pointwise aten ops (by their
-tag) are elementwise with broadcasting. Tensor constants of the trace are constant nodes. An op
-without a rule is planned replicated, with one warning naming it: it never aborts the plan.
+A multi-output op whose other outputs only feed the backward pass (layer norm's statistics,
+attention's log-sum-exp) is represented by its first output (``getitem(op, 0)`` folds into the
+op). When the forward reads outputs apart (topk's indices, split's pieces), each used output is
+an IR node of its own, over the op's operands. Tensor constants (fx ``get_attr``) and tensors
+made from nothing (``arange``, ``new_ones``…) are constant nodes. An op without a rule, or whose
+rule's signature does not fit, is planned replicated with one warning naming it: it never
+aborts the plan.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from meshplan.capture.signature_rules import (CONSTANT_OPS, LIKE_OPS, RULES, OpCall,
-                                              elementwise_rule, is_pointwise, is_random)
+from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, OpCall, rule_for
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph, Node, TensorInfo
-from meshplan.ir.signatures import Signature, replicated_signature
+from meshplan.ir.signatures import replicated_signature, signature_fits
 
 
 def _info(val: Any) -> TensorInfo:
@@ -44,133 +44,97 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _is_multi(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
+# Ops whose split strategies lowering implements by hand for their first output (batch norm's
+# statistics exchange, class-split NLL): their other outputs, when read, are planned replicated.
+SPECIALLY_LOWERED = frozenset({"native_batch_norm", "nll_loss_forward", "native_dropout"})
 
 
-def _items_used(node: fx.Node) -> bool:
-    """Whether the forward reads outputs of a multi-output op one by one: any output but the
-    first, or a list output (split's pieces). Each read output is then an IR node of its own
-    (lowering calls the op on local operands and takes that output); otherwise the op is one
-    node standing for its first output (layer norm's statistics only feed the backward pass)."""
-    if not _is_multi(node):
+def _outputs_used_apart(node: fx.Node) -> bool:
+    """A multi-output op whose outputs the forward reads one by one: a list output (split,
+    unbind, chunk) or any output but the first in use (topk's indices, var_mean's mean…)."""
+    val = node.meta.get("val")
+    if not isinstance(val, (tuple, list)):
         return False
-    return isinstance(node.meta["val"], list) or any(
-        u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
+    if isinstance(val, list):
+        return True
+    return any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
 
 
-def _opcall(node: fx.Node, operands: list[fx.Node], packet: str) -> OpCall:
+def _opcall(node: fx.Node, operands: list[fx.Node], packet: str, out_val: Any) -> OpCall:
     return OpCall(packet, tuple(_info(o.meta["val"]).shape for o in operands),
-                  _info(node.meta["val"]).shape, tuple(node.args), tuple(node.kwargs.items()))
+                  _info(out_val).shape, tuple(node.args), tuple(node.kwargs.items()),
+                  tuple(_info(o.meta["val"]).dtype for o in operands), node.target)
 
 
-def _op_node(node: fx.Node, operands: list[str], op_call: OpCall, requires_grad: bool,
-             target: Any) -> Node:
+def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
+             requires_grad: bool, signed: bool = True) -> Node:
     packet = op_call.target
-    out = _info(node.meta["val"])
-    rule = RULES.get(packet) or (elementwise_rule(packet) if is_pointwise(target) else None)
-    r = _apply(rule, op_call)
-    if r is None or not _fits(r.sig, op_call.in_shapes, out.shape):
+    try:
+        r = rule_for(op_call) if signed else None
+    except Exception:  # noqa: BLE001 - a variant a rule does not handle: planned replicated
+        r = None  # (DESIGN §3.3: what cannot be sharded is replicated, never a crash)
+    if r is None or not signature_fits(r.sig, op_call.in_shapes, out.shape):
         sig = replicated_signature(tuple(len(s) for s in op_call.in_shapes), len(out.shape))
-        name, flops = packet, float(out.numel)
+        op_name, flops = packet, float(out.numel)
     else:
-        sig, name, flops = r.sig, r.name, r.flops
-    in_bytes = sum(TensorInfo(s, out.dtype).nbytes for s in op_call.in_shapes)
+        sig, op_name, flops = r.sig, r.name, r.flops
+    in_bytes = sum(TensorInfo(s, d).nbytes for s, d in zip(op_call.in_shapes, op_call.in_dtypes))
     differentiable = out.dtype.startswith(("float", "bfloat", "complex"))
-    return Node(node.name, "op", name, tuple(operands), out, sig, flops, in_bytes + out.nbytes,
+    return Node(name, "op", op_name, tuple(operands), out, sig, flops, in_bytes + out.nbytes,
                 requires_grad and differentiable)
 
 
-def _apply(rule: Any, op_call: OpCall) -> Any:
-    """The rule's result; None (planned replicated) when the rule does not cover this call --
-    an odd variant (a 0-d operand, an unusual overload) must never abort the plan."""
-    if rule is None:
-        return None
-    try:
-        return rule(op_call)
-    except (ZeroDivisionError, IndexError, KeyError, TypeError, AttributeError,
-            AssertionError, StopIteration):
-        return None
-
-
-def _fits(sig: Signature, in_shapes: tuple, out_shape: tuple) -> bool:
-    """Whether a signature names one dims entry per operand dim and per output dim."""
-    return (len(sig.inputs) == len(in_shapes) and len(sig.output) == len(out_shape)
-            and all(len(d) == len(s) for d, s in zip(sig.inputs, in_shapes)))
+def _constant(node: fx.Node, op: str) -> Node:
+    return Node(node.name, "constant", op, (), _info(node.meta["val"]), None)
 
 
 def to_ir(traced: Traced) -> Graph:
-    """Build the IR graph of a traced program (see the module docstring).
-
-    Raises ValueError naming the op when the program draws random numbers meshplan cannot
-    reproduce on every rank, or has shapes that depend on data.
-    """
+    """Build the IR graph of a traced program (see the module docstring)."""
     alias: dict[str, str] = {}
     nodes: list[Node] = []
     grad: dict[str, bool] = {}
     placeholders = iter(traced.placeholders)
-    for node in traced.graph_module.graph.nodes:  # constants carry their value, not a fake
-        if node.op == "get_attr" and "val" not in node.meta:
-            node.meta["val"] = getattr(traced.graph_module, node.target)
     loss = None
     for node in traced.graph_module.graph.nodes:
         if node.op == "placeholder":
             role, state_name = next(placeholders)
             nodes.append(Node(node.name, role, role, (), _info(node.meta["val"]), None,
                               requires_grad=role == "param", state_name=state_name))
+        elif node.op == "get_attr":  # a tensor constant of the program
+            nodes.append(_constant(node, "tensor_constant"))
         elif node.op == "output":
             out = node.args[0]
             loss = alias.get((out[0] if isinstance(out, (list, tuple)) else out).name)
-        elif node.op == "get_attr":  # a tensor constant of the program (torch.tensor(...))
-            nodes.append(Node(node.name, "constant", "tensor_constant", (),
-                              _info(node.meta["val"]), None))
-        elif node.op == "call_function" and node.meta.get("val") is None and not node.users:
-            continue  # a check run for its side effect (``_linalg_check_errors``)
         elif node.target is operator.getitem:
             parent = node.args[0]
-            if _items_used(parent):
-                nodes.append(_item_node(node, alias, grad))
-            elif node.args[1] == 0:
+            if _outputs_used_apart(parent):
+                if node.users:
+                    nodes.append(_item_node(node, alias, grad))
+            elif node.args[1] == 0 and parent.name in alias:
                 alias[node.name] = alias[parent.name]
-            # other outputs of an op read whole feed only the backward pass
+            # else: a secondary output that feeds only the backward pass
+        elif not node.users:
+            pass  # dead (a functionalized buffer update, an unused intermediate)
+        elif _outputs_used_apart(node):
+            pass  # represented by its getitem users
         else:
             packet = _packet(node.target)
             operands = _tensor_args(node)
             names = [alias[o.name] for o in operands]
             if (not operands and packet in CONSTANT_OPS) or packet in LIKE_OPS:
-                nodes.append(Node(node.name, "constant", packet, (), _info(node.meta["val"]),
-                                  None))
-            elif _items_used(node):
-                pass  # represented by its getitem users
+                nodes.append(_constant(node, packet))
             else:
-                _check_supported(node, packet)
                 rg = any(grad.get(n, False) for n in names)
-                nodes.append(_op_node(node, names, _opcall(node, operands, packet), rg,
-                                      node.target))
+                nodes.append(_op_node(node.name, names,
+                                      _opcall(node, operands, packet, node.meta["val"]),
+                                      _info(node.meta["val"]), rg))
         if nodes and nodes[-1].name == node.name:
             alias[node.name] = node.name
             grad[node.name] = nodes[-1].requires_grad
-    assert loss is not None, "traced graph has no output"
+    if loss is None:
+        raise AssertionError("meshplan internal error: the traced graph has no output")
     live = _prune_dead(nodes, loss)
     return Graph(tuple(live), loss, _warn_unsupported(live))
-
-
-def _check_supported(node: fx.Node, packet: str) -> None:
-    if is_random(node.target) and packet not in RULES:
-        raise ValueError(
-            f"the program draws random numbers with '{packet}'{_where(node)}; meshplan reproduces "
-            "one device's random draws only for dropout and bernoulli. Use nn.Dropout / "
-            "torch.bernoulli, or draw the tensor outside the model and pass it as an input")
-
-
-def _where(node: fx.Node) -> str:
-    """`` in module 'x.y' (Class)`` from the trace's module stack, when it has one."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path, cls = list(stack.values())[-1]
-    cls_name = getattr(cls, "__name__", str(cls)).rsplit(".", 1)[-1]
-    return f" in module '{path}' ({cls_name})"
 
 
 def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
@@ -185,14 +149,21 @@ def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
 
 
 def _item_node(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> Node:
-    """One output of a multi-output op, over all of the op's tensor operands."""
+    """One used output of a multi-output op: an IR node over the op's operands, signed like
+    the op for that output's shape (lowering re-runs the op locally and takes this output)."""
     parent = node.args[0]
+    if _packet(parent.target) == "native_dropout" and node.args[1] != 0:
+        # Lowering redraws dropout's mask per rank from the step's generator (so every split
+        # equals one device); a second draw for the mask alone would not be the same mask.
+        raise ValueError("the forward reads the mask of aten.native_dropout, which meshplan "
+                         "cannot reproduce on split tensors; use only F.dropout's output (its "
+                         "masks are reproduced exactly on every split)")
     operands = _tensor_args(parent)
     names = [alias[o.name] for o in operands]
-    call = OpCall(_packet(parent.target), tuple(_info(o.meta["val"]).shape for o in operands),
-                  _info(node.meta["val"]).shape, tuple(parent.args), tuple(parent.kwargs.items()))
-    _check_supported(parent, call.target)
-    return _op_node(node, names, call, any(grad.get(n, False) for n in names), parent.target)
+    packet = _packet(parent.target)
+    call = _opcall(parent, operands, packet, node.meta["val"])
+    return _op_node(node.name, names, call, _info(node.meta["val"]),
+                    any(grad.get(n, False) for n in names), packet not in SPECIALLY_LOWERED)
 
 
 def _prune_dead(nodes: list[Node], loss: str) -> list[Node]:
@@ -204,19 +175,26 @@ def _prune_dead(nodes: list[Node], loss: str) -> list[Node]:
 
 
 def graph_signature_check(graph: Graph) -> None:
-    """IR checker: every op's signature has one dims entry per operand and matching ranks."""
+    """IR checker: every op's signature fits its operands and output. `to_ir` replaces a rule's
+    signature that does not fit by the replicated one, so a failure here is meshplan's bug."""
     for n in graph.nodes:
         if n.sig is None:
             continue
-        sig: Signature = n.sig
-        assert len(sig.inputs) == len(n.inputs), (n.name, sig, n.inputs)
-        for dims, inp in zip(sig.inputs, n.inputs):
-            assert len(dims) == len(graph.by_name[inp].out.shape), (n.name, dims, inp)
-        assert len(sig.output) == len(n.out.shape), (n.name, sig.output, n.out.shape)
+        shapes = tuple(graph.by_name[i].out.shape for i in n.inputs)
+        if not signature_fits(n.sig, shapes, n.out.shape):
+            raise AssertionError(f"meshplan internal error: the signature of {n.name} ({n.op}) "
+                                 f"does not fit its operands {shapes} -> {n.out.shape}: {n.sig}")
 
 
 def capture(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> tuple[Traced, Graph]:
-    """Trace and convert: the capture pass's front door."""
+    """Trace and convert: the capture pass's front door. Safe from several threads: see
+    `meshplan.capture.memo` (emulated ranks share one capture of their shared model)."""
+    from meshplan.capture.memo import captured_once
+    return captured_once(model, loss_fn, example_batch, _capture_now)
+
+
+def _capture_now(model: torch.nn.Module, loss_fn: Any, example_batch: Any
+                 ) -> tuple[Traced, Graph]:
     from meshplan.capture.trace import trace
     traced = trace(model, loss_fn, example_batch)
     graph = to_ir(traced)

@@ -5,44 +5,39 @@ This is the one module that touches torch's tracing internals (``make_fx`` and
 buffers and the example batch become fake *CPU* tensors (fake CUDA breaks autograd on a CPU
 build), so a model built on the ``meta`` device traces at any size.
 
-The traced function is the batch's loss with the model called through
-``functional_call(model, state, ...)`` (`meshplan.capture.batch`: ``loss_fn(model(*inputs),
-target)``, or a model called with keyword arguments that may return its own loss); its
-placeholders are, in order, every parameter, every buffer and every tensor of the batch. The
+The traced function is the step's loss on ``functional_call(model, state, args, kwargs)``
+(``capture/batch.py``: the batch forms and the loss conventions); its placeholders are, in
+order, every parameter, every buffer, every batch tensor (positional, keyword, target). The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
+
+The graph is functionalized (in-place and ``out=`` ops become their pure forms) and
+``torch.cat``'s legacy empty operands are dropped, so every later pass sees plain values. A trace
+that torch refuses (data-dependent shapes, ops without fake-tensor support) ends in a ValueError
+naming the op and the module. Tracing holds one process-wide lock: make_fx's patching is global
+state, and emulated ranks (threads) may capture at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                          DynamicOutputShapeException, FakeTensorMode)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
+from torch.func import functional_call, functionalize
 
-from meshplan.capture.batch import batch_layout, batch_tensors, forward_loss
 from meshplan.capture.cse import merge_common_subexpressions
 
+from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
+from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
+
 aten = torch.ops.aten
-
-# make_fx patches module-level state while it traces, and functional_call swaps the model's own
-# parameters for fake ones; emulated ranks are threads of one process sharing a model, so traces
-# run one at a time and a thread reads a model's state only outside a trace (`model_state`).
-_TRACE_LOCK = threading.Lock()
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by state-dict name (detached), read while no trace
-    has them swapped out."""
-    with _TRACE_LOCK:
-        return {k: v.detach() for k, v in {**dict(model.named_parameters()),
-                                           **dict(model.named_buffers())}.items()}
 
 
 @dataclass(frozen=True)
@@ -51,11 +46,13 @@ class Traced:
 
     ``placeholders[i]`` is ``(role, name)`` for the i-th placeholder node, where ``role`` is
     ``"param"``, ``"buffer"``, ``"input"`` or ``"target"`` and ``name`` the state-dict name (for
-    params/buffers) or the batch tensor's name (``"input{i}"`` / ``"target"``, or a keyword).
+    params/buffers) or the batch tensor's name (``"input{i}"``, a keyword, ``"target"``);
+    ``batch`` rebuilds the model call from the batch tensors.
     """
 
     graph_module: GraphModule
     placeholders: tuple[tuple[str, str], ...]
+    batch: BatchLayout | None = None
 
 
 def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -81,6 +78,24 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return aten.add.Tensor(out, aten.view.default(bias, shape))
 
 
+# make_fx patches torch globally while it traces; two threads tracing at once corrupt each other
+# (and functional_call swaps the shared model's parameters), so tracing is serialized.
+_TRACE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _as_a_tracer() -> Iterator[None]:
+    """Tell the model it is being traced, as torch.export does: libraries (Hugging Face's mask
+    helpers) then skip value-dependent shortcuts (``if torch.all(mask == 1)``) that fake tensors
+    cannot answer, and take the path that is the same for every value."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
 def _decompositions() -> dict[Any, Callable]:
     return {aten.addmm.default: _addmm_as_mm_add, aten.convolution.default: _conv_bias_apart}
 
@@ -91,79 +106,42 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
-def _op_name(e: Exception) -> str:
-    func = getattr(e, "func", None)
-    name = getattr(func, "__name__", None) or (e.args[0] if e.args else type(e).__name__)
-    return str(getattr(func, "_schema", None) and func._schema.name.split("::")[-1] or name)
+def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
+    """Trace one step's loss (``loss_fn(model(...), target)``, ``loss_fn(model(...))`` or the
+    model's own loss when ``loss_fn`` is None; see ``capture/batch.py`` for the batch forms)
+    at aten level without allocating memory.
 
-
-def _module_of(e: BaseException, model: nn.Module) -> str:
-    """`` in module 'layers.0.router' (Router)``: the innermost module whose forward was running
-    when ``e`` was raised, from the traceback."""
-    names = {id(m): n for n, m in model.named_modules()}
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            found = owner
-        tb = tb.tb_next
-    if found is None:
-        return ""
-    return f" in module '{names[id(found)] or '(the model)'}' ({type(found).__name__})"
-
-
-def trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
-          example_batch: Any) -> Traced:
-    """Trace one batch's loss (see `meshplan.capture.batch` for the batch forms and how the
-    loss is formed) at aten level without allocating memory.
-
-    Raises TypeError for a malformed batch, ValueError if the loss is not a scalar tensor, the
-    program's shapes depend on its data, or an op cannot be traced.
+    Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
     """
-    with _TRACE_LOCK:
-        return _trace(model, loss_fn, example_batch)
-
-
-def _trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, example_batch: Any
-           ) -> Traced:
-    layout = batch_layout(example_batch)
-    tensors = batch_tensors(example_batch)
+    layout, batch = flatten_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    # Real tensors a model closes over (not parameters or buffers) become constants of the trace.
+    # Real tensors met during tracing (a plain tensor attribute, a torch.tensor(...) literal)
+    # are constants of the program: fx keeps them as get_attr nodes.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # Parameters trace as tensors that require a gradient, so ops pick their differentiable
     # variants (embedding_bag, not _embedding_bag_forward_only).
     fake_state = {k: _as_fake(mode, v).requires_grad_(k in params and v.requires_grad)
                   for k, v in {**params, **buffers}.items()}
-    fake_batch = [_as_fake(mode, tensors[n]) for n in layout.names]
+    fake_batch = [_as_fake(mode, t) for t in batch.values()]
     names = list(fake_state)
 
-    def step(state_list: list[torch.Tensor], batch: list[torch.Tensor]) -> torch.Tensor:
-        state = dict(zip(names, state_list))
+    def step(state_list: list[torch.Tensor], batch_list: list[torch.Tensor]) -> torch.Tensor:
+        args, kwargs, target = layout.call(batch_list)
+        out = functional_call(model, dict(zip(names, state_list)), args, kwargs, strict=False)
+        return step_loss(loss_fn, out, target)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, state, args, kwargs, strict=False)
-
-        return forward_loss(call, loss_fn, layout, batch)
-
-    # Tracing is what torch.compile/export do: libraries (Hugging Face) then skip data-dependent
-    # checks (``if (mask == 1).all()``) that fake tensors cannot answer.
-    try:
-        with torch.compiler._compile_session_context(), mode:
-            gm = make_fx(step, decomposition_table=_decompositions())(
-                list(fake_state.values()), fake_batch)
-    except (DynamicOutputShapeException, DataDependentOutputException) as e:
-        raise ValueError(
-            f"the program's shapes depend on its data at '{_op_name(e)}'{_module_of(e, model)}: "
-            "meshplan plans on fake tensors, whose values are unknown, and every rank must know "
-            "every shape. Give that step a static shape: e.g. a capacity-based mixture of experts "
-            "instead of dropless routing (nonzero), a mask instead of boolean indexing"
-        ) from None
-    except RuntimeError as e:  # an op that cannot run on fake CPU tensors as called
-        raise ValueError(f"tracing the model failed{_module_of(e, model)}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
+        try:
+            with mode:
+                gm = make_fx(functionalize(step, remove="mutations"),
+                             decomposition_table=_decompositions())(
+                    list(fake_state.values()), fake_batch)
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
+            raise explain_trace_failure(exc, model, modules) from exc
+    drop_empty_cat_operands(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -172,6 +150,40 @@ def _trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, exampl
         raise ValueError("loss_fn must return a scalar tensor (e.g. a mean-reduced loss); got "
                          f"{None if val is None else tuple(val.shape)}")
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
-             + [("target" if n == "target" and layout.kind == "pair" else "input", n)
-                for n in layout.names])
-    return Traced(merge_common_subexpressions(gm), tuple(roles))
+             + [("target" if k == "target" and layout.has_target else "input", k)
+                for k in batch])
+    return Traced(merge_common_subexpressions(gm), tuple(roles), layout)
+
+
+def drop_empty_cat_operands(gm: GraphModule) -> None:
+    """Remove ``torch.cat``'s empty operands: the legacy 1-D size-0 tensor torch.cat accepts
+    next to tensors of any rank (a key/value cache that starts empty), or any operand with no
+    elements. They add nothing; a cat left with one operand is that operand."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.cat.default:
+            continue
+        parts = list(node.args[0])
+        kept = [p for p in parts if not _is_empty(p)]
+        if len(kept) == len(parts) or not kept:
+            continue
+        dtypes = [k.meta["val"].dtype for k in kept]
+        if functools.reduce(torch.promote_types, dtypes) != node.meta["val"].dtype:
+            continue  # the empty operand sets the result's dtype: keep it
+        changed = True
+        if len(kept) == 1:
+            with gm.graph.inserting_before(node):
+                alone = gm.graph.call_function(aten.clone.default, (kept[0],))
+            alone.meta.update(node.meta)
+            node.replace_all_uses_with(alone)
+            gm.graph.erase_node(node)
+        else:
+            node.args = (kept, *node.args[1:])
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _is_empty(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 0

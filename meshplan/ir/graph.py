@@ -1,7 +1,10 @@
 """meshplan's graph IR: the forward + loss program as plain, hashable data.
 
-A `Graph` is a topologically ordered tuple of `Node`s. Each node produces one tensor (multi-output
-aten ops are represented by their first output, which is the only one a forward program uses).
+A `Graph` is a topologically ordered tuple of `Node`s. Each node produces one tensor: a
+multi-output aten op is represented by its first output when that is all the forward reads, else
+each output the forward reads is a node of its own (named after its fx ``getitem``). Constants
+(``arange``, ``new_ones``, tensor constants traced as fx ``get_attr``) are source nodes with role
+``"constant"``, replicated.
 Its `sig` says how the op's dimensions relate (see `signatures.py`); the planner derives every
 sharding strategy from it. Nodes keep the name of the fx node they came from, so a plan can be
 bound back to the traced program.

@@ -15,6 +15,7 @@ planner derives all strategies (Alpa's Table 3) from them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 Dims = tuple[str, ...]
@@ -96,3 +97,19 @@ def _fresh_atoms() -> list[str]:
 def fresh_atoms(n: int, start: int = 0) -> tuple[str, ...]:
     """``n`` distinct one-character atoms (offset ``start`` keeps two sets apart)."""
     return tuple(chr(0x100 + start + i) for i in range(n))
+
+
+def signature_fits(sig: Signature, in_shapes: tuple[tuple[int, ...], ...],
+                   out_shape: tuple[int, ...]) -> bool:
+    """Whether ``sig`` describes operands of ``in_shapes`` and an output of ``out_shape``: one
+    dims entry per operand and per dim, and every dim as large as the product of its atoms."""
+    if len(sig.inputs) != len(in_shapes):
+        return False
+    sizes = dict(sig.atom_sizes)
+    for dims, shape in zip((*sig.inputs, sig.output), (*in_shapes, out_shape)):
+        if len(dims) != len(shape):
+            return False
+        for d, n in zip(dims, shape):
+            if all(a in sizes for a in d) and math.prod(sizes[a] for a in d) != n:
+                return False
+    return True

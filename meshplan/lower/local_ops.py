@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +21,9 @@ from meshplan.runtime import collectives
 aten = torch.ops.aten
 
 SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand"})
+
+# Per local program: the local call of each multi-output op, by (traced op, local operands).
+_MULTI_OUTPUT_CALLS: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
 def _packet(target: Any) -> str:
@@ -42,27 +46,25 @@ def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple
     return new_args, new_kwargs
 
 
-def nll_loss_split_mean(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
-                        ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
-    """This rank's share of a mean NLL over a batch split across ``axes``: its sum over the
-    targets it holds, divided by the weight of every counted target of the whole batch (padding
-    labels equal to ``ignore_index`` count for nothing), all-reduced like any partial sum."""
-    total = aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0]
-    return total / counted_targets(comm, target, weight, ignore_index, axes, x.dtype)
-
-
-def counted_targets(comm: Any, target: torch.Tensor, weight: Any, ignore_index: int,
-                    axes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The divisor of a mean NLL: the summed class weights (1 each without weights) of the
-    targets that are not ``ignore_index``, over this rank's targets and, if ``axes``, the
-    group's."""
-    # Counted in float64 (exact for any batch), as the plan's 8-byte statistic says.
-    valid = target != ignore_index
+def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The local part of a mean NLL's divisor: the targets not equal to ``ignore_index``,
+    weighted by their class weight. Detached, as torch's own total weight is."""
+    keep = target != ignore_index
     if weight is None:
-        local = valid.sum().to(torch.float64)
-    else:
-        local = (weight[target.clamp(min=0)] * valid.to(weight.dtype)).sum().to(torch.float64)
-    return (collectives.all_reduce(comm, local, axes) if axes else local).to(dtype)
+        return keep.sum(dtype=dtype)
+    w = weight.detach()[target.clamp(0, max(weight.shape[0] - 1, 0))]
+    return (w * keep.to(dtype)).sum(dtype=dtype)
+
+
+def nll_loss_synced(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
+                    ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's share of a mean NLL over a batch split across ``axes``: the local sum over
+    the targets divided by the global count of non-ignored targets (weighted), one scalar
+    all-reduced over ``axes`` (the plan's collective for the loss's statistics)."""
+    total = aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0]
+    count = _nll_count(target, weight, ignore_index, x.dtype)
+    return total / collectives.all_reduce(comm, count, axes)
 
 
 def mse_loss_split_mean(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
@@ -128,37 +130,31 @@ def _batch_norm(g: fx.Graph, args: tuple, node: Node, comm: fx.Node, axes: tuple
     return g.call_function(sync_batch_norm, (comm, x, w, b, rm, rv, momentum, eps, axes, count))
 
 
-def _reduced(g: fx.Graph, packet: str, node: Node, args: tuple, comm: fx.Node | None,
-             sync_axes: tuple[int, ...]) -> fx.Node:
-    """An op that exchanges statistics over ``sync_axes``, or a mean over split dims."""
-    if packet == "native_batch_norm":
-        return _batch_norm(g, args, node, comm, sync_axes)
-    if packet == "nll_loss_forward":
-        weight = args[2] if len(args) > 2 else None
-        ignore = args[4] if len(args) > 4 else -100
-        return g.call_function(nll_loss_split_mean, (comm, args[0], args[1], weight, ignore,
-                                                     sync_axes))
-    assert not sync_axes, packet
-    return _split_mean(g, packet, node, args)
-
-
 def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          out_shape: tuple[int, ...], partial: bool, comm: fx.Node | None = None,
          sync_axes: tuple[int, ...] = ()) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
-    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm's, the count of
-    a mean NLL's targets)."""
-    if orig.target is operator.getitem:  # one output of a multi-output op
+    ``sync_axes``: axes over which the op all-reduces its statistics (batch norm's moments, a
+    mean NLL's target count)."""
+    if orig.target is operator.getitem:  # one output of a multi-output op: run it locally
         parent = orig.args[0]
-        args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
-        if orig.args[1] == 0 and (sync_axes or (partial and node.sig.mean_atoms)):
-            return _reduced(g, _packet(parent.target), node, args, comm, sync_axes)
-        pieces = g.call_function(parent.target, args, kwargs)
-        return g.call_function(operator.getitem, (pieces, orig.args[1]))
+        # Outputs of one op over the same local operands share one local call.
+        calls = _MULTI_OUTPUT_CALLS.setdefault(g, {})
+        key = (parent, tuple(operands))
+        if key not in calls:
+            args, kwargs = _substitute(parent.args, dict(parent.kwargs), operands)
+            calls[key] = g.call_function(parent.target, args, kwargs)
+        return g.call_function(operator.getitem, (calls[key], orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
+    if sync_axes and packet == "nll_loss_forward":
+        weight = args[2] if len(args) > 2 else None
+        ignore = args[4] if len(args) > 4 else -100
+        return g.call_function(nll_loss_synced, (comm, args[0], args[1], weight, ignore,
+                                                 sync_axes))
     if sync_axes:
-        return _reduced(g, packet, node, args, comm, sync_axes)
+        assert packet == "native_batch_norm", packet
+        return _batch_norm(g, args, node, comm, sync_axes)
     target = orig.target
     if packet == "convolution" and len(args) > 8 and args[8] != 1:
         # A grouped convolution split over whole groups runs this rank's groups only.
@@ -170,11 +166,19 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         # a split dim), so views become reshapes: a view when possible, else a copy.
         target = aten.reshape.default
     if partial and node.sig is not None and node.sig.mean_atoms:
-        return _reduced(g, packet, node, args, comm, sync_axes)
+        return _split_mean(g, packet, node, args)
+    if packet == "copy":  # aten.copy has no derivative; its meaning does
+        return g.call_function(functional_copy, args[:2])
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
     return value
+
+
+def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``aten.copy(dst, src)`` (a functionalized ``dst.copy_(src)``) as differentiable ops:
+    src cast to dst's dtype and broadcast to its shape; dst's values are not read."""
+    return src.to(dst.dtype).expand(dst.shape).clone()
 
 
 def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
@@ -206,24 +210,32 @@ def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
                                                      offsets))
 
 
-def fill_value(kind: str, args: tuple) -> Any:
-    """The fill of ``full_like(x, v)`` / ``x.new_full(size, v)``; None for the other kinds."""
-    if kind == "full_like":
-        return args[1]
-    if kind == "new_full":
-        return args[2]
-    return None
-
-
 def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
-    """``*_like`` / ``new_*`` constants of the *global* shape (the operand gives only a dtype
-    or a shape, whatever piece of it a rank holds)."""
+    """``*_like`` and ``new_*`` constants (their shape and dtype come from another tensor, or
+    are given) made whole, of the *global* shape and the traced dtype."""
     dt = getattr(torch, dtype)
     if kind in ("full_like", "new_full"):
         return torch.full(shape, fill, dtype=dt)
     if kind in ("ones_like", "new_ones"):
         return torch.ones(shape, dtype=dt)
     return torch.zeros(shape, dtype=dt)  # empty: zeros, so a rank never reads garbage
+
+
+def fill_value(kind: str, orig: fx.Node) -> Any:
+    """The fill of a traced ``full_like(x, fill)`` / ``new_full(x, size, fill)``, else None."""
+    position = {"full_like": 1, "new_full": 2}.get(kind)
+    if position is None:
+        return None
+    return orig.args[position] if len(orig.args) > position else orig.kwargs["fill_value"]
+
+
+def materialize_constant(value: torch.Tensor) -> torch.Tensor:
+    """A real copy of a tensor constant kept in the traced program (make_fx stores the real
+    tensor it met; a fake one would mean the constant was computed under tracing)."""
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(value):
+        raise AssertionError("meshplan internal error: a traced tensor constant is fake")
+    return value.detach().clone()
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int
@@ -249,16 +261,25 @@ def softmax_split(comm: Any, x: torch.Tensor, dim: int, axes: tuple[int, ...], l
     return shifted - total.log() if log else shifted.exp() / total
 
 
-def nll_loss_class_split(comm: Any, x: torch.Tensor, target: torch.Tensor, start: int,
-                         ignore_index: int, mean: bool, axes: tuple[int, ...]) -> torch.Tensor:
+def nll_loss_class_split(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
+                         start: int, ignore_index: int, mean: bool, axes: tuple[int, ...]
+                         ) -> torch.Tensor:
     """NLL over log-probabilities whose class dim is split: each rank picks the targets that
-    fall in its classes ``[start, start + C_local)``; the result is a partial sum, divided for a
-    mean by the count of targets that are not ``ignore_index`` (all-reduced over ``axes`` when
-    the batch is split too)."""
+    fall in its classes ``[start, start + C_local)`` (``weight``: its classes' weights); the
+    result is a partial sum. A mean divides by the count of non-ignored targets (weighted),
+    all-reduced over ``axes`` (those splitting the batch, and the classes when weighted)."""
     local = target - start
-    inside = (local >= 0) & (local < x.shape[1]) & (target != ignore_index)
-    picked = x.gather(1, local.clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
-    total = -(picked * inside.to(x.dtype)).sum()
-    if not mean:
+    inside = (local >= 0) & (local < x.shape[1])
+    rows = local.clamp(0, max(x.shape[1] - 1, 0))
+    picked = x.gather(1, rows.unsqueeze(1)).squeeze(1) * inside.to(x.dtype)
+    keep = target != ignore_index
+    if weight is not None:
+        w = weight[rows] * (inside & keep).to(x.dtype)
+        total = -(picked * w).sum()
+        count = w.detach().sum() if mean else None
+    else:
+        total = -(picked * keep.to(x.dtype)).sum()
+        count = keep.sum(dtype=x.dtype) if mean else None
+    if count is None:
         return total
-    return total / counted_targets(comm, target, None, ignore_index, axes, x.dtype)
+    return total / (collectives.all_reduce(comm, count, axes) if axes else count)

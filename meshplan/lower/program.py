@@ -60,7 +60,7 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
-        self.constants: dict[str, torch.Tensor] = {}
+        self.constants: dict[str, torch.Tensor] = {}   # the program's tensor constants
         self.comm = self.out.placeholder("comm")
         self.rng = self.out.placeholder("rng")
 
@@ -74,8 +74,8 @@ class _Lowerer:
                 self._op(node)
         self.out.output(self.env[self.graph.loss])
         root = torch.nn.Module()
-        for name, tensor in self.constants.items():
-            root.register_buffer(name, tensor)
+        for attr, value in self.constants.items():
+            root.register_buffer(attr, value, persistent=False)
         gm = fx.GraphModule(root, self.out)
         return LocalProgram(gm, tuple(phs), self.values, self.values[self.graph.loss].layout.partial)
 
@@ -83,13 +83,14 @@ class _Lowerer:
     def _source(self, node: Node) -> None:
         if node.role == "constant":
             orig = self.fx_nodes[node.name]
-            if node.op in LIKE_OPS:  # from the global shape, not a local operand's
+            if orig.op == "get_attr":  # a tensor constant traced into the program
+                self.constants[orig.target] = local_ops.materialize_constant(
+                    getattr(self.traced.graph_module, orig.target))
+                self.env[node.name] = self.out.get_attr(orig.target)
+            elif node.op in LIKE_OPS:  # from the global shape, not a local operand's
                 self.env[node.name] = self.out.call_function(
                     local_ops.constant_like, (node.op, node.out.shape, node.out.dtype,
-                                              local_ops.fill_value(node.op, orig.args)))
-            elif orig.op == "get_attr":  # a tensor constant: the program carries its value
-                self.constants[orig.target] = getattr(self.traced.graph_module, orig.target)
-                self.env[node.name] = self.out.get_attr(orig.target)
+                                              local_ops.fill_value(node.op, orig)))
             else:
                 self.env[node.name] = self.out.call_function(orig.target, orig.args,
                                                              dict(orig.kwargs))
@@ -150,12 +151,12 @@ class _Lowerer:
                                                   node.op == "log_softmax"))
         if node.op == "nll_loss" and shardeds[0].layout.dims[1]:
             start = piece_offsets(shardeds[0], self.pos)[1][0]
-            parent = orig.args[0] if orig.target is operator.getitem else orig
-            mean = (parent.args[3] if len(parent.args) > 3 else 1) == 1
-            ignore = parent.args[4] if len(parent.args) > 4 else -100
-            return call(local_ops.nll_loss_class_split, (self.comm, operands[0], operands[1],
-                                                         start, ignore, mean,
-                                                         tuple(dec.sync_axes)))
+            mean = (orig.args[3] if len(orig.args) > 3 else 1) == 1
+            ignore = orig.args[4] if len(orig.args) > 4 else -100
+            weight = operands[2] if len(operands) > 2 else None
+            return call(local_ops.nll_loss_class_split,
+                        (self.comm, operands[0], operands[1], weight, start, ignore, mean,
+                         tuple(dec.sync_axes)))
         return None
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...], consumer: str

@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from meshplan.capture.batch import batch_layout, batch_tensors
+from meshplan.capture.batch import check_static, flatten_batch
 from meshplan.capture.to_ir import capture
-from meshplan.capture.trace import Traced, model_state
+from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
@@ -54,7 +54,7 @@ class Trainer:
     ``model`` holds the initial state on CPU (every rank passes the same state: each keeps its
     shards). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
     batch split on a (1, 2) mesh is ``((1.0,), (3.0, 1.0))``). ``captured`` reuses a capture
-    of the same model (saves tracing it again on every rank). Raises ValueError if the model's
+    of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
     trace differs from the program the plan was made for.
     """
 
@@ -73,14 +73,14 @@ class Trainer:
         self.comm, self.plan, self.graph = comm, plan, graph
         self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
         self.program = lower(traced, graph, plan, comm.rank, w)
-        state = model_state(model)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
         self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
                         if n.role == "buffer"}
         self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
                                         [p.update for p in self.params])
         self._by_node = {p.node: p for p in self.params}
-        self.batch_layout = batch_layout(example_batch)
+        self._layout = traced.batch
         self._steps = 0
 
     def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
@@ -90,11 +90,19 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def local_batch(self, batch: Any) -> list[torch.Tensor]:
-        """This rank's pieces of a global batch (the example batch's form, see
-        `meshplan.capture.batch`), in program order. Raises ValueError for another form."""
-        full = batch_tensors(batch, self.batch_layout)
-        return [take_local(full[n.state_name], self.program.values[n.name], self.pos)
-                for n in self.graph.nodes if n.role in ("input", "target")]
+        """This rank's pieces of a global batch, in program order.
+
+        ``batch`` has the form of the traced example batch (``capture/batch.py``): ``(inputs,
+        target)`` or a dict of keyword arguments. Raises TypeError/ValueError if it does not.
+        """
+        layout, full = flatten_batch(batch)
+        if self._layout is not None:
+            check_static(self._layout, layout)
+        out = []
+        for n in self.graph.nodes:
+            if n.role in ("input", "target"):
+                out.append(take_local(full[n.state_name], self.program.values[n.name], self.pos))
+        return out
 
     def _program_args(self, batch_pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         pieces = iter(batch_pieces)
@@ -118,6 +126,9 @@ class Trainer:
 
     def step(self, batch: Any, *, seed: int | None = None) -> float:
         """One training step on the global ``batch``; returns the global loss.
+
+        ``batch`` has the example batch's form: ``(inputs, target)`` or a dict of keyword
+        arguments, every tensor split along dim 0 as planned.
 
         Dropout masks come from a generator seeded with ``seed`` (default: the step number),
         the same on every rank: the step equals single-device training run after

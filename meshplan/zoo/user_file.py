@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from meshplan.capture.batch import batch_layout
+from meshplan.capture.batch import flatten_batch
 
 Parts = tuple[nn.Module, Callable[..., Tensor] | None, Any]
 
@@ -82,12 +82,14 @@ def _check_result(result: object, where: str) -> Parts:
         raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable (give "
                    "None when the model returns its loss)")
     try:
-        layout = batch_layout(batch)
+        flatten_batch(batch)
     except TypeError as e:
         raise fail(f"an unusable example batch ({e})") from None
-    if layout.kind == "pair":
+    if isinstance(batch, (tuple, list)):  # (inputs, target): inputs as a tuple, as the zoo's
         inputs, target = batch
-        return model, loss_fn, ((inputs,) if isinstance(inputs, Tensor) else tuple(inputs), target)
+        inputs = (inputs,) if isinstance(inputs, Tensor) else \
+            tuple(inputs) if isinstance(inputs, (tuple, list)) else inputs
+        return model, loss_fn, (inputs, target)
     return model, loss_fn, batch
 
 

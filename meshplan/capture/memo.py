@@ -1,0 +1,59 @@
+"""One capture per model, loss and batch layout in a process, safe from several threads.
+
+make_fx patches ``torch.nn.Module.__call__`` for the whole process while it traces, so a thread
+that runs any module (a rank's training step) while another thread traces is intercepted by
+that trace. Emulated ranks are threads sharing one model; each builds a Trainer, which captures.
+Capturing under one lock, and handing every later caller the capture already made for the same
+model, loss function and batch layout, means tracing happens once and before any rank runs a
+step. The captured program is immutable (`Traced`, `Graph`), so sharing it is safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+_LOCK = threading.RLock()
+# The most recent captures (a bound, not a weak map: a loss_fn closing over its model would keep
+# a weakly keyed entry alive forever). Entries hold the model weakly and the loss_fn strongly,
+# so neither id can be reused by another object while its entry exists.
+_RECENT = 8
+_CACHE: "collections.OrderedDict[Any, tuple[weakref.ref, Any, Any]]" = collections.OrderedDict()
+
+
+def _layout(x: Any) -> Any:
+    """Shapes and dtypes of a (nested) batch: what the trace depends on besides the model."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), str(x.dtype))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_layout(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _layout(v)) for k, v in x.items()))
+    return ("V", repr(x))
+
+
+def _key(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any:
+    state = tuple((k, tuple(v.shape), str(v.dtype))
+                  for k, v in (*model.named_parameters(), *model.named_buffers()))
+    modes = tuple(m.training for m in model.modules())  # dropout and batch norm trace differently
+    return (id(loss_fn), _layout(example_batch), state, modes)
+
+
+def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
+                  capture: Callable[[torch.nn.Module, Any, Any], Any]) -> Any:
+    """``capture(model, loss_fn, example_batch)``, made once per key and under one lock."""
+    with _LOCK:
+        key = (id(model), _key(model, loss_fn, example_batch))
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0]() is model and hit[1] is loss_fn:
+            _CACHE.move_to_end(key)
+            return hit[2]
+        result = capture(model, loss_fn, example_batch)
+        _CACHE[key] = (weakref.ref(model), loss_fn, result)
+        while len(_CACHE) > _RECENT:
+            _CACHE.popitem(last=False)
+        return result

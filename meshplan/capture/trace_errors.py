@@ -1,0 +1,142 @@
+"""Explain a trace that torch refused: which aten op, in which module, and what to do instead.
+
+make_fx runs the model on fake tensors, which carry shapes but no data. Ops whose output shape
+depends on the data (``nonzero``, boolean-mask indexing, ``unique``, ``masked_select``) cannot be
+traced that way, and some kernels only accept other dtypes or devices under fake tensors
+(``_grouped_mm``). torch reports those deep inside its dispatcher; this module turns them into one
+ValueError a user can act on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from typing import Any
+import torch
+from torch import nn
+from torch._subclasses import fake_tensor
+from torch.nn.modules.module import (register_module_forward_hook,
+                                     register_module_forward_pre_hook)
+
+_DATA_DEPENDENT = (fake_tensor.DynamicOutputShapeException,
+                   fake_tensor.DataDependentOutputException)
+
+
+def _failing_op(exc: BaseException) -> str | None:
+    """The aten op torch was running: named by the exception, else found in its traceback."""
+    func = getattr(exc, "func", None)
+    if func is None:
+        for frame in _frames(exc):
+            cand = frame.f_locals.get("func")
+            if isinstance(cand, torch._ops.OpOverload):
+                func = cand  # keep the innermost
+    return None if func is None else str(func).removeprefix("aten.")
+
+
+class ModuleStack:
+    """The modules whose forward is running, innermost last, recorded by global forward hooks
+    while one trace runs (in the tracing thread only). After a failure the stack still holds
+    the module that failed: its forward never returned."""
+
+    def __init__(self) -> None:
+        self.stack: list[nn.Module] = []
+        self._thread = threading.get_ident()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "ModuleStack":
+        def pre(module: nn.Module, _args: Any) -> None:
+            if threading.get_ident() == self._thread:
+                self.stack.append(module)
+
+        def post(module: nn.Module, _args: Any, _out: Any) -> None:
+            if threading.get_ident() == self._thread and self.stack:
+                self.stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre),
+                         register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def innermost(self, model: nn.Module) -> str | None:
+        names = {id(m): name for name, m in model.named_modules()}
+        for module in reversed(self.stack):
+            if id(module) in names:
+                name = names[id(module)]
+                kind = type(module).__name__
+                return f"{name} ({kind})" if name else f"the model ({kind})"
+        return None
+
+
+def _frames(exc: BaseException) -> list[types.FrameType]:
+    """Frames of the exception and of the ones it was raised from, outermost first."""
+    out: list[types.FrameType] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame not in out:
+                out.append(tb.tb_frame)
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _user_line(exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame outside torch (the model's own code)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(__file__))
+    found = None
+    for frame in _frames(exc):
+        name = frame.f_code.co_filename
+        if not name.startswith((torch_dir, here)) and "<" not in name:
+            found = f"{name}:{frame.f_lineno}"
+    return found
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    if isinstance(exc, _DATA_DEPENDENT):
+        return True
+    # Symbolic-shape guards on data (``if mask.any():``) surface under this name.
+    return type(exc).__name__ in ("GuardOnDataDependentSymNode", "DataDependentOutputException")
+
+
+def explain_trace_failure(exc: BaseException, model: nn.Module, modules: ModuleStack
+                          ) -> ValueError:
+    """A ValueError naming the op and module torch failed on, with a remedy when one is known."""
+    op = _failing_op(exc)
+    module = modules.innermost(model)
+    where = f"aten op '{op}'" if op else "an op"
+    if module:
+        where += f" in module {module}"
+    line = _user_line(exc)
+    if line:
+        where += f" (at {line})"
+    if op and op.startswith("_local_scalar_dense"):
+        return ValueError(
+            f"meshplan cannot trace {where}: the model reads a tensor's value in Python "
+            "(.item(), bool(t), int(t), `if t ...:` on a tensor), and a plan is made from shapes "
+            "alone. Compute the same thing with tensor ops (torch.where, a mask product, "
+            "clamp) or decide it from shapes or Python numbers.")
+    if _is_data_dependent(exc):
+        return ValueError(
+            f"meshplan cannot trace {where}: its output shape depends on the values of its "
+            "input (nonzero, boolean-mask indexing, unique, masked_select, dropless MoE routing"
+            "), and a plan needs every shape before training. Use a static shape instead: "
+            "e.g. a capacity-based MoE (fixed slots per expert, as meshplan.zoo.moe_layer), "
+            "torch.where / multiplying by a mask instead of indexing with it, or padding to a "
+            "fixed size.")
+    detail = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else \
+        type(exc).__name__
+    return ValueError(
+        f"meshplan cannot trace {where} on fake tensors (shapes without data, CPU): {detail}. "
+        "If the op only supports other dtypes or devices (e.g. _grouped_mm), use its plain "
+        "equivalent (a loop or einsum over the groups); if the model fails on its own, check it "
+        "runs eagerly on the example batch first.")
+
+
+__all__ = ["ModuleStack", "explain_trace_failure"]
