@@ -1,86 +1,184 @@
-"""The OpInfo sweep: every float32 op of PyTorch's operator database through capture, planning
-and emulated training against one device (see tests/opinfo_sweep.py); writes docs/coverage.md.
+"""OpInfo breadth sweep: every float32 CPU op of PyTorch's operator database through meshplan.
 
-Usage: python benchmarks/coverage.py [--out docs/coverage.md] [--workers 2]
+Usage: python benchmarks/coverage.py [--workers 2] [--limit-s 60] [--only NAME ...]
+       [--out docs/coverage.md]
+
+Each op runs `tests/opinfo_sweep.run_op` (capture, plan on (1,2) and (2,2) under auto and data,
+two SGD steps on emulated ranks against one device) in one of ``--workers`` processes, with a
+wall-clock limit per op; the outcomes are written as docs/coverage.md (a summary table, then one
+row per op).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing as mp
+import concurrent.futures as cf
+import os
 import platform
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-OUTCOMES = ("equal", "differs", "refused", "crash", "skipped")
+import torch  # noqa: E402
+
+import opinfo_sweep as sweep  # noqa: E402
+
+ORDER = ("equal", "differs", "crash", "timeout", "refused", "skipped")
 
 
-def _run_slice(args: tuple[int, int]) -> list:
+def _init_worker() -> None:
     warnings.simplefilter("ignore")
-    from opinfo_sweep import float32_ops, run_op
-    start, step = args
-    return [run_op(op) for op in float32_ops()[start::step]]
+    torch.set_num_threads(1)  # the workers share the machine's cores
 
 
-def render(results: list, seconds: float, workers: int) -> str:
-    counts = collections.Counter(r.outcome for r in results)
-    signed = [r for r in results if r.signed]
+def _run_one(index: int, limit_s: int) -> tuple[int, sweep.Outcome]:
+    return index, sweep.run_op_limited(sweep.float32_ops()[index], limit_s)
+
+
+def _died(op: Any) -> sweep.Outcome:
+    return sweep.Outcome(op.name, op.variant_test_name, "crash", None,
+                         "the worker process died (twice) while running this op")
+
+
+def run_sweep(indices: list[int], workers: int, limit_s: int) -> dict[int, sweep.Outcome]:
+    """Outcomes by op index. A worker that dies (a segfault inside torch) breaks the pool: the
+    ops then unfinished are run again in a fresh pool, and an op whose pool breaks twice is
+    recorded as a crash."""
+    ops = sweep.float32_ops()
+    results: dict[int, sweep.Outcome] = {}
+    attempts: collections.Counter[int] = collections.Counter()
+    todo = list(indices)
+    while todo:
+        with cf.ProcessPoolExecutor(workers, initializer=_init_worker) as pool:
+            futures = {pool.submit(_run_one, i, limit_s): i for i in todo}
+            for fut in cf.as_completed(futures):
+                i = futures[fut]
+                try:
+                    results[i] = fut.result()[1]
+                    print(f"[{len(results)}/{len(indices)}] {sweep.label(results[i])}: "
+                          f"{results[i].outcome}", file=sys.stderr, flush=True)
+                except cf.process.BrokenProcessPool:
+                    attempts[i] += 1
+                    if attempts[i] >= 2:
+                        results[i] = _died(ops[i])
+        todo = [i for i in todo if i not in results]
+    return results
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _categories(outcomes: list[sweep.Outcome]) -> list[str]:
+    """Crashes grouped by exception type and the meshplan line that raised, then the ops that
+    trained differently: the work list."""
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for o in outcomes:
+        if o.outcome in ("crash", "timeout"):
+            kind = o.reason.split(":")[0] if o.outcome == "crash" else "timeout"
+            where = o.reason.rsplit(" @ ", 1)[1] if " @ " in o.reason else "-"
+            groups[f"{kind} @ {where}"].append(sweep.label(o))
+        elif o.outcome == "differs":
+            groups["differs from one device"].append(sweep.label(o))
+    if not groups:
+        return ["No crash, timeout or difference.", ""]
+    lines = ["## Failures by category", "", "| category | ops | which |", "|---|---:|---|"]
+    for key, names in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"| {_cell(key)} | {len(names)} | {_cell(', '.join(names))} |")
+    return lines + [""]
+
+
+def render(outcomes: list[sweep.Outcome], seconds: float, workers: int, limit_s: int) -> str:
+    counts = collections.Counter(o.outcome for o in outcomes)
+    signed = [o for o in outcomes if o.signed]
+    signed_equal = sum(o.outcome == "equal" for o in signed)
     lines = [
-        "# Operator coverage: PyTorch's OpInfo database",
+        "# OpInfo coverage",
         "",
-        "Every op of `torch.testing._internal.common_methods_invocations.op_db` with float32 CPU "
-        "support, its first sample input made a training problem: the sample's first float "
-        "tensor is a parameter plus a batch input of its shape, the other tensors are buffers, "
-        "the loss is the sum of the op's float outputs. Captured, planned on (1, 2) and (2, 2) "
-        "(`auto` in α=β=1 units and `data`), trained 2 SGD steps on emulated ranks against the "
-        "single device (losses and parameters at 1e-4, recorded == planned collectives). "
-        "Harness: `tests/opinfo_sweep.py`.",
+        "Generated by `make coverage` (`benchmarks/coverage.py`); do not edit by hand.",
+        f"torch {torch.__version__}, Python {platform.python_version()}, {workers} worker "
+        f"processes, {limit_s} s limit per op, {seconds / 60:.1f} min in all.",
         "",
-        f"Command: `make coverage` (`.venv/bin/python benchmarks/coverage.py --workers "
-        f"{workers}`), {time.strftime('%Y-%m-%d')}, {platform.machine()}, Python "
-        f"{platform.python_version()}, {seconds:.0f} s.",
+        "## Harness",
         "",
-        "| outcome | ops | meaning |",
-        "|---|---|---|",
-        f"| equal | {counts['equal']} | every plan trained exactly like one device |",
-        f"| differs | {counts['differs']} | a plan trained differently (a wrong result) |",
-        f"| refused | {counts['refused']} | meshplan declined with its own clear error |",
-        f"| crash | {counts['crash']} | another exception (a bug) |",
-        f"| skipped | {counts['skipped']} | no float sample, or it does not train on one device |",
-        f"| **total** | {len(results)} | |",
+        "For each op of `torch.testing._internal.common_methods_invocations.op_db` that supports",
+        "float32 on CPU, the FIRST sample input of `op.sample_inputs('cpu', torch.float32)` becomes",
+        "a tiny training problem (`tests/opinfo_sweep.py`):",
         "",
-        f"Captured with a dimension signature for every op of the program: {len(signed)}; of "
-        f"those equal to one device: {sum(r.outcome == 'equal' for r in signed)}.",
+        "- the sample's first floating-point tensor `t` (the input, or the first float among the",
+        "  args/kwargs) is replaced by `param + x`, where `param` is an `nn.Parameter` initialised",
+        "  to `t` and `x` is the batch input of the same shape (small random values), so both a",
+        "  parameter and the batch flow into the op and dim 0 of `t` is the batch dim;",
+        "- every other tensor of the sample is a module buffer (a constant of the program);",
+        "- the model returns the sum of the op's floating-point outputs (plus `0 * param.sum()`,",
+        "  so an op whose output ignores its input still has a gradient), and the loss is that",
+        "  scalar (example batch `((x,), target)` with an unused target);",
+        "- OpInfo's `wrapper_set_seed` (a reseed to 42 inside random ops' calls, which a traced",
+        "  program cannot see) is replaced by a plain call, so random ops draw from the generator",
+        "  each training step seeds, as in a user's model; `empty*` ops (uninitialized values)",
+        "  are skipped.",
         "",
-        "| op | variant | outcome | signed | reason |",
-        "|---|---|---|---|---|",
+        "meshplan captures it, plans it on (1,2) and (2,2) meshes under `auto` (abstract",
+        "alpha-beta costs, no memory budget) and `data`, and trains 2 SGD steps (lr 0.01) on",
+        "emulated ranks; each run is compared with single-device training by `tests/oracle.py`'s",
+        "`assert_matches` (losses, parameters to 1e-4 relative, recorded == planned collectives).",
+        "",
+        "Outcomes: **equal** (every plan trained like one device); **differs** (some plan trained",
+        "differently: a wrong result); **crash** (any exception other than a deliberate meshplan",
+        "refusal, including ValueError/TypeError raised inside torch); **timeout**; **refused**",
+        "(meshplan's own ValueError/TypeError/NotImplementedError, raised by meshplan code, e.g. a",
+        "data-dependent output shape or a random op); **skipped** (the sample has no float tensor,",
+        "or does not train on one device: non-finite loss, no grad, ...). *Signed* means every",
+        "op of the captured program got a dimension signature (`graph.unsupported_ops` empty);",
+        "unsigned ops are planned replicated.",
+        "",
+        "## Summary",
+        "",
+        "| outcome | ops | of which signed |",
+        "|---|---:|---:|",
     ]
-    for r in sorted(results, key=lambda r: (OUTCOMES.index(r.outcome), r.op, r.variant)):
-        reason = r.reason.replace("|", "\\|")
-        lines.append(f"| {r.op} | {r.variant} | {r.outcome} | "
-                     f"{'' if r.signed is None else 'yes' if r.signed else 'no'} | {reason} |")
+    for k in ORDER:
+        lines.append(f"| {k} | {counts.get(k, 0)} | "
+                     f"{sum(o.outcome == k and bool(o.signed) for o in outcomes)} |")
+    lines += [f"| **total** | {len(outcomes)} | {len(signed)} |", "",
+              f"Captured: {sum(o.signed is not None for o in outcomes)}; signed: {len(signed)}; "
+              f"signed and equal: {signed_equal} of {len(signed)}.", "",
+              *_categories(outcomes),
+              "## Per op", "",
+              "| op | outcome | signed | reason (first line) |", "|---|---|---|---|"]
+    for o in outcomes:
+        flag = {True: "yes", False: "no", None: "–"}[o.signed]
+        lines.append(f"| `{_cell(sweep.label(o))}` | {o.outcome} | {flag} | {_cell(o.reason)} |")
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "coverage.md"))
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args()
-    start = time.perf_counter()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        parts = pool.map(_run_slice, [(k, args.workers) for k in range(args.workers)])
-    results = [r for part in parts for r in part]
-    Path(args.out).write_text(render(results, time.perf_counter() - start, args.workers))
-    counts = collections.Counter(r.outcome for r in results)
-    print(dict(counts), f"-> {args.out}")
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--limit-s", type=int, default=60, help="wall-clock limit per op")
+    p.add_argument("--only", nargs="*", help="op names to run (default: all)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "coverage.md"))
+    args = p.parse_args(argv)
+    if not 1 <= args.workers <= (os.cpu_count() or 1):
+        p.error(f"--workers must be between 1 and {os.cpu_count()}, got {args.workers}")
+    ops = sweep.float32_ops()
+    indices = [i for i, op in enumerate(ops) if not args.only or op.name in args.only]
+    t0 = time.perf_counter()
+    results = run_sweep(indices, args.workers, args.limit_s)
+    outcomes = [results[i] for i in indices]
+    Path(args.out).write_text(render(outcomes, time.perf_counter() - t0, args.workers,
+                                     args.limit_s))
+    counts = collections.Counter(o.outcome for o in outcomes)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in ORDER),
+          file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -63,3 +63,19 @@ def test_grouped_convolution_batch_and_group_splits(groups: int) -> None:
     w, data = _case(model, (4, 8, 6, 6))
     _run(w, data, (2, 2))
     _run(w, data, (2, 2), method="data")
+
+
+def test_grouped_conv_signature_splits_only_whole_groups_and_batch() -> None:
+    from meshplan.capture.signature_rules import OpCall, conv_rule
+    # Depthwise 3x3 over 64 channels: input channels (g=64, c=1), weight rows (g=64, o=1).
+    call = OpCall("convolution", ((2, 64, 6, 6), (64, 1, 3, 3)), (2, 64, 6, 6),
+                  (None, None, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 64), ())
+    sig = conv_rule(call).sig
+    assert set(sig.splittable_atoms()) == {"n", "g"}
+    assert (sig.size("g"), sig.size("c"), sig.size("o")) == (64, 1, 1)
+    # Grouped, not depthwise: 4 groups of 8 in, 4 out channels each; c and o never split.
+    call = OpCall("convolution", ((2, 32, 6, 6), (16, 8, 3, 3)), (2, 16, 6, 6),
+                  (None, None, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4), ())
+    sig = conv_rule(call).sig
+    assert set(sig.splittable_atoms()) == {"n", "g"}
+    assert (sig.size("g"), sig.size("c"), sig.size("o")) == (4, 8, 4)

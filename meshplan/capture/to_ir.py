@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, OpCall, rule_for
+from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall, rule_for
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph, Node, TensorInfo
 from meshplan.ir.signatures import replicated_signature, signature_fits
@@ -84,6 +84,17 @@ def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
                 requires_grad and differentiable)
 
 
+def _check_random(node: fx.Node, packet: str) -> None:
+    """A random draw meshplan cannot make equal to one device's is refused, never planned: each
+    rank drawing from its own generator would train silently differently."""
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags and packet not in RULES:
+        raise ValueError(
+            f"the program draws random numbers with '{packet}': meshplan reproduces one "
+            "device's random draws only for dropout and bernoulli. Use nn.Dropout / "
+            "torch.bernoulli, or draw the tensor outside the model and pass it in the batch")
+
+
 def _constant(node: fx.Node, op: str) -> Node:
     return Node(node.name, "constant", op, (), _info(node.meta["val"]), None)
 
@@ -124,6 +135,7 @@ def to_ir(traced: Traced) -> Graph:
             if (not operands and packet in CONSTANT_OPS) or packet in LIKE_OPS:
                 nodes.append(_constant(node, packet))
             else:
+                _check_random(node, packet)
                 rg = any(grad.get(n, False) for n in names)
                 nodes.append(_op_node(node.name, names,
                                       _opcall(node, operands, packet, node.meta["val"]),
