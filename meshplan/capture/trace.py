@@ -106,6 +106,21 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
+def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list) -> GraphModule:
+    """The functionalized trace (in-place and ``out=`` ops in their pure forms), or, where
+    functionalization has no rule (``torch.vmap`` inside a model: Hugging Face's padding mask),
+    the plain one, whose in-place elementwise ops have signatures of their own."""
+    try:
+        with mode:
+            return make_fx(functionalize(step, remove="mutations"),
+                           decomposition_table=_decompositions())(state, batch)
+    except RuntimeError as exc:
+        if "Functionalize" not in str(exc):
+            raise
+    with mode:
+        return make_fx(step, decomposition_table=_decompositions())(state, batch)
+
+
 def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
     """Trace one step's loss (``loss_fn(model(...), target)``, ``loss_fn(model(...))`` or the
     model's own loss when ``loss_fn`` is None; see ``capture/batch.py`` for the batch forms)
@@ -133,10 +148,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
 
     with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
         try:
-            with mode:
-                gm = make_fx(functionalize(step, remove="mutations"),
-                             decomposition_table=_decompositions())(
-                    list(fake_state.values()), fake_batch)
+            gm = _make_fx(step, mode, list(fake_state.values()), fake_batch)
         except (TypeError, ValueError):
             raise
         except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained

@@ -238,13 +238,16 @@ def materialize_constant(value: torch.Tensor) -> torch.Tensor:
     return value.detach().clone()
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int
-                             ) -> torch.Tensor:
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int,
+                             padding_idx: int = -1) -> torch.Tensor:
     """Lookup in this rank's rows ``[start, start + rows)`` of the table; other ids give zeros,
-    so the sum over ranks is the full lookup (the result is a partial sum)."""
+    so the sum over ranks is the full lookup (the result is a partial sum). The row of
+    ``padding_idx`` (a global id) gets no gradient, as on one device."""
     local = idx - start
-    inside = (local >= 0) & (local < weight.shape[0])
-    out = aten.embedding.default(weight, local.clamp(0, max(weight.shape[0] - 1, 0)))
+    rows = weight.shape[0]
+    inside = (local >= 0) & (local < rows)
+    pad = padding_idx - start if padding_idx >= 0 and 0 <= padding_idx - start < rows else -1
+    out = aten.embedding.default(weight, local.clamp(0, max(rows - 1, 0)), pad)
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 

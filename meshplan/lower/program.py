@@ -144,7 +144,9 @@ class _Lowerer:
         call, orig = self.out.call_function, self.fx_nodes[node.name]
         if node.op == "embedding" and shardeds[0].layout.dims[0]:
             start = piece_offsets(shardeds[0], self.pos)[0][0]
-            return call(local_ops.vocab_parallel_embedding, (operands[0], operands[1], start))
+            padding = orig.args[2] if len(orig.args) > 2 else orig.kwargs.get("padding_idx", -1)
+            return call(local_ops.vocab_parallel_embedding, (operands[0], operands[1], start,
+                                                             padding))
         if node.op in ("softmax", "log_softmax") and dec.sync_axes:
             return call(local_ops.softmax_split, (self.comm, operands[0], orig.args[1],
                                                   tuple(dec.sync_axes),
