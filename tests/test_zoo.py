@@ -354,17 +354,18 @@ def test_file_model_on_meta_and_list_structures(model_file: Path) -> None:
     assert all(p.is_meta for p in w.model.parameters()) and all(t.is_meta for t in _state(w))
     listy = build_workload(f"{model_file}:returns_list_inputs", device="cpu")
     assert isinstance(listy.example_batch, tuple) and isinstance(listy.example_batch[0], tuple)
+    bare = build_workload(f"{model_file}:bare_tensor_inputs", device="cpu")  # one input tensor
+    assert isinstance(bare.example_batch[0], torch.Tensor)
 
 
 @pytest.mark.parametrize(
     ("fn", "pattern"),
     [
-        ("bare_tensor_inputs", r"bare_tensor_inputs\(\) returned inputs of type Tensor.*wrap one tensor"),
         ("two_items", r"returned a tuple of length 2; expected \(model: nn.Module"),
         ("not_a_module", r"returned a model of type str, not an nn.Module"),
         ("loss_not_callable", r"loss_fn of type int, which is not callable"),
-        ("bad_target", r"target of type list, not a Tensor"),
-        ("batch_of_three", r"example_batch of type tuple, not an \(inputs, target\) pair"),
+        ("bad_target", r"does not fit \(the target is a list, not a tensor or None"),
+        ("batch_of_three", r"does not fit \(a batch is \(inputs, target\).*got a tuple of length 3"),
         ("returns_none", r"returned a NoneType; expected"),
         ("missing", r"has no function 'missing'; functions defined there: \['bad_target', .*'make'"),
         ("CONSTANT", r"'CONSTANT' in model file .* is a int, not a function"),

@@ -15,13 +15,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-Parts = tuple[nn.Module, Callable[..., Tensor], tuple[tuple[Tensor, ...], Tensor]]
+from meshplan.capture.batch import flatten_batch
 
-_EXPECTED = "(model: nn.Module, loss_fn: callable, (inputs: tuple of Tensors, target: Tensor))"
+Parts = tuple[nn.Module, "Callable[..., Tensor] | None", Any]
+
+_EXPECTED = ("(model: nn.Module, loss_fn: callable or None, example_batch) with example_batch "
+             "(inputs, target) - inputs a Tensor, a tuple of Tensors or a dict of keyword "
+             "arguments, target a Tensor or None - or a dict of keyword arguments alone; "
+             "loss_fn None when the model returns its loss")
 
 
 def is_file_spec(text: str, *, zoo_kinds: tuple[str, ...]) -> bool:
@@ -74,18 +80,20 @@ def _check_result(result: object, where: str) -> Parts:
     model, loss_fn, batch = result
     if not isinstance(model, nn.Module):
         raise fail(f"a model of type {type(model).__name__}, not an nn.Module")
-    if not callable(loss_fn):
+    if loss_fn is not None and not callable(loss_fn):
         raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable")
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise fail(f"an example_batch of type {type(batch).__name__}, not an (inputs, target) pair")
-    inputs, target = batch
-    if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, Tensor) for t in inputs):
-        raise fail(
-            f"inputs of type {type(inputs).__name__}, not a non-empty tuple of Tensors (wrap one tensor as (x,))"
-        )
-    if not isinstance(target, Tensor):
-        raise fail(f"a target of type {type(target).__name__}, not a Tensor")
-    return model, loss_fn, (tuple(inputs), target)
+    try:
+        layout, _ = flatten_batch(batch)
+    except TypeError as exc:
+        raise fail(f"an example_batch that does not fit ({exc})") from None
+    if loss_fn is None and layout.has_target:
+        raise fail("a target but no loss_fn (a model returning its loss takes a batch without "
+                   "target, e.g. a dict of keyword arguments)")
+    if isinstance(batch, (tuple, list)) and isinstance(batch[0], list):
+        batch = (tuple(batch[0]), batch[1])  # positional inputs as the tuple they stand for
+    elif isinstance(batch, list):
+        batch = tuple(batch)
+    return model, loss_fn, batch
 
 
 def load_model_file(text: str, *, device: str, seed: int) -> Parts:
