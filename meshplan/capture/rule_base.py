@@ -38,7 +38,7 @@ class OpRule:
 Rule = Callable[[OpCall], "OpRule | None"]  # None: this variant of the op has no signature
 
 
-def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
+def sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
            kind: str, unsplittable: set[str] = frozenset(), mean: set[str] = frozenset()
            ) -> Signature:
     sizes: dict[str, int] = {}
