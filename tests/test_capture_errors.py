@@ -73,21 +73,24 @@ def test_a_model_bug_is_a_value_error_naming_op_and_module() -> None:
         capture(Bad(), lambda o, t: o.sum(), ((torch.randn(6, 8),), torch.zeros(())))
 
 
-def test_capture_from_four_threads_at_once() -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["one-model", "a-model-each"])
+def test_capture_from_four_threads_at_once(shared: bool) -> None:
+    # One shared model (emulated ranks: one trace, reused) or one model per thread (four
+    # traces, serialized).
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    models = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(4)]
     batch = ((torch.randn(4, 8),), torch.randn(4, 8))
     results, errors = [], []
     start = threading.Barrier(4)
 
-    def run() -> None:
+    def run(k: int) -> None:
         try:
             start.wait()
-            results.append(capture(model, F.mse_loss, batch)[1])
+            results.append(capture(models[0 if shared else k], F.mse_loss, batch)[1])
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
     for th in threads:
         th.start()
     for th in threads:

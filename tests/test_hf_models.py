@@ -40,10 +40,13 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
             intermediate_size=128, max_position_embeddings=32)),
         "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**DECODER)),
         "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**DECODER)),
+        "gpt_neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32)),
     }
 
 
-MODELS = ("gpt2", "bert", "llama", "qwen2")
+MODELS = ("gpt2", "bert", "llama", "qwen2", "gpt_neox")
 
 
 def build(name: str) -> torch.nn.Module:
@@ -172,3 +175,10 @@ def test_hf_llama_over_gloo() -> None:
         results = pool.run(_train_gloo, plan, "llama")
     for result in results:
         assert_matches(result, ref("llama", SGD), plan, SGD)
+
+
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "bert"])
+def test_hf_decoders_run_with_default_settings(name: str) -> None:
+    # What the tests above plan is HF's default path: sdpa attention and the KV cache on.
+    config = workload(name).model.config
+    assert config._attn_implementation == "sdpa" and config.use_cache

@@ -354,6 +354,8 @@ def test_file_model_on_meta_and_list_structures(model_file: Path) -> None:
     assert all(p.is_meta for p in w.model.parameters()) and all(t.is_meta for t in _state(w))
     listy = build_workload(f"{model_file}:returns_list_inputs", device="cpu")
     assert isinstance(listy.example_batch, tuple) and isinstance(listy.example_batch[0], tuple)
+    bare = build_workload(f"{model_file}:bare_tensor_inputs", device="cpu")  # one input tensor
+    assert isinstance(bare.example_batch[0], torch.Tensor)
 
 
 @pytest.mark.parametrize(
@@ -362,8 +364,8 @@ def test_file_model_on_meta_and_list_structures(model_file: Path) -> None:
         ("two_items", r"returned a tuple of length 2; expected \(model: nn.Module"),
         ("not_a_module", r"returned a model of type str, not an nn.Module"),
         ("loss_not_callable", r"loss_fn of type int, which is not callable"),
-        ("bad_target", r"unusable example batch \(the target is a list"),
-        ("batch_of_three", r"unusable example batch .*or a dict of keyword arguments"),
+        ("bad_target", r"does not fit \(the target is a list, not a tensor or None"),
+        ("batch_of_three", r"does not fit \(a batch is \(inputs, target\).*got a tuple of length 3"),
         ("returns_none", r"returned a NoneType; expected"),
         ("missing", r"has no function 'missing'; functions defined there: \['bad_target', .*'make'"),
         ("CONSTANT", r"'CONSTANT' in model file .* is a int, not a function"),
@@ -384,8 +386,3 @@ def test_file_model_spec_errors(model_file: Path, tmp_path: Path) -> None:
     (tmp_path / "folder.py").mkdir()
     with pytest.raises(ValueError, match="is not a file"):
         build_workload(f"{tmp_path / 'folder.py'}:make")
-
-
-def test_file_model_inputs_may_be_one_tensor_or_keyword_arguments(model_file: Path) -> None:
-    w = build_workload(f"{model_file}:bare_tensor_inputs")
-    assert isinstance(w.example_batch[0], tuple) and len(w.example_batch[0]) == 1

@@ -38,9 +38,11 @@ class OpRule:
 Rule = Callable[[OpCall], "OpRule | None"]  # None: this variant of the op has no signature
 
 
-def _sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
+def sized(inputs: Sequence[Dims], output: Dims, shapes: Sequence[Shape], out_shape: Shape,
            kind: str, unsplittable: set[str] = frozenset(), mean: set[str] = frozenset()
            ) -> Signature:
+    """A `Signature` whose atoms are sized from the shapes: a one-atom dim gives its atom's size
+    (first seen wins), an atom only ever merged into larger dims gets that dim's size."""
     sizes: dict[str, int] = {}
     for dims, shape in zip((*inputs, output), (*shapes, out_shape)):
         for d, n in zip(dims, shape):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from meshplan.capture.rule_base import OpCall, OpRule, Rule, _sized
+from meshplan.capture.rule_base import OpCall, OpRule, Rule, sized
 from meshplan.ir.signatures import fresh_atoms
 
 
@@ -34,7 +34,7 @@ def gather_rule(c: OpCall) -> OpRule | None:
         if a != out[i]:
             pinned.add(a)
         xd.append(a)
-    sig = _sized([xd, out], out, c.in_shapes, c.out_shape, "elementwise", pinned)
+    sig = sized([xd, out], out, c.in_shapes, c.out_shape, "elementwise", pinned)
     return OpRule("gather", sig, float(math.prod(c.out_shape)))
 
 
@@ -56,7 +56,7 @@ def scatter_rule(c: OpCall) -> OpRule | None:
             if not shared:
                 pinned.add(a)
             dims[k].append(a)
-    sig = _sized(dims, dims[0], shapes, c.out_shape, "elementwise", pinned)
+    sig = sized(dims, dims[0], shapes, c.out_shape, "elementwise", pinned)
     return OpRule(c.target, sig, float(math.prod(shapes[1])))
 
 
@@ -80,7 +80,7 @@ def index_rule(c: OpCall) -> OpRule | None:
     out = (*lead, *mid, *tail)
     if len(out) != len(c.out_shape):
         return None
-    sig = _sized([(*lead, *whole, *tail), *[mid] * len(idx_shapes)], out, c.in_shapes,
+    sig = sized([(*lead, *whole, *tail), *[mid] * len(idx_shapes)], out, c.in_shapes,
                  c.out_shape, "elementwise", set(whole))
     return OpRule("index", sig, float(math.prod(c.out_shape)))
 
@@ -109,7 +109,7 @@ def index_put_rule(c: OpCall) -> OpRule | None:
              for i, n in enumerate(values)]
     pinned = {*whole, *mid, *[a for a in vdims if a not in full]}
     xdims = (*lead, *whole, *tail)
-    sig = _sized([xdims, *[mid] * len(idx_shapes), vdims], xdims, c.in_shapes, c.out_shape,
+    sig = sized([xdims, *[mid] * len(idx_shapes), vdims], xdims, c.in_shapes, c.out_shape,
                  "elementwise", pinned)
     return OpRule("index_put", sig, float(math.prod(values)))
 
@@ -121,7 +121,7 @@ def index_select_rule(c: OpCall) -> OpRule:
     out = list(fresh_atoms(len(x)))
     xd = list(out)
     xd[d] = _pinned(0)
-    sig = _sized([xd, (out[d],)], out, c.in_shapes, c.out_shape, "elementwise", {xd[d]})
+    sig = sized([xd, (out[d],)], out, c.in_shapes, c.out_shape, "elementwise", {xd[d]})
     return OpRule("index_select", sig, float(math.prod(c.out_shape)))
 
 
@@ -140,7 +140,7 @@ def along_whole_dim_rule(name: str, dim_arg: int | None) -> Rule:
         for k, d in enumerate(whole):
             atoms[d], out[d] = _pinned(2 * k), _pinned(2 * k + 1)
             pinned |= {atoms[d], out[d]}
-        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise", pinned)
+        sig = sized([atoms], out, c.in_shapes, c.out_shape, "elementwise", pinned)
         return OpRule(name, sig, float(math.prod(x)))
     return rule
 
@@ -160,7 +160,7 @@ def whole_reduction_rule(name: str) -> Rule:
         red = {atoms[d] for d in dims}
         out = [(_pinned(i) if keep else None) if a in red else a for i, a in enumerate(atoms)]
         out = [a for a in out if a is not None]
-        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "reduction",
+        sig = sized([atoms], out, c.in_shapes, c.out_shape, "reduction",
                      red | {a for a in out if a not in atoms})
         return OpRule(name, sig, 2.0 * math.prod(x))
     return rule
@@ -171,7 +171,7 @@ def select_rule(c: OpCall) -> OpRule:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     d = c.arg(1, "dim") % len(x)
-    sig = _sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
+    sig = sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
                  "view", {atoms[d]})
     return OpRule("select", sig, 0.0)
 
@@ -192,7 +192,7 @@ def scatter_into_rule(c: OpCall) -> OpRule | None:
     if [n for i, n in enumerate(x) if i != d] != [n for i, n in enumerate(src)
                                                   if c.target == "select_scatter" or i != d]:
         return None
-    sig = _sized([atoms, src_dims], atoms, c.in_shapes, c.out_shape, "elementwise",
+    sig = sized([atoms, src_dims], atoms, c.in_shapes, c.out_shape, "elementwise",
                  {_pinned(0), _pinned(1)})
     return OpRule(c.target, sig, float(math.prod(src)))
 

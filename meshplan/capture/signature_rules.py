@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, _sized
+from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, sized
 from meshplan.capture.rules_select import SELECT_RULES
 from meshplan.ir.graph import TensorInfo
 from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
@@ -24,13 +24,13 @@ from meshplan.ir.signatures import Dims, Signature, StatSync, fresh_atoms
 # ---------------------------------------------------------------- contractions
 def mm_rule(c: OpCall) -> OpRule:
     (i, k), (_, j) = c.in_shapes
-    return OpRule("mm", _sized(["ik", "kj"], "ij", c.in_shapes, c.out_shape, "contraction"),
+    return OpRule("mm", sized(["ik", "kj"], "ij", c.in_shapes, c.out_shape, "contraction"),
                   2.0 * i * k * j)
 
 
 def bmm_rule(c: OpCall) -> OpRule:
     (b, i, k), (_, _, j) = c.in_shapes
-    sig = _sized(["bik", "bkj"], "bij", c.in_shapes, c.out_shape, "contraction")
+    sig = sized(["bik", "bkj"], "bij", c.in_shapes, c.out_shape, "contraction")
     return OpRule("bmm", sig, 2.0 * b * i * k * j)
 
 
@@ -57,7 +57,7 @@ def sdpa_rule(c: OpCall) -> OpRule:
                 pinned.add(a)
                 mdims += a
         dims.append(mdims)
-    sig = _sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction", unsplittable=pinned)
+    sig = sized(dims, lead + "sf", c.in_shapes, c.out_shape, "contraction", unsplittable=pinned)
     batch = math.prod(q[:-2])
     return OpRule("sdpa", sig, 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1]))
 
@@ -67,7 +67,7 @@ def embedding_rule(c: OpCall) -> OpRule:
     lead = "".join(fresh_atoms(len(idx), 700))
     # Splitting the vocabulary v is a masked lookup on each shard: partial sums (Megatron's
     # vocab-parallel embedding).
-    sig = _sized(["vh", lead], lead + "h", c.in_shapes, c.out_shape, "contraction")
+    sig = sized(["vh", lead], lead + "h", c.in_shapes, c.out_shape, "contraction")
     return OpRule("embedding", sig, 0.0)
 
 
@@ -88,7 +88,7 @@ def elementwise_rule(name: str) -> Rule:
                     pinned.add(a)
                     d.append(a)
             dims.append(tuple(d))
-        sig = _sized(dims, out, c.in_shapes, c.out_shape, "elementwise", pinned)
+        sig = sized(dims, out, c.in_shapes, c.out_shape, "elementwise", pinned)
         return OpRule(name, sig, float(math.prod(c.out_shape)))
     return rule
 
@@ -105,7 +105,7 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
         else:
             dim = c.arg(dim_arg, "dim") % len(x)
             rows = tuple(a for i, a in enumerate(atoms) if i != dim)
-            sig = _sized([atoms], atoms, c.in_shapes, c.out_shape, "elementwise")
+            sig = sized([atoms], atoms, c.in_shapes, c.out_shape, "elementwise")
             # A split class dim exchanges per-row statistics: the rows' maxima (gathered,
             # detached: any shift is exact) and the sums of exponentials (all-reduced).
             sync = StatSync(frozenset({atoms[dim]}), rows,
@@ -119,7 +119,7 @@ def normalize_last_rule(name: str, flops_per_elem: float, dim_arg: int | None) -
             stat = fresh_atoms(nd, 450)
             out = (*atoms[:len(x) - nd], *stat)
             fixed |= set(stat)
-        sig = _sized([atoms, *extra], out, c.in_shapes, c.out_shape, "elementwise", fixed)
+        sig = sized([atoms, *extra], out, c.in_shapes, c.out_shape, "elementwise", fixed)
         return OpRule(name, sig, flops_per_elem * math.prod(x))
     return rule
 
@@ -136,7 +136,7 @@ def reduction_rule(name: str, mean: bool) -> Rule:
         kept = fresh_atoms(len(x), 400)
         out = tuple((kept[i] if keep else None) if a in red else a for i, a in enumerate(atoms))
         out = tuple(a for a in out if a is not None)
-        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "reduction",
+        sig = sized([atoms], out, c.in_shapes, c.out_shape, "reduction",
                      unsplittable=set(kept), mean=red if mean else set())
         return OpRule(name, sig, float(math.prod(x)))
     return rule
@@ -149,8 +149,8 @@ def nll_loss_rule(c: OpCall) -> OpRule:
     if len(x) != 2 or reduction not in (1, 2):
         raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
     # A split class dim c picks each target on the shard that holds it: partial sums.
-    sig = _sized(["nc", "n"] + (["c"] if weighted else []), (), c.in_shapes, c.out_shape,
-                 "reduction", mean={"n"} if reduction == 1 else set())
+    sig = sized(["nc", "n"] + (["c"] if weighted else []), (), c.in_shapes, c.out_shape,
+                "reduction", mean={"n"} if reduction == 1 else set())
     if reduction == 1:
         # The mean's divisor counts the targets not equal to ignore_index (weighted: sums
         # their class weights): one scalar per rank, all-reduced over the axes splitting the
@@ -169,7 +169,7 @@ def mse_loss_rule(c: OpCall) -> OpRule | None:
     reduction = c.arg(2, "reduction", 1)
     if reduction not in (1, 2):
         return None  # reduction="none": an elementwise square, planned replicated
-    sig = _sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
+    sig = sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
                  mean=set(atoms) if reduction == 1 else set())
     return OpRule("mse_loss", sig, 3.0 * math.prod(x))
 
@@ -240,7 +240,7 @@ def _refine(src: Shape, dst: Shape, atoms: Any) -> tuple[list[str], list[str]] |
 
 def view_rule(c: OpCall) -> OpRule:
     src_dims, dst_dims, pinned = _view_dims(c.in_shapes[0], c.out_shape)
-    sig = _sized([src_dims], dst_dims, c.in_shapes, c.out_shape, "view", pinned)
+    sig = sized([src_dims], dst_dims, c.in_shapes, c.out_shape, "view", pinned)
     if sig.reduced_atoms - pinned:
         raise AssertionError(f"view factorization lost atoms: {c.in_shapes[0]} -> {c.out_shape}")
     return OpRule("view", _sized_view(sig, c), 0.0)
@@ -283,7 +283,7 @@ def permute_rule(c: OpCall) -> OpRule:
         order[a], order[b] = order[b], order[a]
     else:
         order = [d % len(x) for d in c.arg(1, "dims")]
-    sig = _sized([atoms], [atoms[d] for d in order], c.in_shapes, c.out_shape, "view")
+    sig = sized([atoms], [atoms[d] for d in order], c.in_shapes, c.out_shape, "view")
     return OpRule(c.target, sig, 0.0)
 
 
@@ -297,7 +297,7 @@ def expand_rule(c: OpCall) -> OpRule:
             dims.append(out_atoms[off + pos])
         else:
             a = fresh_atoms(1, 300 + pos)[0]; pinned.add(a); dims.append(a)
-    sig = _sized([dims], out_atoms, c.in_shapes, c.out_shape, "view", pinned)
+    sig = sized([dims], out_atoms, c.in_shapes, c.out_shape, "view", pinned)
     return OpRule("expand", sig, 0.0)
 
 
@@ -312,7 +312,7 @@ def dim_pinned_rule(name: str, dim_arg: int, dim_name: str) -> Rule:
         for k in range(len(c.in_shapes)):
             a = list(atoms); a[d] = fresh_atoms(1, 500 + k)[0]; fixed.add(a[d]); ins.append(a)
         out = list(atoms); out[d] = fresh_atoms(1, 499)[0]; fixed.add(out[d])
-        sig = _sized(ins, out, c.in_shapes, c.out_shape, "view", fixed)
+        sig = sized(ins, out, c.in_shapes, c.out_shape, "view", fixed)
         return OpRule(name, sig, 0.0)
     return rule
 
@@ -333,10 +333,10 @@ def conv_rule(c: OpCall) -> OpRule | None:
     osp = "".join(fresh_atoms(len(x) - 2, 60))
     flops = 2.0 * math.prod(c.out_shape) * math.prod(w[1:])
     if groups == 1:
-        sig = _sized(["nc" + sp, "oc" + ksp], "no" + osp, c.in_shapes, c.out_shape,
+        sig = sized(["nc" + sp, "oc" + ksp], "no" + osp, c.in_shapes, c.out_shape,
                      "contraction", unsplittable=set(sp + ksp + osp))
         return OpRule("conv", sig, flops)
-    sig = _sized([["n", "gc", *sp], ["go", "c", *ksp]], ["n", "go", *osp], c.in_shapes,
+    sig = sized([["n", "gc", *sp], ["go", "c", *ksp]], ["n", "go", *osp], c.in_shapes,
                  c.out_shape, "contraction", unsplittable=set(sp + ksp + osp))
     sizes = {**dict(sig.atom_sizes), "g": groups, "c": w[1], "o": w[0] // groups}
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
@@ -354,7 +354,7 @@ def batch_norm_rule(c: OpCall) -> OpRule:
     # Two all-reduces (mean, then squared deviations) of float64 per-channel sums.
     ar = ("all_reduce", "all_reduce")
     sync = StatSync(frozenset("n"), ("c",), x[1] * 8, (ar, ar)) if training else None
-    sig = _sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
+    sig = sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                     sig.atom_sizes, sync)
     return OpRule("batch_norm", sig, 8.0 * math.prod(x))
@@ -365,7 +365,7 @@ def pool_rule(name: str) -> Rule:
         x = c.in_shapes[0]
         sp = "".join(fresh_atoms(len(x) - 2, 20))
         osp = "".join(fresh_atoms(len(c.out_shape) - 2, 60))
-        sig = _sized(["nc" + sp], "nc" + osp, c.in_shapes, c.out_shape, "elementwise",
+        sig = sized(["nc" + sp], "nc" + osp, c.in_shapes, c.out_shape, "elementwise",
                      unsplittable=set(sp + osp))
         return OpRule(name, sig, float(math.prod(x)))
     return rule
@@ -377,7 +377,7 @@ def along_dim_rule(name: str) -> Rule:
         x = c.in_shapes[0]
         atoms = fresh_atoms(len(x))
         if c.arg(1, "dim") is None:  # over everything: nothing can be split
-            sig = _sized([atoms], (), c.in_shapes, c.out_shape, "elementwise", set(atoms))
+            sig = sized([atoms], (), c.in_shapes, c.out_shape, "elementwise", set(atoms))
             return OpRule(name, sig, float(math.prod(x)))
         d = c.arg(1, "dim") % len(x)
         if len(c.out_shape) == len(x):
@@ -386,7 +386,7 @@ def along_dim_rule(name: str) -> Rule:
                 out[d] = fresh_atoms(1, 400)[0]
         else:
             out = [a for i, a in enumerate(atoms) if i != d]
-        sig = _sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
+        sig = sized([atoms], out, c.in_shapes, c.out_shape, "elementwise",
                      unsplittable={atoms[d], *[a for a in out if a not in atoms]})
         return OpRule(name, sig, float(math.prod(x)))
     return rule
@@ -397,7 +397,7 @@ def unbind_rule(c: OpCall) -> OpRule:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     d = c.arg(1, "dim", 0) % len(x)
-    sig = _sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
+    sig = sized([atoms], [a for i, a in enumerate(atoms) if i != d], c.in_shapes, c.out_shape,
                  "view", {atoms[d]})
     return OpRule("unbind", sig, 0.0)
 
@@ -407,7 +407,7 @@ def random_rule(c: OpCall) -> OpRule:
     from the same generator, as one device would, and keeps the piece it needs."""
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
-    sig = _sized([atoms], atoms, c.in_shapes, c.out_shape, "random", set(atoms))
+    sig = sized([atoms], atoms, c.in_shapes, c.out_shape, "random", set(atoms))
     return OpRule(c.target.rstrip("_"), sig, float(math.prod(x)))
 
 

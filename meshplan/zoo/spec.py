@@ -137,7 +137,9 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 @dataclass(frozen=True, eq=False)
 class Workload:
-    """What meshplan plans: ``loss_fn(model(*example_batch[0]), example_batch[1])`` is the loss.
+    """What meshplan plans: the loss of ``model`` on ``example_batch`` (``(inputs, target)`` or a
+    dict of keyword arguments; ``loss_fn`` None when the model returns its loss, see
+    ``capture/batch.py``).
 
     ``name`` is the canonical spec text for zoo models and ``path.py:fn`` for file models.
     Compared by identity (eq=False): comparing modules by value is neither cheap nor meaningful.
@@ -181,7 +183,9 @@ def build_workload(text: str, *, device: str = "meta", seed: int = 0) -> Workloa
 
     Zoo specs: see :func:`build_zoo_workload`. File models: ``fn()`` is called with ``device`` as the
     default device and the global RNG seeded with ``seed`` inside ``fork_rng``; it must return
-    ``(model, loss_fn, (inputs, target))`` with ``inputs`` a tuple of tensors.
+    ``(model, loss_fn, example_batch)``: ``example_batch`` is ``(inputs, target)`` (inputs a tensor,
+    a tuple of tensors or a dict of keyword arguments) or a dict of keyword arguments, with
+    ``loss_fn`` None for a model returning its own loss.
     Raises TypeError for a non-str ``text``; ValueError for a bad spec, device or seed, a missing
     file or function, or a function returning the wrong structure.
     """

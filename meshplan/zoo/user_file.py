@@ -22,10 +22,12 @@ from torch import Tensor, nn
 
 from meshplan.capture.batch import flatten_batch
 
-Parts = tuple[nn.Module, Callable[..., Tensor] | None, Any]
+Parts = tuple[nn.Module, "Callable[..., Tensor] | None", Any]
 
-_EXPECTED = ("(model: nn.Module, loss_fn: callable, (inputs: tuple of Tensors, target: Tensor)) "
-             "or (model, loss_fn or None, {keyword: Tensor, ...})")
+_EXPECTED = ("(model: nn.Module, loss_fn: callable or None, example_batch) with example_batch "
+             "(inputs, target) - inputs a Tensor, a tuple of Tensors or a dict of keyword "
+             "arguments, target a Tensor or None - or a dict of keyword arguments alone; "
+             "loss_fn None when the model returns its loss")
 
 
 def is_file_spec(text: str, *, zoo_kinds: tuple[str, ...]) -> bool:
@@ -79,17 +81,18 @@ def _check_result(result: object, where: str) -> Parts:
     if not isinstance(model, nn.Module):
         raise fail(f"a model of type {type(model).__name__}, not an nn.Module")
     if loss_fn is not None and not callable(loss_fn):
-        raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable (give "
-                   "None when the model returns its loss)")
+        raise fail(f"a loss_fn of type {type(loss_fn).__name__}, which is not callable")
     try:
-        flatten_batch(batch)
-    except TypeError as e:
-        raise fail(f"an unusable example batch ({e})") from None
-    if isinstance(batch, (tuple, list)):  # (inputs, target): inputs as a tuple, as the zoo's
-        inputs, target = batch
-        inputs = (inputs,) if isinstance(inputs, Tensor) else \
-            tuple(inputs) if isinstance(inputs, (tuple, list)) else inputs
-        return model, loss_fn, (inputs, target)
+        layout, _ = flatten_batch(batch)
+    except TypeError as exc:
+        raise fail(f"an example_batch that does not fit ({exc})") from None
+    if loss_fn is None and layout.has_target:
+        raise fail("a target but no loss_fn (a model returning its loss takes a batch without "
+                   "target, e.g. a dict of keyword arguments)")
+    if isinstance(batch, (tuple, list)) and isinstance(batch[0], list):
+        batch = (tuple(batch[0]), batch[1])  # positional inputs as the tuple they stand for
+    elif isinstance(batch, list):
+        batch = tuple(batch)
     return model, loss_fn, batch
 
 
