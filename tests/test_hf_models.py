@@ -147,8 +147,9 @@ def test_hf_model_trains_like_one_device_sgd(name: str, method: str, shape) -> N
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_hf_model_trains_like_one_device_adamw(name: str) -> None:
-    check_emulated(name, "megatron", (2, 2), ADAMW)
+@pytest.mark.parametrize("method", ["data", "megatron", "zero3", "auto"])
+def test_hf_model_trains_like_one_device_adamw(name: str, method: str) -> None:
+    check_emulated(name, method, (2, 2), ADAMW)
 
 
 def test_hf_loss_count_is_a_planned_collective() -> None:

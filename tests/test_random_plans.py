@@ -26,7 +26,7 @@ MODELS = {
     "vgg": "vgg19:channels=4,fc=16,image=32,classes=10,batch=4",
 }
 SHAPES = [(1, 2), (2, 1), (1, 4), (2, 2)]
-# (model, seeds per mesh shape): 4 shapes x (24 + 14 + 12 + 2) = 208 plans.
+# (model, seeds per mesh shape): 4 shapes x (24 + 14 + 12 + 2) = 208 plans, and 12 of GPT-2.
 SEEDS = {"mlp": 24, "tied-gpt": 14, "moe": 12, "vgg": 2}
 
 
@@ -52,3 +52,21 @@ def test_random_plans_equal_single_device(name: str, shape: tuple[int, int],
         for r in run_emulated(train_rank, shape, plan, w, data, captured):
             assert_matches(r, ref, plan, SGD)
     assert len(seen) >= max(1, SEEDS[name] // 2), "random plans should differ"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+def test_random_plans_of_a_hugging_face_model(shape: tuple[int, int],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # GPT-2 as its authors wrote it (tied head, padding, -100 labels, its own loss).
+    import test_hf_models as hf
+    from meshplan.zoo.spec import Workload
+    w = Workload(hf.build("gpt2"), None, hf.batch("gpt2", 0), "gpt2")
+    data = hf.data("gpt2")[:2]
+    ref = reference(w, SGD, data)
+    captured = shared_capture(w)
+    for seed in range(3):
+        plan = random_plan(w.model, None, SGD, w.example_batch, shape,
+                           7000 + 100 * shape[0] + 10 * shape[1] + seed, monkeypatch,
+                           abstract=seed % 2 == 1)
+        for r in run_emulated(train_rank, shape, plan, w, data, captured):
+            assert_matches(r, ref, plan, SGD)
