@@ -11,6 +11,7 @@ mesh axis, tensor parallelism on one axis, forced update modes) by restricting r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -177,7 +178,7 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
         layouts = [l for l in layouts if not l.split_axes]
     # A parameter is split only into equal pieces (as Megatron pads its vocabulary): the plan's
     # one list of collectives then holds on every rank, whose update buckets carry its pieces.
-    layouts = [l for l in layouts if all(n % _group_size(ax, mesh_shape) == 0
+    layouts = [l for l in layouts if all(n % math.prod(mesh_shape[a] for a in ax) == 0
                                          for n, ax in zip(shape, l.dims))]
     out = []
     for lay in layouts:
@@ -203,13 +204,6 @@ def param_modes(layout: Layout, shape: Sequence[int], axes: Axes, mesh_shape: tu
     if opts.memory_budget is None or not can_shard:
         return ["replicated"]  # without a memory limit, ZeRO only adds latency
     return list(UPDATE_MODES)
-
-
-def _group_size(axes: Axes, mesh_shape: tuple[int, int]) -> int:
-    n = 1
-    for a in axes:
-        n *= mesh_shape[a]
-    return n
 
 
 def _split_of(layout: Layout, dim: int, mesh_shape: tuple[int, int]) -> int:
