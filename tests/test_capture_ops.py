@@ -97,6 +97,29 @@ class Indexing(nn.Module):
         return h + looked + sc + g.sum(-1, keepdim=True) + put[:S].unsqueeze(0)
 
 
+class IndexLayouts(nn.Module):
+    """Advanced indexing as torch orders it: index tensors apart (their dims go first),
+    broadcast against each other, next to slices; and padding (constant, reflect, replicate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).view(B, S, 2, H // 2)
+        rows = ids[0, :2].view(2, 1) % S                                      # (2, 1)
+        heads = torch.arange(2).view(2, 1)                                    # (2, 1)
+        cols = ids[0, :4].view(1, 4) % (H // 2)                               # (1, 4)
+        apart = h[:, rows, :, cols]                                           # (2, 4, B, 2)
+        together = h[:, :, heads, cols]                                       # (B, S, 2, 4)
+        mix = apart.sum((0, 1))[:, None, :, None] + together
+        flat = mix.flatten(2)                                                 # (B, S, 8)
+        p = F.pad(mix, (1, 1))[..., 1:-1].flatten(2)
+        r = F.pad(flat, (1, 1), mode="replicate")[..., 1:-1]
+        q = F.pad(flat.transpose(1, 2), (2, 2), mode="reflect").transpose(1, 2)[:, 2:-2]
+        return (p + r + q).repeat(1, 1, 2)
+
+
 class Constants(nn.Module):
     """new_ones / new_full / arange, a plain tensor attribute, in-place and out= ops."""
 
@@ -170,7 +193,7 @@ class BatchedMatmul(nn.Module):
 
 def _inputs(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     x = torch.randn(B, S, H, generator=g)
-    if isinstance(model, Indexing):
+    if isinstance(model, (Indexing, IndexLayouts)):
         return x, torch.randint(0, 10, (B, S), generator=g)
     if isinstance(model, MaskedAttention):
         keep = torch.ones(B, S, dtype=torch.int64)
@@ -182,7 +205,7 @@ def _inputs(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 CASES: dict[str, Callable[[], nn.Module]] = {
     "pointwise": Pointwise, "kv-cache": KVCache, "multi-output": MultiOutput,
-    "indexing": Indexing, "constants": Constants, "view-writes": ViewWrites, "masked-attention": MaskedAttention,
+    "indexing": Indexing, "index-layouts": IndexLayouts, "constants": Constants, "view-writes": ViewWrites, "masked-attention": MaskedAttention,
     "batched-matmul": BatchedMatmul,
 }
 

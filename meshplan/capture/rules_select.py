@@ -61,28 +61,72 @@ def scatter_rule(c: OpCall) -> OpRule | None:
 
 
 def index_rule(c: OpCall) -> OpRule | None:
-    """``x[..., idx1, idx2, ...]`` with index tensors of one shape at consecutive positions
-    (``aten.index.Tensor``): the indexed dims of x are whole; the index tensors' dims (which
-    replace them in the output) and x's other dims split freely. Other layouts: None."""
+    """``x[..., idx1, :, idx2, ...]`` (``aten.index.Tensor``): the indexed dims of x are whole;
+    the index tensors broadcast to one shape whose dims (split freely, with every index tensor
+    of that extent there) replace them in the output: in place when the indexed dims are
+    consecutive, else first, as torch orders them. x's other dims split freely."""
     indices = c.arg(1, "indices")
     x = c.in_shapes[0]
     where = [i for i, t in enumerate(indices) if t is not None]
-    if not where or where != list(range(where[0], where[0] + len(where))):
-        return None
     idx_shapes = c.in_shapes[1:]
-    if any(s != idx_shapes[0] for s in idx_shapes):
+    if not where or len(idx_shapes) != len(where):
         return None
-    p, k, ishape = where[0], len(where), idx_shapes[0]
-    lead = fresh_atoms(p)
-    tail = fresh_atoms(len(x) - p - k, 100)
-    mid = fresh_atoms(len(ishape), 200)
-    whole = fresh_atoms(k, 300)
-    out = (*lead, *mid, *tail)
+    rank = max(len(s) for s in idx_shapes)
+    padded = [(1,) * (rank - len(s)) + tuple(s) for s in idx_shapes]
+    common = tuple(max(col) for col in zip(*padded))
+    if any(n not in (1, m) for s in padded for n, m in zip(s, common)):
+        return None
+    mid = fresh_atoms(rank, 200)
+    idx_dims = [[mid[rank - len(s) + i] if n == common[rank - len(s) + i] else _pinned(50 + i)
+                 for i, n in enumerate(s)] for s in idx_shapes]
+    free = {i: a for i, a in zip(range(len(x)), fresh_atoms(len(x)))}
+    whole = {i: _pinned(300 + i) for i in where}
+    xdims = [whole.get(i, free[i]) for i in range(len(x))]
+    rest = [free[i] for i in range(len(x)) if i not in whole]
+    if where == list(range(where[0], where[0] + len(where))):
+        out = (*rest[:where[0]], *mid, *rest[where[0]:])
+    else:
+        out = (*mid, *rest)
     if len(out) != len(c.out_shape):
         return None
-    sig = sized([(*lead, *whole, *tail), *[mid] * len(idx_shapes)], out, c.in_shapes,
-                 c.out_shape, "elementwise", set(whole))
+    pinned = set(whole.values()) | {a for d in idx_dims for a in d if a not in mid}
+    sig = sized([xdims, *idx_dims], out, c.in_shapes, c.out_shape, "elementwise", pinned)
     return OpRule("index", sig, float(math.prod(c.out_shape)))
+
+
+def repeat_rule(c: OpCall) -> OpRule | None:
+    """``repeat(x, sizes)``: a dim repeated more than once is whole (its copies are laid end to
+    end), as are the new leading dims; a dim repeated once splits freely."""
+    x, sizes = c.in_shapes[0], list(c.arg(1, "repeats", ()))
+    if len(sizes) < len(x):
+        return None
+    lead = len(sizes) - len(x)
+    atoms = list(fresh_atoms(len(x)))
+    out = [_pinned(i) for i in range(lead)] + list(atoms)
+    for d in range(len(x)):
+        if sizes[lead + d] != 1:
+            atoms[d], out[lead + d] = _pinned(100 + 2 * d), _pinned(101 + 2 * d)
+    sig = sized([atoms], out, c.in_shapes[:1], c.out_shape, "elementwise",
+                 {a for a in (*atoms, *out) if a not in fresh_atoms(len(x))})
+    return OpRule("repeat", sig, float(math.prod(c.out_shape)))
+
+
+def pad_rule(c: OpCall) -> OpRule | None:
+    """``constant_pad_nd`` / ``reflection_pad*`` / ``replication_pad*`` (x, pad): ``pad``
+    gives (before, after) pairs from the last dim backwards; a padded dim is whole (its
+    extent changes and its border reads across it), every other dim splits freely."""
+    x = c.in_shapes[0]
+    pad = list(c.arg(1, "pad", ()))
+    if len(pad) % 2 or len(pad) // 2 > len(x):
+        return None
+    padded = {len(x) - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}
+    atoms = list(fresh_atoms(len(x)))
+    out = list(atoms)
+    for d in padded:
+        atoms[d], out[d] = _pinned(2 * d), _pinned(2 * d + 1)
+    sig = sized([atoms], out, c.in_shapes[:1], c.out_shape, "elementwise",
+                 {a for d in padded for a in (atoms[d], out[d])})
+    return OpRule(c.target, sig, float(math.prod(c.out_shape)))
 
 
 def index_put_rule(c: OpCall) -> OpRule | None:
@@ -201,7 +245,10 @@ SELECT_RULES: dict[str, Rule] = {
     "select": select_rule, "slice_scatter": scatter_into_rule,
     "select_scatter": scatter_into_rule,
     "gather": gather_rule, "index": index_rule, "index_select": index_select_rule,
-    "index_put": index_put_rule,
+    "index_put": index_put_rule, "repeat": repeat_rule,
+    **{n: pad_rule for n in ("constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+                             "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+                             "replication_pad3d")},
     "scatter": scatter_rule, "scatter_add": scatter_rule, "scatter_reduce": scatter_rule,
     "topk": along_whole_dim_rule("topk", 2), "sort": along_whole_dim_rule("sort", 1),
     "argsort": along_whole_dim_rule("argsort", 1),

@@ -454,7 +454,7 @@ RULES: dict[str, Rule] = {
 # Ops that create tensors from nothing (or only from another tensor's shape and dtype): planned
 # as replicated constants of the global shape.
 CONSTANT_OPS = frozenset({"arange", "zeros", "ones", "full", "empty", "scalar_tensor", "tensor",
-                          "empty_strided", "eye", "linspace"})
+                          "empty_strided", "eye", "linspace", "logspace"})
 LIKE_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "new_ones",
                       "new_zeros", "new_full", "new_empty", "new_empty_strided"})
 

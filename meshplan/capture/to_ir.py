@@ -136,7 +136,8 @@ def to_ir(traced: Traced) -> Graph:
                 nodes.append(_constant(node, packet))
             else:
                 _check_random(node, packet)
-                rg = any(grad.get(n, False) for n in names)
+                # A factory's tensor operands are values (eager's linspace has no gradient).
+                rg = packet not in CONSTANT_OPS and any(grad.get(n, False) for n in names)
                 nodes.append(_op_node(node.name, names,
                                       _opcall(node, operands, packet, node.meta["val"]),
                                       _info(node.meta["val"]), rg))

@@ -107,18 +107,21 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 
 def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list) -> GraphModule:
-    """The functionalized trace (in-place and ``out=`` ops in their pure forms), or, where
-    functionalization has no rule (``torch.vmap`` inside a model: Hugging Face's padding mask),
-    the plain one, whose in-place elementwise ops have signatures of their own."""
-    try:
-        with mode:
-            return make_fx(functionalize(step, remove="mutations"),
-                           decomposition_table=_decompositions())(state, batch)
-    except RuntimeError as exc:
-        if "Functionalize" not in str(exc):
-            raise
+    """The model traced as eager runs it, then functionalized (in-place and ``out=`` ops in
+    their pure forms) by retracing that aten graph.
+
+    Two passes, because functionalizing the model directly hides ``requires_grad`` from it, and
+    code that reads it (a custom op's "compute the input's gradient" flag, embedding_bag's
+    variant) would bake in the choice of a model without gradients. Where functionalization has
+    no rule the plain trace is kept: its in-place elementwise ops have signatures of their own."""
     with mode:
-        return make_fx(step, decomposition_table=_decompositions())(state, batch)
+        plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
+        try:
+            return make_fx(functionalize(plain, remove="mutations"))(state, batch)
+        except RuntimeError as exc:
+            if "Functionalize" not in str(exc):
+                raise
+    return plain
 
 
 def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:

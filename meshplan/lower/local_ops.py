@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
+from meshplan.capture.signature_rules import CONSTANT_OPS
 from meshplan.ir.graph import Node
 from meshplan.runtime import collectives
 
@@ -44,6 +45,22 @@ def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple
     new_args = tuple(sub(a) for a in args)
     new_kwargs = {k: sub(v) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def _fx_nodes(args: tuple, kwargs: dict) -> list[fx.Node]:
+    """The fx nodes among ``args`` and ``kwargs``, in the order `_substitute` visits them."""
+    found: list[fx.Node] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+
+    for a in (*args, *kwargs.values()):
+        visit(a)
+    return found
 
 
 def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
@@ -169,6 +186,11 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         return _split_mean(g, packet, node, args)
     if packet == "copy":  # aten.copy has no derivative; its meaning does
         return g.call_function(functional_copy, args[:2])
+    if packet in CONSTANT_OPS:
+        # A factory's tensor operands (linspace's start and end) are values, as eager's
+        # torch.linspace treats them: its aten overload has no derivative for them.
+        args, kwargs = _substitute(args, kwargs, [g.call_function(aten.detach.default, (a,))
+                                                  for a in _fx_nodes(args, kwargs)])
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))
