@@ -1,0 +1,1 @@
+"""inter pass: layers, stages on submeshes, micro-batches (Alpa §5)."""
