@@ -6,14 +6,16 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
+from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan
 from meshplan.planner.intra import baselines
@@ -98,12 +100,13 @@ def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> Infe
         tips.append(f"The state alone exceeds the budget: use about {state / budget:.1f}x more "
                     f"devices than {devices}.")
     elif rest > 0:
-        tips.append(f"A global batch about {rest / max(budget - state, 1.0):.1f}x smaller "
-                    "would fit.")
+        tips.append(f"A micro-batch about {rest / max(budget - state, 1.0):.1f}x smaller "
+                    f"(more micro-batches than {form.ctx.microbatches}, or a smaller global "
+                    "batch) would fit.")
     if method != "auto":
         tips.append("Method 'auto' may find a plan that uses less memory (ZeRO-3, tensor "
                     "parallelism).")
-    tips.append("Pipeline stages and activation recomputation are not implemented yet.")
+    tips.append("Pipeline stages are not implemented yet.")
     return InfeasiblePlanError(budget, need, " ".join(tips))
 
 
@@ -118,6 +121,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          method: str = "auto", force_batch_dim: int | None = None,
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
+         dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "none",
          name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
@@ -132,8 +136,15 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     otherwise it is seconds on the cluster. ``memory_budget_gb`` defaults to the device memory;
     0 means no budget. ``axis_weights`` gives uneven shard weights per mesh axis (HAP-style
     ratios; planned as even). ``share_blocks``: repeated layers share ILP decisions (faster;
-    the optimum of the unshared problem may be slightly lower). Raises ValueError on bad input and InfeasiblePlanError when no
-    plan fits the budget.
+    the optimum of the unshared problem may be slightly lower).
+
+    The training step: ``dtype`` "fp32", "bf16", "fp16" or "auto" (bf16 where the device runs
+    it faster, else fp16 where that is faster, else fp32); ``microbatches`` a count dividing
+    the batch, or "auto" for the fewest that fit the budget (more only add per-micro-batch
+    latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
+    "auto" recomputes only where memory demands it, which on one stage it never does).
+
+    Raises ValueError on bad input and InfeasiblePlanError when no plan fits the budget.
     """
     t0 = time.perf_counter()
     cl = _cluster(cluster)
@@ -148,11 +159,79 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                                          prefer_reduce_scatter=prefer_reduce_scatter),
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
                         share_blocks=share_blocks)
-    _, graph = capture(model, loss_fn, example_batch)
+    step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
+    counts = _microbatch_counts(microbatches, batch_size(example_batch))
+    for k, num in enumerate(counts):
+        try:
+            found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
+                               opts, budget, replace(step, microbatches=num))
+            break
+        except InfeasiblePlanError:
+            if k == len(counts) - 1:
+                raise
+    form, sol, graph, fingerprint, ctx = found
+    search = time.perf_counter() - t0
+    real = replace(ctx, mesh=real_mesh, device=cl.device)
+    result = extract(form, sol.choices, real)
+    weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
+    return Plan(
+        model=name, graph_fingerprint=fingerprint, mesh_shape=tuple(mesh.shape),
+        alpha=tuple(mesh.alpha), beta=tuple(mesh.beta), cluster=cluster_to_dict(cl),
+        method=method, optimizer=opt.to_dict(), ops=result.ops, params=result.params,
+        sources=result.sources, collectives=result.collectives,
+        objective=sol.objective - ctx.tie_break * _ilp_memory(form, sol.choices),
+        objective_units="alpha-beta units" if abstract else "seconds",
+        search_time_s=search,
+        ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,
+             "solve_time_s": sol.solve_time_s},
+        predicted={"step_time_s": result.step_time_s,
+                   "peak_memory_bytes": result.peak_memory_bytes},
+        loss_partial_axes=result.loss_partial_axes, axis_weights=weights,
+        dtype=step.dtype, microbatches=ctx.microbatches, recompute=ctx.recompute,
+        options={k: v for k, v in asdict(opts).items() if k != "memory_budget"}
+        | {"memory_budget_bytes": budget, "unsupported_ops": list(graph.unsupported_ops)})
+
+
+@dataclass(frozen=True)
+class _TrainingStep:
+    dtype: str
+    recompute: bool
+    microbatches: int = 1
+
+
+def _check_recompute(recompute: str) -> bool:
+    if recompute not in ("none", "full", "auto"):
+        raise ValueError(f"recompute must be 'none', 'full' or 'auto', got {recompute!r}")
+    return recompute == "full"  # on one stage, recomputation never lowers peak memory
+
+
+def _microbatch_counts(microbatches: int | str, batch: int) -> list[int]:
+    """The micro-batch counts to try, in order: the given one, or for "auto" every power of two
+    dividing the batch (then the batch itself), fewest first."""
+    if microbatches == "auto":
+        counts = [1 << k for k in range(batch.bit_length()) if batch % (1 << k) == 0]
+        return counts + ([batch] if counts[-1] != batch else [])
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1 \
+            or batch % microbatches:
+        raise ValueError(f"microbatches must be 'auto' or a count dividing the batch of {batch}, "
+                         f"got {microbatches!r}; valid counts: "
+                         f"{[d for d in range(1, batch + 1) if batch % d == 0]}")
+    return [microbatches]
+
+
+def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
+               cl: Cluster, mesh: LogicalMesh, real_mesh: LogicalMesh, method: str,
+               opts: IntraOptions, budget: float | None, step: _TrainingStep) -> tuple:
+    """Capture one micro-batch, cost it at the step's dtype and solve the ILP."""
+    micro = split_microbatches(example_batch, step.microbatches)[0]
+    _, traced_graph = capture(model, loss_fn, micro)
+    graph = with_compute_dtype(traced_graph, step.dtype)
     choices = resolve_choices(graph, tuple(mesh.shape), opts)
+    abstract = mesh is not real_mesh
     # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
     ctx = CostContext(mesh, None if abstract else cl.device, opt.state_bytes_per_param(),
-                      param_reshard=method == "heuristic")
+                      param_reshard=method == "heuristic", microbatches=step.microbatches,
+                      recompute=step.recompute)
     if method == "heuristic":
         choices = baselines.heuristic(choices, ctx)
     elif method == "expert":
@@ -165,22 +244,4 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "
                              f"mesh ({e}); try method 'auto' or another mesh shape") from None
         raise _infeasible(form, budget, cl, method) from None
-    search = time.perf_counter() - t0
-    real = CostContext(real_mesh, cl.device, opt.state_bytes_per_param(), ctx.param_reshard)
-    result = extract(form, sol.choices, real)
-    weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
-    return Plan(
-        model=name, graph_fingerprint=graph.fingerprint(), mesh_shape=tuple(mesh.shape),
-        alpha=tuple(mesh.alpha), beta=tuple(mesh.beta), cluster=cluster_to_dict(cl),
-        method=method, optimizer=opt.to_dict(), ops=result.ops, params=result.params,
-        sources=result.sources, collectives=result.collectives,
-        objective=sol.objective - ctx.tie_break * _ilp_memory(form, sol.choices),
-        objective_units="alpha-beta units" if abstract else "seconds",
-        search_time_s=search,
-        ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,
-             "solve_time_s": sol.solve_time_s},
-        predicted={"step_time_s": result.step_time_s,
-                   "peak_memory_bytes": result.peak_memory_bytes},
-        loss_partial_axes=result.loss_partial_axes, axis_weights=weights,
-        options={k: v for k, v in asdict(opts).items() if k != "memory_budget"}
-        | {"memory_budget_bytes": budget, "unsupported_ops": list(graph.unsupported_ops)})
+    return form, sol, graph, traced_graph.fingerprint(), ctx

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 import meshplan.api as api
-from meshplan.capture.batch import flatten_batch, step_loss
+from meshplan.capture.batch import flatten_batch, split_microbatches, step_loss
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.capture.to_ir import capture
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
+from meshplan.runtime.step_modes import autocast_for
 from meshplan.runtime.trainer import Trainer
 from meshplan.zoo.spec import Workload, build_workload
 
@@ -43,21 +44,27 @@ def batches(w: Workload, n: int, seed: int = 5) -> list[Any]:
     return [((like(x),), like(t)) for _ in range(n)]
 
 
-def reference(w: Workload, opt: OptimizerSpec, data: list[Any]) -> tuple[list[float], dict]:
+def reference(w: Workload, opt: OptimizerSpec, data: list[Any], *, microbatches: int = 1,
+              dtype: str = "fp32") -> tuple[list[float], dict]:
     """Single-device training: the oracle. Step i runs after ``torch.manual_seed(i)``, the seed
-    the Trainer gives step i's dropout."""
+    the Trainer gives step i's dropout; with ``microbatches`` > 1 it accumulates gradients over
+    equal cuts of the batch (loss 1/B each), under autocast at ``dtype``."""
     model = copy.deepcopy(w.model)
     o = make_optimizer(opt, model.parameters())
     losses = []
     for step, batch in enumerate(data):
         torch.manual_seed(step)
-        layout, tensors = flatten_batch(batch)
-        args, kwargs, target = layout.call(list(tensors.values()))
-        loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
-        loss.backward()
+        total = 0.0
+        for piece in split_microbatches(batch, microbatches):
+            layout, tensors = flatten_batch(piece)
+            args, kwargs, target = layout.call(list(tensors.values()))
+            with autocast_for(dtype):
+                loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
         o.step()
         o.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

@@ -136,3 +136,37 @@ def step_loss(loss_fn: Callable | None, out: Any, target: torch.Tensor | None) -
                              "keyword arguments) for a model that returns its loss")
         return model_loss(out)
     return loss_fn(out) if target is None else loss_fn(out, target)
+
+
+def batch_size(batch: Any) -> int:
+    """The size of dim 0 shared by every tensor of ``batch``. Raises ValueError if they differ
+    (every tensor's dim 0 is the batch) and TypeError for a malformed batch."""
+    _, tensors = flatten_batch(batch)
+    sizes = {name: t.shape[0] if t.dim() else None for name, t in tensors.items()}
+    distinct = set(sizes.values())
+    if len(distinct) != 1 or None in distinct:
+        raise ValueError(f"every batch tensor's dim 0 is the batch, but their sizes differ: "
+                         f"{sizes}")
+    return distinct.pop()
+
+
+def split_microbatches(batch: Any, num: int) -> list[Any]:
+    """``batch`` cut along dim 0 into ``num`` equal micro-batches of the same form.
+
+    Raises ValueError if ``num`` does not divide the batch size (naming the valid counts)."""
+    size = batch_size(batch)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1 or size % num:
+        valid = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(f"{num!r} micro-batches do not divide the batch of {size}; valid "
+                         f"counts: {valid}")
+    return [_piece(batch, num, i) for i in range(num)]
+
+
+def _piece(x: Any, num: int, i: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.chunk(num, 0)[i]
+    if isinstance(x, Mapping):
+        return {k: _piece(v, num, i) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_piece(v, num, i) for v in x)
+    return x

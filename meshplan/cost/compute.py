@@ -25,12 +25,19 @@ def op_time(flops: float, nbytes: float, device: DeviceType, dtype: str = "float
     return max(compute, memory)
 
 
+def forward_backward_times(
+    flops: float, nbytes: float, device: DeviceType, dtype: str, is_contraction: bool
+) -> tuple[float, float]:
+    """Forward and backward seconds of one op whose forward does `flops` FLOPs over `nbytes`
+    bytes. Backward is 2× the forward (FLOPs and bytes) for a contraction, 1× otherwise. Raises
+    as op_time."""
+    backward_factor = 2.0 if is_contraction else 1.0
+    forward = op_time(flops, nbytes, device, dtype)
+    return forward, op_time(backward_factor * flops, backward_factor * nbytes, device, dtype)
+
+
 def train_op_time(
     flops: float, nbytes: float, device: DeviceType, dtype: str, is_contraction: bool
 ) -> float:
-    """Forward plus backward seconds of one op whose forward does `flops` FLOPs over `nbytes` bytes.
-
-    Backward is 2× the forward (FLOPs and bytes) for a contraction, 1× otherwise. Raises as op_time."""
-    backward_factor = 2.0 if is_contraction else 1.0
-    forward = op_time(flops, nbytes, device, dtype)
-    return forward + op_time(backward_factor * flops, backward_factor * nbytes, device, dtype)
+    """Forward plus backward seconds of one op (`forward_backward_times`). Raises as op_time."""
+    return sum(forward_backward_times(flops, nbytes, device, dtype, is_contraction))

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 had no training-step fields: they take their defaults
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class Plan:
     predicted: dict[str, float]
     loss_partial_axes: tuple[int, ...] = ()
     axis_weights: tuple[tuple[float, ...], ...] = ()
+    # The training step: compute dtype ("fp32", "bf16", "fp16"), the global batch cut into
+    # ``microbatches`` with gradients accumulated, the forward recomputed during backward.
+    dtype: str = "fp32"
+    microbatches: int = 1
+    recompute: bool = False
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -129,9 +135,9 @@ def _tuples(x: Any) -> Any:
 
 def plan_from_json(d: dict[str, Any]) -> Plan:
     """Rebuild a plan from its JSON document. Raises ValueError on another version or a bad file."""
-    if d.get("version") != PLAN_VERSION:
+    if d.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"plan version {d.get('version')!r} is not supported; this meshplan "
-                         f"reads version {PLAN_VERSION}")
+                         f"reads versions {list(READABLE_VERSIONS)}")
     try:
         params = tuple(ParamDecision(name=k, **{f: _tuples(v) for f, v in p.items()})
                        for k, p in d["params"].items())
@@ -142,6 +148,7 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
         rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
                 else v for k, v in d.items()
                 if k not in ("params", "ops", "sources", "collectives")}
+        rest["version"] = PLAN_VERSION
         return Plan(ops=ops, params=params, sources=sources, collectives=colls, **rest)
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a meshplan plan document: {e}") from e

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-PHASES: tuple[str, ...] = ("forward", "backward", "update")
+PHASES: tuple[str, ...] = ("forward", "backward", "update", "recompute")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,9 @@ class Comm(ABC):
             raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
         self.rank = int(rank)
         self.records: list[CollectiveRecord] = []
+        # Set while the forward is recomputed during backward: its collectives are recorded
+        # as phase "recompute" (the plan counts them apart).
+        self.recomputing = False
 
     def group_ranks(self, axes: Sequence[int]) -> tuple[int, ...]:
         """Global ranks of my group over ``axes``, in member order."""
@@ -264,6 +267,8 @@ class Comm(ABC):
         return [int(s) for s in sizes]
 
     def _record(self, kind: str, nbytes: int, axes: tuple[int, ...], phase: str) -> None:
+        if self.recomputing and phase == "forward":
+            phase = "recompute"
         self.records.append(CollectiveRecord(kind, nbytes, axes, phase))
 
 

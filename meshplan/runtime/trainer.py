@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from meshplan.capture.batch import check_static, flatten_batch
+from meshplan.capture.batch import check_static, flatten_batch, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -27,6 +27,7 @@ from meshplan.runtime.comm import Comm
 from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads,
                                         reduce_scatter_grads)
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
+from meshplan.runtime.step_modes import autocast_for, recomputed
 
 
 class _Param:
@@ -64,7 +65,9 @@ class Trainer:
         if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
             raise ValueError(f"the plan is for a {plan.mesh_shape} mesh, the communicator has "
                              f"{comm.mesh_shape}")
-        traced, graph = captured or capture(model, loss_fn, example_batch)
+        # The program is one micro-batch's: the plan was made on that size.
+        micro = split_microbatches(example_batch, plan.microbatches)[0]
+        traced, graph = captured or capture(model, loss_fn, micro)
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
@@ -109,7 +112,7 @@ class Trainer:
         args = []
         for n in self.graph.nodes:
             if n.role == "param":
-                args.append(self._compute_tensor(self._by_node[n.name]))
+                args.append(self._by_node[n.name].compute)
             elif n.role == "buffer":
                 args.append(self.buffers[n.name])
             elif n.role in ("input", "target"):
@@ -128,7 +131,9 @@ class Trainer:
         """One training step on the global ``batch``; returns the global loss.
 
         ``batch`` has the example batch's form: ``(inputs, target)`` or a dict of keyword
-        arguments, every tensor split along dim 0 as planned.
+        arguments, every tensor split along dim 0 as planned. It runs as the plan's
+        micro-batches (equal cuts along dim 0, gradients accumulated, one update), each loss
+        weighted 1/B as the mean over the whole batch would (the usual gradient accumulation).
 
         Dropout masks come from a generator seeded with ``seed`` (default: the step number),
         the same on every rank: the step equals single-device training run after
@@ -136,14 +141,31 @@ class Trainer:
         """
         rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
         self._steps += 1
-        loss = self.program.graph_module(self.comm, rng,
-                                         *self._program_args(self.local_batch(batch)))
-        loss.backward()
+        micro = split_microbatches(batch, self.plan.microbatches)
+        for p in self.params:  # ZeRO-3 parameters: gathered once, kept for every micro-batch
+            if p.mode == "zero3":
+                self._compute_tensor(p)
+        total = None
+        for piece in micro:
+            loss = self._run(self._program_args(self.local_batch(piece)), rng)
+            (loss / len(micro)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         self._synchronize()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
-        return self._report(loss.detach())
+        return self._report(total / len(micro))
+
+    def _run(self, args: list[torch.Tensor], rng: torch.Generator) -> torch.Tensor:
+        """The local program on one micro-batch, at the plan's dtype, recomputed in backward
+        when the plan says so."""
+        def program(*a: torch.Tensor) -> torch.Tensor:
+            return self.program.graph_module(self.comm, rng, *a)
+
+        with autocast_for(self.plan.dtype, args[0].device.type if args else "cpu"):
+            if not self.plan.recompute:
+                return program(*args)
+            return recomputed(program, args, rng, self.comm)
 
     def _groups(self) -> list[tuple[tuple[str, tuple[int, ...]], list[_Param]]]:
         groups: dict[tuple[str, tuple[int, ...]], list[_Param]] = defaultdict(list)

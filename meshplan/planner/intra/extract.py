@@ -63,8 +63,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
         choice = nc.choices[node.name][idx[node.name]]
         memory += costs.memory(node, choice)
         compute += real_costs.compute_cost(node, choice)
-        for entry in costs.stat_sync(node, choice):
-            counts[entry] += 1
+        for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
+            for label, n in form.ctx.phase_counts(phase):
+                counts[(kind, nbytes, axes, label)] += n
         comm[node.name] += costs.stat_sync_cost(node, choice)
         for j, name in enumerate(node.inputs):
             charges = use_charges(costs, node, j, idx[name], idx[node.name])
@@ -106,9 +107,11 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
     reduce or by the consumer they bring the value to."""
     for step in recipe.steps:
         for kind, phase in step.collectives(needs_grad):
-            counts[(kind, step.nbytes, step.axes, phase)] += 1
+            for label, n in ctx.phase_counts(phase):
+                counts[(kind, step.nbytes, step.axes, label)] += n
         owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
-        owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh)
+        owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh,
+                                                                 ctx.weights)
 
 
 def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],
@@ -125,14 +128,14 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
         spec = choice.strategy.output
         nbytes = local_bytes(n, spec, shape)
         for extra in backward:  # uses synchronized apart from the update (`param_sync`)
-            counts[("all_reduce", nbytes, extra, "backward")] += 1
+            counts[("all_reduce", nbytes, extra, "backward")] += form.ctx.microbatches
         if axes and mode == "replicated":
             buckets[("all_reduce", axes, "update", mode)] += nbytes
         elif axes:
             buckets[("reduce_scatter", axes, "update", mode)] += nbytes
             if mode == "zero2":
                 buckets[("all_gather", axes, "update", mode)] += nbytes
-            else:
+            else:  # gathered once per step, before the first micro-batch
                 counts[("all_gather", nbytes, axes, "forward")] += 1
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))

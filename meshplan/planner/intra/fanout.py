@@ -53,7 +53,7 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
     out: list[Charge] = []
     if recipe.steps:
         out.append((("v", u.name), ("move", u.name, recipe),
-                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh)))
+                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh, costs.ctx.weights)))
     if recipe.sync_axes:
         choice = costs.nc.choices[param][p]
         lay = choice.strategy.output

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.cost.collectives import collective_cost
-from meshplan.cost.compute import train_op_time
+from meshplan.cost.compute import forward_backward_times
 from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh
@@ -25,12 +25,33 @@ from meshplan.planner.intra.reshard import Recipe, Step, reshard
 
 @dataclass(frozen=True)
 class CostContext:
-    """The mesh costs are measured on; ``device`` None leaves compute out (abstract units)."""
+    """The mesh costs are measured on; ``device`` None leaves compute out (abstract units).
+
+    A step runs the program once per micro-batch (``microbatches``; the graph is traced at the
+    micro-batch's size), with its forward run again during backward under ``recompute``; the
+    update-phase synchronization runs once per step."""
 
     mesh: LogicalMesh
     device: DeviceType | None
     optimizer_bytes_per_param: float = 8.0
     param_reshard: bool = False  # may a parameter be resharded before a use (GSPMD-style)?
+    microbatches: int = 1
+    recompute: bool = False
+
+    def phase_counts(self, phase: str) -> tuple[tuple[str, int], ...]:
+        """How often per step a collective the program issues in ``phase`` runs, by the phase
+        it is recorded in: forward ones again as "recompute" under recomputation."""
+        if phase == "update":
+            return (("update", 1),)
+        if phase == "forward" and self.recompute:
+            return (("forward", self.microbatches), ("recompute", self.microbatches))
+        return ((phase, self.microbatches),)
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """Per-step multiples of the program's (forward, backward) collectives."""
+        return (float(sum(n for _, n in self.phase_counts("forward"))),
+                float(self.microbatches))
 
     @property
     def tie_break(self) -> float:
@@ -58,15 +79,18 @@ def dp_axes(layout: Layout, mesh_shape: tuple[int, ...]) -> Axes:
     return tuple(a for a in active_axes(mesh_shape) if a not in layout.split_axes)
 
 
-def step_cost(step: Step, needs_grad: bool, mesh: LogicalMesh) -> float:
-    """Forward and (if a gradient flows) backward collectives of one resharding step."""
+def step_cost(step: Step, needs_grad: bool, mesh: LogicalMesh,
+              weights: tuple[float, float] = (1.0, 1.0)) -> float:
+    """Forward and (if a gradient flows) backward collectives of one resharding step, each
+    phase counted ``weights`` = (forward, backward) times."""
     return sum(collective_cost(kind, mesh, step.axes, step.nbytes)
-               for kind, _ in step.collectives(needs_grad))
+               * weights[phase == "backward"] for kind, phase in step.collectives(needs_grad))
 
 
 @lru_cache(maxsize=None)
-def recipe_cost(recipe: Recipe, needs_grad: bool, mesh: LogicalMesh) -> float:
-    return sum(step_cost(s, needs_grad, mesh) for s in recipe.steps)
+def recipe_cost(recipe: Recipe, needs_grad: bool, mesh: LogicalMesh,
+                weights: tuple[float, float] = (1.0, 1.0)) -> float:
+    return sum(step_cost(s, needs_grad, mesh, weights) for s in recipe.steps)
 
 
 @lru_cache(maxsize=None)
@@ -123,8 +147,9 @@ class OpCosts:
         return tuple(out)
 
     def stat_sync_cost(self, node: Node, choice: Choice) -> float:
-        return sum(collective_cost(k, self.ctx.mesh, a, b)
-                   for k, b, a, _ in self.stat_sync(node, choice))
+        w = self.ctx.weights
+        return sum(collective_cost(k, self.ctx.mesh, a, b) * w[phase == "backward"]
+                   for k, b, a, phase in self.stat_sync(node, choice))
 
     def compute_cost(self, node: Node, choice: Choice) -> float:
         if self.ctx.device is None or node.is_source or node.flops == 0:
@@ -132,9 +157,11 @@ class OpCosts:
         f = 1
         for a in choice.strategy.work_axes:
             f *= self.shape[a]
-        return train_op_time(node.flops / f, node.nbytes / f, self.ctx.device, node.out.dtype
-                             if node.out.dtype in ("float16", "bfloat16") else "float32",
-                             node.sig is not None and node.sig.kind == "contraction")
+        forward, backward = forward_backward_times(
+            node.flops / f, node.nbytes / f, self.ctx.device,
+            node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32",
+            node.sig is not None and node.sig.kind == "contraction")
+        return self.ctx.microbatches * (forward * (1 + self.ctx.recompute) + backward)
 
     def memory(self, node: Node, choice: Choice) -> float:
         lay = choice.strategy.output

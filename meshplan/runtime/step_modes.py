@@ -1,0 +1,50 @@
+"""How one micro-batch's program runs: at the plan's dtype, and recomputed during backward.
+
+Mixed precision is ``torch.autocast`` around the local program (fp32 master parameters and
+gradients; matmuls at the half type). Recomputation is non-reentrant
+``torch.utils.checkpoint``: only the program's inputs are kept and its forward runs again inside
+backward. The replay must draw the same dropout masks (the step's generator is rewound to where
+the forward started) and its collectives are recorded as phase "recompute".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from meshplan.runtime.comm import Comm
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_for(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    """``torch.autocast`` at ``dtype`` ("bf16", "fp16"), or nothing for "fp32"."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown training dtype {dtype!r}; valid: fp32, bf16, fp16")
+    return torch.autocast(device_type, dtype=_TORCH_DTYPES[dtype])
+
+
+def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor],
+               rng: torch.Generator, comm: Comm) -> torch.Tensor:
+    """``program(*args)`` keeping only ``args`` for backward, which reruns the forward."""
+    def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+        return contextlib.nullcontext(), _replay(rng, rng.get_state(), comm)
+
+    return checkpoint(program, *args, use_reentrant=False, context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _replay(rng: torch.Generator, start: torch.Tensor, comm: Comm) -> Iterator[None]:
+    now = rng.get_state()
+    rng.set_state(start)
+    comm.recomputing = True
+    try:
+        yield
+    finally:
+        comm.recomputing = False
+        rng.set_state(now)

@@ -1,0 +1,133 @@
+"""The training step of a single-stage plan: micro-batches with gradient accumulation, mixed
+precision (autocast) and recomputation, each equal to single-device training."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+import meshplan.api as api
+
+from meshplan.runtime.emulated import run_emulated
+from meshplan.zoo.spec import Workload, build_workload
+from meshplan.runtime.optim import OptimizerSpec
+from oracle import GPT, MLP, SGD, assert_matches, batches, reference, train_rank
+
+WRN = "wresnet:layers=26,channels=4,width=1,image=8,classes=4,batch=8"
+GPT8 = GPT.replace("batch=4", "batch=8")
+SLOW_SGD = OptimizerSpec("sgd", lr=0.01)
+
+
+def _opt(spec: str) -> OptimizerSpec:
+    return SLOW_SGD if spec == WRN else SGD
+
+
+def _workload(spec: str) -> tuple[Workload, list]:
+    """The workload and 3 batches; the Wide-ResNet in float64 (as in test_equivalence_zoo):
+    batch norm over a few samples turns fp32 rounding into 1e-3 differences after one step."""
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    if spec != WRN:
+        return w, data
+    (x,), t = w.example_batch
+    return (Workload(copy.deepcopy(w.model).double(), w.loss_fn, ((x.double(),), t), w.name),
+            [((x.double(),), t) for (x,), t in data])
+
+
+def _train(spec: str, shape: tuple[int, int], method: str, **step) -> tuple:
+    w, data = _workload(spec)
+    plan = api.plan(w.model, w.loss_fn, _opt(spec), w.example_batch, f"local:{math.prod(shape)}",
+                    mesh_shape=shape, method=method, memory_budget_gb=0,
+                    **({"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if method == "auto" else {}),
+                    **step)
+    return plan, w, data, run_emulated(train_rank, shape, plan, w, data)
+
+
+CASES = [(spec, shape, method, mb) for spec in (MLP, GPT8) for shape, method in
+         (((1, 2), "data"), ((1, 4), "megatron"), ((2, 2), "auto")) for mb in (2, 4)]
+
+
+@pytest.mark.parametrize("spec,shape,method,mb", CASES)
+def test_microbatches_equal_one_full_batch_step(spec: str, shape, method: str, mb: int) -> None:
+    # A mean loss over equal micro-batches, accumulated at 1/B each, is the full-batch mean:
+    # the oracle trains the whole batch at once.
+    plan, w, data, results = _train(spec, shape, method, microbatches=mb)
+    assert plan.microbatches == mb
+    ref = reference(w, SGD, data)
+    for r in results:
+        assert_matches(r, ref, plan, SGD)
+
+
+@pytest.mark.parametrize("shape,method", [((1, 2), "data"), ((2, 2), "auto")])
+def test_batch_norm_micro_batches_equal_accumulation_on_one_device(shape, method: str) -> None:
+    # Batch norm normalizes each micro-batch by its own statistics, on one device as here:
+    # the oracle is one device accumulating the same micro-batches.
+    plan, w, data, results = _train(WRN, shape, method, microbatches=2)
+    ref = reference(w, SLOW_SGD, data, microbatches=2)
+    for r in results:
+        assert_matches(r, ref, plan, SLOW_SGD)
+
+
+@pytest.mark.parametrize("spec", [MLP, GPT8, WRN])
+@pytest.mark.parametrize("shape,method", [((1, 2), "megatron"), ((2, 2), "auto")])
+def test_recomputation_equals_single_device(spec: str, shape, method: str) -> None:
+    plan, w, data, results = _train(spec, shape, method, microbatches=2, recompute="full")
+    assert plan.recompute
+    forward = {(c.kind, c.bytes, c.mesh_axes): c.count for c in plan.collectives
+               if c.phase == "forward"}
+    again = {(c.kind, c.bytes, c.mesh_axes): c.count for c in plan.collectives
+             if c.phase == "recompute"}
+    # Every collective of the program's forward runs again; ZeRO-3 gathers (once per step,
+    # before the program) do not.
+    zero3 = sum(p.update == "zero3" and bool(p.sync_axes) for p in plan.params)
+    assert all(n <= forward.get(k, 0) for k, n in again.items())
+    assert sum(again.values()) == sum(forward.values()) - zero3
+    ref = reference(w, _opt(spec), data, microbatches=2)
+    for r in results:
+        assert_matches(r, ref, plan, _opt(spec))
+
+
+# Unit roundoff of the half types: 8 and 11 significant bits.
+ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+HALF_CASES = [(dtype, spec, shape, method) for dtype in ("bf16", "fp16") for spec in (MLP, GPT8)
+              for shape, method in (((1, 2), "data"), ((1, 4), "megatron"), ((2, 2), "auto"))]
+
+
+@pytest.mark.parametrize("dtype,spec,shape,method", HALF_CASES)
+def test_mixed_precision_equals_single_device_autocast(dtype: str, spec: str, shape,
+                                                       method: str) -> None:
+    """Against one device under the same autocast. Both round every matmul to the half type,
+    but at different points (eager fuses the bias into its half-precision addmm, the plan adds
+    it apart; a split contraction rounds each partial sum before reducing), so they differ by a
+    few roundoffs u per value: losses within 4u, parameters within 32u of the update's norm
+    (fp32 training itself is 2.5e-2 of the update away from bf16 autocast on the MLP)."""
+    plan, w, data, results = _train(spec, shape, method, microbatches=2, dtype=dtype)
+    assert plan.dtype == dtype
+    losses, params = reference(w, SGD, data, microbatches=2, dtype=dtype)
+    init = dict(w.model.named_parameters())
+    u = ROUNDOFF[dtype]
+
+    def norm(d: dict) -> float:
+        return sum(v.double().pow(2).sum() for v in d.values()).sqrt().item()
+
+    update = norm({k: params[k] - init[k].detach() for k in params})
+    for got, got_params, _ in results:
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, losses)) <= 4 * u, (got, losses)
+        assert norm({k: got_params[k] - params[k] for k in params}) <= 32 * u * update
+
+
+def test_half_types_halve_activation_bytes_and_use_the_half_peak() -> None:
+    import meshplan.api as api
+    w = build_workload("gpt:hidden=2048,layers=2,heads=16,seq=512,vocab=1024,batch=8",
+                       device="meta")
+    plans = {dt: api.plan(w.model, w.loss_fn, SGD, w.example_batch, "dgx-a100:1",
+                          mesh_shape=(1, 8), method="megatron", memory_budget_gb=0, dtype=dt)
+             for dt in ("fp32", "bf16")}
+    assert plans["bf16"].dtype == "bf16"
+    acts = {dt: sorted(c.bytes for c in p.collectives if c.phase == "forward")
+            for dt, p in plans.items()}
+    assert acts["bf16"] == [b // 2 for b in acts["fp32"]]
+    compute = {dt: sum(o.compute for o in p.ops if o.op == "mm") for dt, p in plans.items()}
+    assert compute["bf16"] < compute["fp32"] / 8   # 312 vs 19.5 TFLOP/s peaks on an A100
