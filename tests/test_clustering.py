@@ -15,6 +15,7 @@ from meshplan.ir.graph import Graph, Node, TensorInfo
 from meshplan.planner.inter.clustering import (
     DEFAULT_DELTA, MIN_RELAXED_DELTA, Layering, cluster_layers, default_num_layers,
 )
+from meshplan.planner.inter.layer_signature import layer_signature
 from meshplan.zoo.spec import build_workload
 
 GPT = "gpt:hidden=64,layers={layers},heads=4,seq=16,vocab=128,batch=8"
@@ -242,6 +243,17 @@ def test_sources_join_their_first_consumer(name: str, request: pytest.FixtureReq
     (wte,) = (p for p in graph.params() if p.state_name == "wte.weight")  # tied with the head
     assert lay.layer_index(wte.name) == 0
     assert max(lay.layer_index(u) for u in graph.users[wte.name]) == lay.num_layers - 1
+
+
+@pytest.mark.parametrize("name", ["gpt8", "gpt96"])
+def test_middle_layers_share_a_signature(name: str, request: pytest.FixtureRequest) -> None:
+    graph: Graph = request.getfixturevalue(name)
+    lay = cluster_layers(graph, _num_blocks(graph))
+    sigs = [layer_signature(graph, lay, j) for j in range(lay.num_layers)]
+    assert len(set(sigs[1:-1])) == 1
+    assert sigs[0] != sigs[1] and sigs[-1] != sigs[1]
+    with pytest.raises(ValueError, match=f"index={lay.num_layers}"):
+        layer_signature(graph, lay, lay.num_layers)
 
 
 def test_default_num_layers(gpt8: Graph, gpt96: Graph) -> None:
