@@ -1,0 +1,283 @@
+"""Operator clustering (Alpa §5, eq. 6): group the forward's ops into L contiguous layers.
+
+The op nodes o_1..o_K (role ``"op"``, graph order, which is topological) are cut into L
+contiguous layers. With ``C(i, k)`` the bytes that o_i..o_k receive from o_1..o_{i-1}, and
+``FLOP(i, k)`` their forward FLOPs,
+
+    G(k, r) = min_{i ≤ k} max(G(i-1, r-1), C(i, k))   s.t. FLOP(i, k) ≤ (1 + δ) · FLOP_total / L
+    G(0, 0) = 0,   objective G(K, L).
+
+Among the splits that reach ``G(K, L)``, the one with the smallest variance of per-layer FLOPs
+is kept. The mean FLOPs per layer is fixed (FLOP_total / L), so that is the smallest sum of
+squares, found by a second, additive DP restricted to layers with ``C(i, k) ≤ G(K, L)``:
+
+    H(k, r) = min_{i ≤ k, C(i, k) ≤ G(K, L)} H(i-1, r-1) + FLOP(i, k)²
+
+(Carrying the pair (max, Σ²) through one DP would not be exact: a prefix with a larger max but
+smaller Σ² can win once a later layer's C dominates the max.)
+
+``C(i, k)`` counts each op output produced before o_i and read by some op of o_i..o_k once.
+Sources are never communication: parameters, buffers and constants live on their stage, batch
+inputs and the target are fed to any stage by data loading. Each source belongs to the layer
+of its first consuming op (a tied embedding read by the first and last layers belongs to the
+first; unused sources to layer 0).
+
+Speed. FLOPs are nonnegative, so the allowed ``i`` for each ``k`` form a window
+``[lo(k), k]``; for a value produced at ``p`` whose last reader up to ``k`` is ``q``, it counts
+in C(i, k) exactly for ``p < i ≤ q``, so adding o_k adds its size to C(·, k) on
+``(q_before, k]``. Both DPs sweep ``k`` once with numpy over (layers × window): the work is
+about K² (1 + δ) cells whatever L is.
+
+δ: `DEFAULT_DELTA` = 0.5, the default of Alpa's own implementation. A smaller δ forces cuts
+away from the cheap points of a transformer: GPT-3 39B's LM head adds about half a block's
+FLOPs to the last layer at L = number of blocks. When no split satisfies the bound, δ is doubled
+(from at least `MIN_RELAXED_DELTA`) until one does; `Layering.delta` is the δ used. If
+FLOP_total is 0, each op weighs 1, so layers are balanced by op count.
+
+Choosing L (`default_num_layers`): Alpa picks "a small L from the number of devices and the
+number of heavy ops". Here the target is ``min(2 · devices, heavy ops // 3)``: two layers per
+device leave the stage DP room to balance, and Alpa keeps at least 3 heavy ops (matmul, conv,
+attention) per layer. When the program repeats a unit n times (a GPT's n blocks), L snaps to
+the largest divisor of n not above the target (n itself when the target is larger), so each
+layer holds whole, equal units — unless that divisor is under half the target (n prime and
+above the target), when the target stands.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from meshplan.ir.graph import Graph
+
+DEFAULT_DELTA = 0.5
+MIN_RELAXED_DELTA = 0.125
+HEAVY_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
+MIN_HEAVY_PER_LAYER = 3
+LAYERS_PER_DEVICE = 2
+# Slack on the FLOP bound so rounding in prefix sums never excludes a split that meets it.
+_REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Layering:
+    """Ops (and their sources) grouped into contiguous layers.
+
+    ``layers[j]`` holds layer j's node names in graph order: its sources, then its ops.
+    ``flops[j]`` is its forward FLOPs, ``inbound_bytes[j]`` the bytes of op outputs it reads from
+    earlier layers (C of eq. 6). ``delta`` is the δ used (at least ``requested_delta``, larger
+    when that was infeasible); ``objective`` is ``max(inbound_bytes)``.
+    """
+
+    layers: tuple[tuple[str, ...], ...]
+    flops: tuple[float, ...]
+    inbound_bytes: tuple[int, ...]
+    delta: float
+    requested_delta: float
+    objective: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def layer_of(self) -> Mapping[str, int]:
+        """Node name -> layer index, for every node of the graph."""
+        return {name: j for j, names in enumerate(self.layers) for name in names}
+
+    def layer_index(self, name: str) -> int:
+        """The layer of node ``name``; KeyError if the graph has no such node."""
+        return self.layer_of[name]
+
+
+@dataclass(frozen=True)
+class _Ops:
+    """The op nodes as arrays: ``weight`` per op, ``reads[k]`` = ((producer index, bytes), ...)
+    over the distinct op outputs that op k reads."""
+
+    names: tuple[str, ...]
+    weight: np.ndarray
+    reads: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def _op_table(graph: Graph) -> _Ops:
+    ops = [n for n in graph.nodes if n.role == "op"]
+    index = {n.name: k for k, n in enumerate(ops)}
+    reads = tuple(tuple((index[x], graph.by_name[x].out.nbytes)
+                        for x in dict.fromkeys(n.inputs) if x in index) for n in ops)
+    weight = np.array([float(n.flops) for n in ops], dtype=np.float64)
+    if weight.sum() <= 0:
+        weight = np.ones(len(ops), dtype=np.float64)
+    return _Ops(tuple(n.name for n in ops), weight / weight.sum(), reads)
+
+
+def _window_starts(prefix: np.ndarray, limit: float) -> np.ndarray:
+    """``starts[k]``: the first op a layer ending at op k may start at under the FLOP limit
+    (``prefix[k]`` is the weight of ops 0..k-1); ``starts[k] > k`` if op k alone exceeds it."""
+    return np.searchsorted(prefix, prefix[1:] - limit, side="left")
+
+
+def _num_parts_needed(starts: np.ndarray) -> int | None:
+    """Fewest layers meeting the limit (greedy from the end is optimal); None if an op alone
+    exceeds it."""
+    if np.any(starts > np.arange(len(starts))):
+        return None
+    k, parts = len(starts) - 1, 0
+    while k >= 0:
+        k, parts = int(starts[k]) - 1, parts + 1
+    return parts
+
+
+def _resolve_delta(prefix: np.ndarray, num_layers: int, delta: float) -> tuple[float, np.ndarray]:
+    """(δ used, window starts): δ doubled until L layers fit. Terminates: at δ ≥ L - 1 one
+    layer may hold everything."""
+    while True:
+        starts = _window_starts(prefix, (1.0 + delta) / num_layers + _REL_TOL)
+        parts = _num_parts_needed(starts)
+        if parts is not None and parts <= num_layers:
+            return delta, starts
+        delta = max(2.0 * delta, MIN_RELAXED_DELTA)
+
+
+def _inbound_windows(ops: _Ops, starts: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Yield (k, lo, C(lo..k, k)) for k = 0..K-1 (0-based, both ends inclusive).
+
+    The yielded array is a view that the next step updates: use it before advancing.
+    """
+    inbound = np.zeros(len(ops.names), dtype=np.float64)
+    last_reader: dict[int, int] = {}
+    for k, reads in enumerate(ops.reads):
+        for producer, nbytes in reads:
+            inbound[last_reader.get(producer, producer) + 1:k + 1] += nbytes
+            last_reader[producer] = k
+        yield k, int(starts[k]), inbound[starts[k]:k + 1]
+
+
+def _row_range(k: int, num_ops: int, num_layers: int) -> tuple[int, int]:
+    """Layer counts r (inclusive range) for which ops 0..k can form exactly r nonempty layers
+    and the remaining ops still fill the other L - r."""
+    return max(1, num_layers - (num_ops - 1 - k)), min(num_layers, k + 1)
+
+
+def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int) -> float:
+    """G(K, L): the smallest possible largest inbound bytes of a layer."""
+    num_ops = len(ops.names)
+    best = np.full((num_layers + 1, num_ops + 1), np.inf)
+    best[0, 0] = 0.0
+    for k, lo, inbound in _inbound_windows(ops, starts):
+        r0, r1 = _row_range(k, num_ops, num_layers)
+        prev = best[r0 - 1:r1, lo:k + 1]  # G(i-1, r-1) for prefix lengths i = lo..k
+        best[r0:r1 + 1, k + 1] = np.maximum(prev, inbound).min(axis=1)
+    return float(best[num_layers, num_ops])
+
+
+def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
+                        num_layers: int, max_inbound: float) -> list[int]:
+    """Start index of each layer for the split of least Σ FLOP² with every C ≤ max_inbound."""
+    num_ops = len(ops.names)
+    cost = np.full((num_layers + 1, num_ops + 1), np.inf)
+    cost[0, 0] = 0.0
+    choice = np.zeros((num_layers + 1, num_ops + 1), dtype=np.int32)
+    for k, lo, inbound in _inbound_windows(ops, starts):
+        r0, r1 = _row_range(k, num_ops, num_layers)
+        square = (prefix[k + 1] - prefix[lo:k + 1]) ** 2
+        square[inbound > max_inbound] = np.inf
+        total = cost[r0 - 1:r1, lo:k + 1] + square
+        pick = total.argmin(axis=1)
+        cost[r0:r1 + 1, k + 1] = total[np.arange(len(pick)), pick]
+        choice[r0:r1 + 1, k + 1] = lo + pick
+    cuts, end = [], num_ops
+    for r in range(num_layers, 0, -1):
+        end = int(choice[r, end])
+        cuts.append(end)
+    assert end == 0 and np.isfinite(cost[num_layers, num_ops])
+    return cuts[::-1]
+
+
+def _check_args(num_ops: int, num_layers: int, delta: float) -> None:
+    if num_ops == 0:
+        raise ValueError("graph has no op nodes to cluster")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) \
+            or not 1 <= num_layers <= num_ops:
+        raise ValueError(f"num_layers={num_layers!r}: must be an int in [1, {num_ops}] "
+                         f"(the number of op nodes)")
+    if not np.isfinite(delta) or delta < 0:
+        raise ValueError(f"delta={delta!r}: must be a finite float >= 0")
+
+
+def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA) -> Layering:
+    """Cluster ``graph``'s ops into ``num_layers`` contiguous layers by eq. 6 (module docstring).
+
+    ``delta`` is the FLOP imbalance tolerated per layer, relaxed (doubled) when infeasible.
+    Raises ValueError if ``num_layers`` is not in [1, number of op nodes] or ``delta`` < 0.
+    """
+    ops = _op_table(graph)
+    _check_args(len(ops.names), num_layers, delta)
+    prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
+    used, starts = _resolve_delta(prefix, num_layers, float(delta))
+    max_inbound = _min_max_inbound(ops, starts, num_layers)
+    cuts = _least_square_split(ops, starts, prefix, num_layers, max_inbound)
+    layering = _assemble(graph, ops, cuts, used, float(delta))
+    assert layering.objective == max_inbound, (layering.objective, max_inbound)
+    return layering
+
+
+def _assemble(graph: Graph, ops: _Ops, cuts: list[int], delta: float, requested: float
+              ) -> Layering:
+    bounds = [*cuts, len(ops.names)]
+    layer_of = {name: j for j in range(len(cuts)) for name in ops.names[bounds[j]:bounds[j + 1]]}
+    for name in ops.names:  # sources join their first consumer's layer
+        for x in graph.by_name[name].inputs:
+            layer_of.setdefault(x, layer_of[name])
+    members: list[list[str]] = [[] for _ in cuts]
+    for n in graph.nodes:
+        members[layer_of.get(n.name, 0)].append(n.name)
+    inbound = tuple(_inbound_bytes(graph, names) for names in members)
+    flops = tuple(float(sum(graph.by_name[x].flops for x in names)) for names in members)
+    return Layering(tuple(map(tuple, members)), flops, inbound, delta, requested, max(inbound))
+
+
+def _inbound_bytes(graph: Graph, names: list[str]) -> int:
+    """Bytes of distinct op outputs from outside the layer that the layer's ops read."""
+    inside = set(names)
+    outside = {x for name in names for x in graph.by_name[name].inputs
+               if x not in inside and graph.by_name[x].role == "op"}
+    return sum(graph.by_name[x].out.nbytes for x in outside)
+
+
+def _repeat_count(graph: Graph) -> int:
+    """How often the program's repeated unit occurs (1 if none): heavy ops are grouped by kind
+    (op, operand shapes, output shape); n is the commonest count among kinds seen more than once
+    (the larger on a tie), if kinds whose count is a multiple of n hold at least half the heavy
+    ops. The commonest count, not the gcd, so one extra op of a block's shape (an LM head shaped
+    like an MLP matmul) does not hide the repetition."""
+    kinds = Counter((n.op, tuple(graph.by_name[x].out.shape for x in n.inputs), n.out.shape)
+                    for n in graph.nodes if n.role == "op" and n.op in HEAVY_OPS)
+    counts = Counter(m for m in kinds.values() if m > 1)
+    if not counts:
+        return 1
+    repeats = max(counts, key=lambda m: (counts[m], m))
+    covered = sum(m for m in kinds.values() if m % repeats == 0)
+    return repeats if 2 * covered >= sum(kinds.values()) else 1
+
+
+def default_num_layers(graph: Graph, num_devices: int) -> int:
+    """A sensible L for `cluster_layers` (rule in the module docstring), in [1, op count].
+
+    Raises ValueError if ``num_devices`` is not an int >= 1 or the graph has no ops.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r}: must be an int >= 1")
+    num_ops = sum(n.role == "op" for n in graph.nodes)
+    if num_ops == 0:
+        raise ValueError("graph has no op nodes to cluster")
+    num_heavy = sum(n.role == "op" and n.op in HEAVY_OPS for n in graph.nodes)
+    target = max(1, min(LAYERS_PER_DEVICE * num_devices, num_heavy // MIN_HEAVY_PER_LAYER,
+                        num_ops))
+    repeats = _repeat_count(graph)
+    even = max(d for d in range(1, min(repeats, target) + 1) if repeats % d == 0)
+    return even if repeats > 1 and (even == repeats or 2 * even >= target) else target
