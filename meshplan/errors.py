@@ -48,3 +48,19 @@ class InfeasiblePlanError(ValueError):
             f"smallest plan needs {min_memory_bytes / 2**30:.3f} GiB per device "
             f"({min_memory_bytes:.0f} bytes). "
             + (advice or "Raise the budget, use more devices, or a smaller batch"))
+
+
+class NoPipelineError(ValueError):
+    """No split of the layers into stages on submeshes covering the cluster is feasible.
+
+    Raised by ``meshplan.planner.inter.stage_dp.solve_stage_dp`` (and its brute-force oracle).
+    ``device_memory`` is the budget in bytes per device (None = unlimited); ``min_memory_bytes``
+    the smallest per-device memory with which some pipeline would fit (``math.inf`` when the
+    profile leaves no pipeline at all, whatever the memory).
+    """
+
+    def __init__(self, message: str, device_memory: float | None = None,
+                 min_memory_bytes: float = float("inf")) -> None:
+        super().__init__(message)
+        self.device_memory = device_memory
+        self.min_memory_bytes = min_memory_bytes

@@ -1,0 +1,216 @@
+"""Value types of the stage–submesh problem (Alpa §5): cluster, options, schedules, solution.
+
+Only numbers and opaque labels cross this boundary (STYLE §4): the caller profiles a layer range
+``[start, end)`` on a submesh ``(hosts, devices)`` and returns `StageOption`s; the DP in
+`meshplan.planner.inter.stage_dp` never sees a graph, an ILP or torch.
+
+Pipeline latency of stages with per-micro-batch latencies ``t_1..t_S`` and ``B`` micro-batches
+(Alpa eq. 2)::
+
+    T = sum_i t_i + (B - 1) * max_i t_i
+
+A stage option fits a device at position ``i`` (0 = first) of ``S`` stages iff (Alpa eq. 5)::
+
+    state_bytes + activation_bytes * in_flight(i, S, B) <= device_memory
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+from meshplan.cost.checks import check_count, check_nonnegative, check_positive
+
+Submesh = tuple[int, int]  # (hosts, devices per host)
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The physical ``(num_hosts, devices_per_host)`` mesh the pipeline must cover exactly."""
+
+    num_hosts: int
+    devices_per_host: int
+
+    def __post_init__(self) -> None:
+        check_count(self.num_hosts, "ClusterShape.num_hosts")
+        check_count(self.devices_per_host, "ClusterShape.devices_per_host")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a stage on a submesh, as profiled by the caller.
+
+    ``latency``: seconds of forward + backward of one micro-batch, inbound activation transfer
+    included. ``state_bytes``: parameters, gradients and optimizer state per device.
+    ``activation_bytes``: activations kept per in-flight micro-batch per device. ``label``: the
+    caller's opaque, hashable tag (logical mesh, recompute flag, ...). Raises TypeError/ValueError
+    for a negative or non-finite number.
+    """
+
+    latency: float
+    state_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    label: Hashable = None
+
+    def __post_init__(self) -> None:
+        check_nonnegative(self.latency, "StageOption.latency")
+        check_nonnegative(self.state_bytes, "StageOption.state_bytes")
+        check_nonnegative(self.activation_bytes, "StageOption.activation_bytes")
+
+    def memory_bytes(self, in_flight: int) -> float:
+        """Peak bytes per device while ``in_flight`` micro-batches' activations are kept."""
+        return self.state_bytes + self.activation_bytes * in_flight
+
+
+Profile = Callable[[int, int, Submesh], tuple[StageOption, ...]]
+InFlight = Callable[[int, int, int], int]
+
+
+def one_f_one_b(stage_index: int, num_stages: int, num_microbatches: int) -> int:
+    """Micro-batches a stage holds at peak under synchronous 1F1B: ``min(S - i, B)``."""
+    return min(num_stages - stage_index, num_microbatches)
+
+
+def gpipe(stage_index: int, num_stages: int, num_microbatches: int) -> int:
+    """Micro-batches a stage holds at peak under GPipe (all forwards first): ``B``."""
+    return num_microbatches
+
+
+def submesh_shapes(cluster: ClusterShape) -> tuple[Submesh, ...]:
+    """Alpa's submesh shapes: ``(1, 2^k)`` for ``2^k <= M`` (and ``(1, M)``), then ``(k, M)``.
+
+    ``k`` runs over 2..N for the multi-host shapes. Sorted by device count, no duplicates.
+    """
+    m = cluster.devices_per_host
+    widths = [1 << k for k in range(m.bit_length()) if (1 << k) <= m]
+    if widths[-1] != m:  # M is not a power of two: whole hosts must still be usable
+        widths.append(m)
+    return tuple((1, w) for w in widths) + tuple((k, m) for k in range(2, cluster.num_hosts + 1))
+
+
+def pipeline_latency(latencies: tuple[float, ...], num_microbatches: int) -> float:
+    """Alpa eq. 2: ``sum(t) + (B - 1) * max(t)`` seconds for one iteration of B micro-batches."""
+    return math.fsum(latencies) + (num_microbatches - 1) * max(latencies)
+
+
+@dataclass(frozen=True)
+class PipelineProblem:
+    """Everything the stage DP needs.
+
+    ``num_layers`` L: layers 0..L-1, a stage is a range ``[start, end)``. ``profile(start, end,
+    submesh)`` returns the stage's options on that submesh; an empty tuple means impossible.
+    ``device_memory``: bytes per device, None for unlimited. ``in_flight(i, S, B)``: micro-batches
+    whose activations stage ``i`` of ``S`` keeps at peak; the DP requires it to depend on
+    ``S - i`` and ``B`` only (checked by `resolve_in_flight_counts`). Raises TypeError/ValueError
+    naming a bad field.
+    """
+
+    cluster: ClusterShape
+    num_layers: int
+    profile: Profile
+    num_microbatches: int = 1
+    device_memory: float | None = None
+    in_flight: InFlight = one_f_one_b
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cluster, ClusterShape):
+            raise TypeError(f"PipelineProblem.cluster must be a ClusterShape, got {self.cluster!r}")
+        check_count(self.num_layers, "PipelineProblem.num_layers")
+        check_count(self.num_microbatches, "PipelineProblem.num_microbatches")
+        if self.device_memory is not None:
+            check_positive(self.device_memory, "PipelineProblem.device_memory")
+        for name in ("profile", "in_flight"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"PipelineProblem.{name} must be callable, got "
+                                f"{getattr(self, name)!r}")
+
+    @property
+    def max_stages(self) -> int:
+        """Each stage has at least one layer and one device."""
+        return min(self.num_layers, self.cluster.num_devices)
+
+    def fits(self, option: StageOption, in_flight: int) -> bool:
+        """Whether ``option`` fits a device while ``in_flight`` micro-batches are kept (eq. 5)."""
+        return self.device_memory is None or option.memory_bytes(in_flight) <= self.device_memory
+
+
+def resolve_in_flight_counts(problem: PipelineProblem) -> tuple[int, ...]:
+    """``counts[r]``: in-flight micro-batches of a stage with ``r`` stages left (itself included).
+
+    ``counts[0]`` is unused (0). The DP runs from the last layer backwards and knows only how many
+    stages remain, so ``in_flight(i, S, B)`` must equal ``counts[S - i]`` for every ``S`` up to
+    `max_stages`; otherwise raises ValueError. Non-int or negative counts raise too.
+    """
+    s_max, b = problem.max_stages, problem.num_microbatches
+    counts = [0] + [problem.in_flight(0, r, b) for r in range(1, s_max + 1)]
+    for r, count in enumerate(counts[1:], start=1):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"in_flight(0, {r}, {b}) must be an int >= 0, got {count!r}")
+    for s in range(1, s_max + 1):
+        for i in range(s):
+            if (got := problem.in_flight(i, s, b)) != counts[s - i]:
+                raise ValueError(
+                    f"in_flight({i}, {s}, {b}) = {got!r} but in_flight(0, {s - i}, {b}) = "
+                    f"{counts[s - i]!r}: the stage DP needs an in-flight count that depends only "
+                    "on the number of stages from the end (like one_f_one_b or gpipe)")
+    return tuple(counts)
+
+
+def profile_from_table(table: Mapping[tuple[int, int, Submesh], tuple[StageOption, ...]]
+                       ) -> Profile:
+    """A `Profile` reading ``table[(start, end, submesh)]``; missing keys mean impossible."""
+    def profile(start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
+        return tuple(table.get((start, end, submesh), ()))
+    return profile
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Layers ``[start, end)`` on a ``submesh`` of ``(hosts, devices)`` with the chosen option."""
+
+    start: int
+    end: int
+    submesh: Submesh
+    option: StageOption
+    in_flight: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+    @property
+    def label(self) -> Hashable:
+        return self.option.label
+
+
+@dataclass(frozen=True)
+class DpStats:
+    """How the search went: t_max values evaluated, profile calls, wall seconds."""
+
+    num_tmax_tried: int
+    num_profile_calls: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PipelineSolution:
+    """The chosen pipeline: ``total_latency`` T (eq. 2, seconds per iteration), ``t_max`` the
+    slowest stage's latency, the stages in pipeline order, and search statistics."""
+
+    total_latency: float
+    t_max: float
+    stages: tuple[StagePlacement, ...]
+    stats: DpStats
+
+
+def make_solution(stages: tuple[StagePlacement, ...], num_microbatches: int,
+                  stats: DpStats) -> PipelineSolution:
+    """A `PipelineSolution` whose T and t_max are computed from ``stages`` by eq. 2."""
+    latencies = tuple(stage.option.latency for stage in stages)
+    return PipelineSolution(pipeline_latency(latencies, num_microbatches), max(latencies),
+                            stages, stats)

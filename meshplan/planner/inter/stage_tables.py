@@ -1,0 +1,237 @@
+"""The stage DP's engine: profile tables and one backward sweep of Alpa's recurrence (eq. 3).
+
+Stages are counted from the end: a stage starting at layer ``k`` with ``r`` stages left (itself
+included) holds ``counts[r]`` micro-batches (`resolve_in_flight_counts`), so its usable options
+depend on ``r`` only. Per bucket ``r`` and triple ``(k, i, m)`` (layers ``[k, i)`` on submesh
+``m``) the tables keep the fastest option that fits memory::
+
+    c_r(k, i, m) = min { o.latency : o in profile(k, i, m), o fits with counts[r] in flight }
+
+Rows ``r`` beyond some ``R`` are all equal (e.g. 1F1B once ``r >= B``, or ample memory), so
+bucket ``R`` means "R or more stages left" and the DP has R + 1 buckets instead of L. With
+``n_m`` the devices of submesh ``m`` and ``(+)`` the combine operator (``+`` for latency, ``max``
+for memory), the sweep computes for ``k = L-1 .. 0`` (eq. 3, with its threshold folded into
+``c``: entries above ``t_max`` are set to infinity by the caller)::
+
+    F(0, L, 0) = 0
+    F(r, k, d) = min_{i > k, m} c_r(k, i, m) (+) P_r(i, d - n_m)
+    P_r = F(r - 1)                       for r < R
+    P_R = min(F(R - 1), F(R))            (one more stage, still in bucket R, or exactly R - 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.planner.inter.stage_problem import (
+    PipelineProblem,
+    StageOption,
+    Submesh,
+    resolve_in_flight_counts,
+    submesh_shapes,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class StageTables:
+    """Profiled options of every triple plus the per-bucket best-option tables.
+
+    ``options[(k, i, m)]``: the profile's options for layers ``[k, i)`` on ``shapes[m]``.
+    ``latency[b, k, i, m]``: ``c_{b+1}`` above (inf = unusable); ``choice`` the index of that
+    option in ``options[(k, i, m)]`` (-1 if none); rows ``r >= R`` equal row ``R``.
+    ``counts[r]``: in-flight micro-batches with ``r`` stages left; ``sizes[m]``: devices of
+    ``shapes[m]``; ``flat``: every option as columns (latency, state, activation, flat triple
+    index, position in its tuple).
+    """
+
+    shapes: tuple[Submesh, ...]
+    sizes: np.ndarray
+    counts: tuple[int, ...]
+    options: dict[tuple[int, int, int], tuple[StageOption, ...]]
+    flat: dict[str, np.ndarray]
+    latency: np.ndarray
+    choice: np.ndarray
+
+    @property
+    def num_buckets(self) -> int:
+        return self.latency.shape[0]
+
+
+def profile_all(problem: PipelineProblem, shapes: tuple[Submesh, ...]
+                ) -> dict[tuple[int, int, int], tuple[StageOption, ...]]:
+    """Ask ``problem.profile`` once per triple ``(start, end, shape index)``.
+
+    Raises TypeError when the profile returns anything but a tuple/list of `StageOption`.
+    """
+    options = {}
+    for k in range(problem.num_layers):
+        for i in range(k + 1, problem.num_layers + 1):
+            for m, shape in enumerate(shapes):
+                got = problem.profile(k, i, shape)
+                if not isinstance(got, (tuple, list)) or not all(
+                        isinstance(o, StageOption) for o in got):
+                    raise TypeError(f"profile({k}, {i}, {shape}) must return a tuple of "
+                                    f"StageOption, got {got!r}")
+                options[(k, i, m)] = tuple(got)
+    return options
+
+
+def _flatten(options: dict[tuple[int, int, int], tuple[StageOption, ...]], num_layers: int,
+             num_shapes: int) -> dict[str, np.ndarray]:
+    """Every option as a row: latency, state, activation bytes, flat triple index, position."""
+    rows = [(o.latency, o.state_bytes, o.activation_bytes,
+             (k * (num_layers + 1) + i) * num_shapes + m, pos)
+            for (k, i, m), opts in options.items() for pos, o in enumerate(opts)]
+    cols = np.array(rows, dtype=np.float64).reshape(-1, 5).T
+    return {"latency": cols[0], "state": cols[1], "activation": cols[2],
+            "triple": cols[3].astype(np.int64), "position": cols[4].astype(np.int64)}
+
+
+def _best_fitting(flat: dict[str, np.ndarray], order: np.ndarray, count: int,
+                  device_memory: float | None, shape: tuple[int, int, int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per triple, the fastest option fitting memory with ``count`` micro-batches in flight.
+
+    ``order`` sorts the options by triple, then latency (stable), so the first fitting option of
+    each triple is its fastest.
+    """
+    latency, choice = np.full(shape, np.inf), np.full(shape, -1, dtype=np.int64)
+    # Same float operations as StageOption.memory_bytes, so the fit test agrees bit for bit.
+    need = flat["state"] + flat["activation"] * count
+    if device_memory is not None:
+        order = order[need[order] <= device_memory]
+    triples = flat["triple"][order]
+    first = np.ones(triples.shape, bool)
+    first[1:] = triples[1:] != triples[:-1]
+    best = order[first]
+    latency.reshape(-1)[triples[first]] = flat["latency"][best]
+    choice.reshape(-1)[triples[first]] = flat["position"][best]
+    return latency, choice
+
+
+def build_tables(problem: PipelineProblem) -> StageTables:
+    """Profile every triple once and build the per-bucket tables (see module docstring)."""
+    shapes = submesh_shapes(problem.cluster)
+    counts = resolve_in_flight_counts(problem)
+    options = profile_all(problem, shapes)
+    shape = (problem.num_layers, problem.num_layers + 1, len(shapes))
+    flat = _flatten(options, problem.num_layers, len(shapes))
+    order = np.lexsort((flat["latency"], flat["triple"]))
+    by_count = {c: _best_fitting(flat, order, c, problem.device_memory, shape)
+                for c in set(counts[1:])}
+    rows = _bucket_rows([by_count[c] for c in counts[1:]])
+    return StageTables(
+        shapes=shapes, sizes=np.array([h * d for h, d in shapes], dtype=np.int64),
+        counts=counts, options=options, flat=flat,
+        latency=np.stack([latency for latency, _ in rows]),
+        choice=np.stack([choice for _, choice in rows]))
+
+
+def _bucket_rows(rows: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
+    """``rows`` (one per r = 1..S_max) without the trailing rows equal to the one before."""
+    num_buckets = len(rows)
+    while num_buckets > 1 and all(
+            np.array_equal(a, b) for a, b in zip(rows[num_buckets - 1], rows[num_buckets - 2])):
+        num_buckets -= 1
+    return rows[:num_buckets]
+
+
+def memory_need(tables: StageTables) -> np.ndarray:
+    """Per bucket and triple, ``min_o state_bytes + activation_bytes * counts[r]`` (inf if none).
+
+    Shape ``(R', L, L + 1, num_shapes)`` with its own bucket count ``R'`` (the rows differ with
+    the count even when memory is unlimited).
+    """
+    flat, shape = tables.flat, tables.latency.shape[1:]
+    by_count = {}
+    for count in set(tables.counts[1:]):
+        need = np.full(shape, np.inf)
+        np.minimum.at(need.reshape(-1), flat["triple"], flat["state"] + flat["activation"] * count)
+        by_count[count] = (need,)
+    return np.stack([need for (need,) in _bucket_rows([by_count[c] for c in tables.counts[1:]])])
+
+
+def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
+          combine: np.ufunc = np.add) -> tuple[np.ndarray, np.ndarray]:
+    """One backward pass of the recurrence over buckets, layers and device counts.
+
+    ``cost``: ``(R, L, L + 1, num_shapes)``, inf where a stage is not allowed. Returns ``F`` of
+    shape ``(R + 1, L + 1, D + 1)`` and ``P`` of shape ``(R, L + 1, pad + D + 1)`` (``P_r`` padded
+    on the left with ``pad = max(sizes)`` infinities so ``d - n_m < 0`` reads inf).
+    """
+    num_buckets, num_layers = cost.shape[0], cost.shape[1]
+    pad = int(sizes.max())
+    f = np.full((num_buckets + 1, num_layers + 1, num_devices + 1), np.inf)
+    p = np.full((num_buckets, num_layers + 1, pad + num_devices + 1), np.inf)
+    f[0, num_layers, 0] = 0.0
+    _fill_successor(f, p, num_layers, pad)
+    allowed = np.isfinite(cost).any(axis=0)  # (k, i, m) some bucket may use
+    reachable = np.zeros(num_layers + 1, bool)  # layer i can still reach the end
+    reachable[num_layers] = True
+    for k in range(num_layers - 1, -1, -1):
+        live = min(num_buckets, num_layers - k)  # r stages need r layers: higher buckets stay inf
+        best = _best_next_stage(cost[:live, k, k + 1:], p[:live, k + 1:], sizes, pad, combine,
+                                allowed[k, k + 1:] & reachable[k + 1:, None])
+        if best is not None:
+            f[1:live + 1, k] = best
+            _fill_successor(f, p, k, pad)
+            reachable[k] = np.isfinite(p[:, k]).any()
+    return f, p
+
+
+def _best_next_stage(cost: np.ndarray, successor: np.ndarray, sizes: np.ndarray, pad: int,
+                     combine: np.ufunc, allowed: np.ndarray) -> np.ndarray | None:
+    """``min_{i, m} cost[r, i, m] (+) successor[r, i, pad + d - n_m]`` for every ``(r, d)``.
+
+    One slice per submesh over the span of allowed ``i`` (entries outside ``allowed`` are inf in
+    ``cost``, so the span is exact): views cost no copy, and spans are nearly contiguous because
+    longer ranges are slower; measured 2-4x faster than one gather over all (i, m) on 16x8.
+    None when no ``(i, m)`` is allowed.
+    """
+    width = successor.shape[2] - pad
+    result = None
+    for m, n_m in enumerate(sizes.tolist()):
+        rows = np.flatnonzero(allowed[:, m])
+        if rows.size == 0:
+            continue
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        block = successor[:, lo:hi, pad - n_m:pad - n_m + width]
+        vals = combine(cost[:, lo:hi, m, None], block).min(axis=1)
+        result = vals if result is None else np.minimum(result, vals, out=result)
+    return result
+
+
+def _fill_successor(f: np.ndarray, p: np.ndarray, k: int, pad: int) -> None:
+    """Set ``P_r(k, .)`` from ``F(., k, .)``: ``F(r-1)`` and, for the last bucket, the min."""
+    num_buckets = p.shape[0]
+    p[:, k, pad:] = f[:num_buckets, k]
+    p[-1, k, pad:] = np.minimum(f[num_buckets - 1, k], f[num_buckets, k])
+
+
+def backtrack(cost: np.ndarray, f: np.ndarray, p: np.ndarray, sizes: np.ndarray,
+              combine: np.ufunc = np.add) -> list[tuple[int, int, int, int]] | None:
+    """The stages ``(start, end, shape index, bucket)`` of an optimal ``F`` path, or None.
+
+    Recomputes each step's candidates with the same float operations as `sweep`, so the argmin
+    reproduces the table's value exactly.
+    """
+    num_buckets, num_layers, num_devices = cost.shape[0], cost.shape[1], f.shape[2] - 1
+    pad = p.shape[2] - num_devices - 1
+    r = 1 + int(np.argmin(f[1:, 0, num_devices]))
+    if not np.isfinite(f[r, 0, num_devices]):
+        return None
+    stages, k, d = [], 0, num_devices
+    while r > 0:
+        ends = np.arange(k + 1, num_layers + 1)
+        vals = combine(cost[r - 1, k, k + 1:, :], p[r - 1][ends[:, None], pad + d - sizes[None, :]])
+        i_off, m = np.unravel_index(int(np.argmin(vals)), vals.shape)
+        i, m = k + 1 + int(i_off), int(m)
+        stages.append((k, i, m, r))
+        k, d = i, d - int(sizes[m])
+        if r == num_buckets and f[r - 1, k, d] > f[r, k, d]:
+            continue  # still "R or more stages left"
+        r -= 1
+    assert k == num_layers and d == 0, (k, d)
+    return stages
