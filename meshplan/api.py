@@ -13,20 +13,21 @@ from torch import nn
 
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
-from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
+from meshplan.cost.cluster import Cluster, parse_cluster_spec
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan
+from meshplan.planner.inter.search import PipelineRequest, search_pipeline
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
-from meshplan.planner.intra.extract import extract
+from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
-METHODS = ("auto", "data", "zero2", "zero3", "megatron", "heuristic", "expert")
+METHODS = ("auto", "intra-only", "data", "zero2", "zero3", "megatron", "heuristic", "expert")
 
 
 def method_options(method: str, *, force_batch_dim: int | None = None,
@@ -36,7 +37,7 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
-    if method != "auto":
+    if method not in ("auto", "intra-only"):
         opts["full_split"] = True
     if method in ("data", "zero2", "zero3"):
         opts["force_data_parallel"] = True
@@ -110,11 +111,6 @@ def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> Infe
     return InfeasiblePlanError(budget, need, " ".join(tips))
 
 
-def _ilp_memory(form: Any, choices: Sequence[int]) -> float:
-    mem = form.problem.node_memory
-    return float(sum(mem[i][c] for i, c in enumerate(choices))) if mem else 0.0
-
-
 def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
          alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
@@ -122,7 +118,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "none",
-         name: str = "model") -> Plan:
+         num_layers: int | None = None, name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -144,7 +140,15 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
     "auto" recomputes only where memory demands it, which on one stage it never does).
 
-    Raises ValueError on bad input and InfeasiblePlanError when no plan fits the budget.
+    Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
+    levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
+    clustered layers (default: chosen from the program and the cluster), each stage's
+    intra-operator plan, and the micro-batch count; it may return a plan of several stages,
+    which the runtime cannot run yet. "intra-only", or "auto" with a ``mesh_shape``, plans one
+    stage over the whole mesh.
+
+    Raises ValueError on bad input, InfeasiblePlanError when no single-stage plan fits the
+    budget and NoPipelineError when no pipeline does.
     """
     t0 = time.perf_counter()
     cl = _cluster(cluster)
@@ -160,7 +164,10 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
                         share_blocks=share_blocks)
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
-    counts = _microbatch_counts(microbatches, batch_size(example_batch))
+    counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
+    if method == "auto" and mesh_shape is None and not abstract and cl.num_devices > 1:
+        return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
+                              counts, num_layers, name)
     for k, num in enumerate(counts):
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
@@ -170,26 +177,23 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
             if k == len(counts) - 1:
                 raise
     form, sol, graph, fingerprint, ctx = found
-    search = time.perf_counter() - t0
-    real = replace(ctx, mesh=real_mesh, device=cl.device)
-    result = extract(form, sol.choices, real)
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
-    return Plan(
-        model=name, graph_fingerprint=fingerprint, mesh_shape=tuple(mesh.shape),
-        alpha=tuple(mesh.alpha), beta=tuple(mesh.beta), cluster=cluster_to_dict(cl),
-        method=method, optimizer=opt.to_dict(), ops=result.ops, params=result.params,
-        sources=result.sources, collectives=result.collectives,
-        objective=sol.objective - ctx.tie_break * _ilp_memory(form, sol.choices),
-        objective_units="alpha-beta units" if abstract else "seconds",
-        search_time_s=search,
-        ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,
-             "solve_time_s": sol.solve_time_s},
-        predicted={"step_time_s": result.step_time_s,
-                   "peak_memory_bytes": result.peak_memory_bytes},
-        loss_partial_axes=result.loss_partial_axes, axis_weights=weights,
-        dtype=step.dtype, microbatches=ctx.microbatches, recompute=ctx.recompute,
-        options={k: v for k, v in asdict(opts).items() if k != "memory_budget"}
-        | {"memory_budget_bytes": budget, "unsupported_ops": list(graph.unsupported_ops)})
+    return intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
+                      method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
+                      search_time_s=time.perf_counter() - t0, dtype=step.dtype,
+                      unsupported_ops=graph.unsupported_ops, axis_weights=weights)
+
+
+def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
+                   cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
+                   counts: list[int], num_layers: int | None, name: str) -> Plan:
+    def graph_for(num: int) -> tuple[Any, str]:
+        _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
+        return graph, graph.fingerprint()
+
+    req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
+                          step.dtype, num_layers, name, "auto")
+    return search_pipeline(graph_for, counts, req)
 
 
 @dataclass(frozen=True)
@@ -205,10 +209,25 @@ def _check_recompute(recompute: str) -> bool:
     return recompute == "full"  # on one stage, recomputation never lowers peak memory
 
 
+def _batch_or_one(example_batch: Any, microbatches: int | str) -> int:
+    """The batch size, or 1 where it does not matter (one micro-batch, or "auto" on a batch
+    whose tensors disagree on dim 0: it cannot be cut)."""
+    if microbatches == 1:
+        return 1
+    try:
+        return batch_size(example_batch)
+    except ValueError:
+        if microbatches == "auto":
+            return 1
+        raise
+
+
 def _microbatch_counts(microbatches: int | str, batch: int) -> list[int]:
     """The micro-batch counts to try, in order: the given one, or for "auto" every power of two
     dividing the batch (then the batch itself), fewest first."""
     if microbatches == "auto":
+        if batch < 2:  # nothing to cut (an empty batch dim too)
+            return [1]
         counts = [1 << k for k in range(batch.bit_length()) if batch % (1 << k) == 0]
         return counts + ([batch] if counts[-1] != batch else [])
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1 \

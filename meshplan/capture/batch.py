@@ -142,18 +142,21 @@ def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor of ``batch``. Raises ValueError if they differ
     (every tensor's dim 0 is the batch) and TypeError for a malformed batch."""
     _, tensors = flatten_batch(batch)
-    sizes = {name: t.shape[0] if t.dim() else None for name, t in tensors.items()}
+    sizes = {name: t.shape[0] for name, t in tensors.items() if t.dim()}
     distinct = set(sizes.values())
-    if len(distinct) != 1 or None in distinct:
-        raise ValueError(f"every batch tensor's dim 0 is the batch, but their sizes differ: "
-                         f"{sizes}")
+    if len(distinct) != 1:
+        raise ValueError(f"every batch tensor's dim 0 is the batch, but their sizes differ "
+                         f"(or no tensor has a dim): {sizes}")
     return distinct.pop()
 
 
 def split_microbatches(batch: Any, num: int) -> list[Any]:
     """``batch`` cut along dim 0 into ``num`` equal micro-batches of the same form.
 
-    Raises ValueError if ``num`` does not divide the batch size (naming the valid counts)."""
+    Raises ValueError if ``num`` does not divide the batch size (naming the valid counts).
+    A 0-dim tensor (a scalar target) goes whole into every micro-batch."""
+    if num == 1:
+        return [batch]
     size = batch_size(batch)
     if isinstance(num, bool) or not isinstance(num, int) or num < 1 or size % num:
         valid = [d for d in range(1, size + 1) if size % d == 0]
@@ -164,7 +167,7 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
 
 def _piece(x: Any, num: int, i: int) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.chunk(num, 0)[i]
+        return x.chunk(num, 0)[i] if x.dim() else x
     if isinstance(x, Mapping):
         return {k: _piece(v, num, i) for k, v in x.items()}
     if isinstance(x, (tuple, list)):

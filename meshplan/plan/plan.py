@@ -8,7 +8,7 @@ carries a fingerprint of that graph, so a plan replayed on another model fails l
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,27 @@ class CollectiveEntry:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: clustered layers ``[layers[0], layers[1])`` on ``devices`` (global
+    ids, host-major) forming a ``submesh`` of (hosts, devices per host), viewed as the logical
+    ``mesh_shape``; ``in_flight`` micro-batches kept at peak under the plan's schedule;
+    ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device.
+    ``plan`` is the stage's intra-operator plan, or None for a single-stage plan, whose intra
+    plan is the enclosing `Plan` itself."""
+
+    index: int
+    layers: tuple[int, int]
+    devices: tuple[int, ...]
+    submesh: tuple[int, int]
+    mesh_shape: tuple[int, int]
+    recompute: bool
+    in_flight: int
+    latency_s: float
+    memory_bytes: float
+    plan: "Plan | None" = None
+
+
+@dataclass(frozen=True)
 class Plan:
     """An intra-operator parallel plan on one logical mesh (see the module docstring)."""
 
@@ -93,12 +114,21 @@ class Plan:
     dtype: str = "fp32"
     microbatches: int = 1
     recompute: bool = False
+    # Pipeline stages in order; empty for a single-stage plan made on one given mesh. A plan of
+    # several stages has no ops/params/sources of its own: each stage's `plan` holds them.
+    stages: tuple[StagePlan, ...] = ()
+    schedule: str = "1f1b"
+    num_layers: int = 1
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_devices(self) -> int:
         return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @property
+    def num_stages(self) -> int:
+        return max(len(self.stages), 1)
 
     def op(self, node: str) -> OpDecision:
         return self._ops_by_node()[node]
@@ -117,6 +147,8 @@ class Plan:
         d = asdict(self)
         d["params"] = {p.name: {k: v for k, v in asdict(p).items() if k != "name"}
                        for p in self.params}
+        d["stages"] = [asdict(replace(s, plan=None)) | {"plan": s.plan and s.plan.to_json()}
+                       for s in self.stages]
         return d
 
     def save(self, path: str | Path) -> None:
@@ -145,9 +177,13 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
         sources = tuple(SourceDecision(**s) for s in d["sources"])
         colls = tuple(CollectiveEntry(**{f: _tuples(v) for f, v in c.items()})
                       for c in d["collectives"])
+        stages = tuple(StagePlan(**{f: _tuples(v) for f, v in s.items() if f != "plan"},
+                                 plan=s["plan"] and plan_from_json(s["plan"]))
+                       for s in d.get("stages", ()))
         rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
                 else v for k, v in d.items()
-                if k not in ("params", "ops", "sources", "collectives")}
+                if k not in ("params", "ops", "sources", "collectives", "stages")}
+        rest["stages"] = stages
         rest["version"] = PLAN_VERSION
         return Plan(ops=ops, params=params, sources=sources, collectives=colls, **rest)
     except (KeyError, TypeError) as e:

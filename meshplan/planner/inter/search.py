@@ -1,0 +1,138 @@
+"""The two-level search (Alpa §5): operator clustering, stage costs from the intra-op ILP, the
+stage–submesh DP, and the number of micro-batches around them; the result as a `Plan`.
+
+For each micro-batch count B tried (fewest first), the program traced at the micro-batch's size
+is clustered into L layers (`clustering.py`), every layer range is priced on every submesh and
+logical shape (`stage_costs.py`) and the DP picks the stages (`stage_dp.py`, Alpa eq. 2-5,
+1F1B's in-flight micro-batches in the memory check). More micro-batches shrink the pipeline
+bubble ((B - 1) x t_max amortizes the fill) and the activations kept, but add per-micro-batch
+latency; the search stops once two larger counts in a row are no faster (beyond Alpa, which takes
+B from the user). A pipeline of one stage is returned as that stage's own intra-op plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from meshplan.cost.cluster import Cluster, cluster_to_dict
+from meshplan.cost.mesh import logical_mesh
+from meshplan.cost.precision import with_compute_dtype
+from meshplan.errors import NoPipelineError
+from meshplan.ir.graph import Graph
+from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
+from meshplan.planner.inter.placement import place_submeshes
+from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_dp import solve_stage_dp
+from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
+                                                  PipelineSolution, one_f_one_b)
+from meshplan.planner.intra.choices import IntraOptions
+from meshplan.planner.intra.to_plan import intra_plan
+
+# (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
+GraphFor = Callable[[int], tuple[Graph, str]]
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """What the search needs besides the program: the cluster and the training step."""
+
+    cluster: Cluster
+    options: IntraOptions
+    optimizer: dict
+    optimizer_bytes_per_param: float
+    budget: float | None
+    dtype: str
+    num_layers: int | None = None
+    name: str = "model"
+    method: str = "auto"
+
+
+@dataclass
+class _Found:
+    solution: PipelineSolution
+    profiler: StageProfiler
+    fingerprint: str
+    unsupported: tuple[str, ...]
+
+
+def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> Plan:
+    """The fastest pipeline over the micro-batch ``counts`` (module docstring). Raises
+    NoPipelineError when no count gives a plan that fits."""
+    t0 = time.perf_counter()
+    best: _Found | None = None
+    worse, error = 0, None
+    for b in counts:
+        try:
+            found = _search_one(graph_for, b, req)
+        except NoPipelineError as e:
+            error = e
+            continue
+        if best is None or found.solution.total_latency < best.solution.total_latency:
+            best, worse = found, 0
+        else:
+            worse += 1
+            if worse == 2:
+                break
+    if best is None:
+        assert error is not None
+        raise error
+    return _to_plan(best, req, time.perf_counter() - t0)
+
+
+def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
+    traced, fingerprint = graph_for(b)
+    graph = with_compute_dtype(traced, req.dtype)
+    cl = req.cluster
+    num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
+    layering = cluster_layers(graph, num_layers)
+    profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b)
+    problem = PipelineProblem(ClusterShape(cl.num_hosts, cl.devices_per_host), num_layers,
+                              profiler, b, device_memory=req.budget, in_flight=one_f_one_b)
+    return _Found(solve_stage_dp(problem), profiler, fingerprint, traced.unsupported_ops)
+
+
+def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
+    cl, sol, prof = req.cluster, found.solution, found.profiler
+    devices = place_submeshes([s.submesh for s in sol.stages], cl.num_hosts,
+                              cl.devices_per_host)
+    stages = []
+    for i, (s, devs) in enumerate(zip(sol.stages, devices)):
+        label = s.option.label
+        solved = prof.solution(s.start, s.end, s.submesh, label)
+        form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
+        sub = replace(cl, name=f"{cl.name}[stage {i}]", num_hosts=s.submesh[0],
+                      devices_per_host=s.submesh[1])
+        plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
+                          name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
+                          method=req.method, optimizer=req.optimizer, options=req.options,
+                          budget=req.budget, search_time_s=0.0, dtype=req.dtype,
+                          unsupported_ops=found.unsupported)
+        stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh, label.logical_shape,
+                                label.recompute, s.in_flight, s.option.latency,
+                                s.option.memory_bytes(s.in_flight), plan))
+    stats = {"stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
+             "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
+    if len(stages) == 1:
+        only = stages[0].plan
+        assert only is not None
+        return replace(only, model=req.name, graph_fingerprint=found.fingerprint,
+                       search_time_s=seconds, ilp=only.ilp | stats,
+                       stages=(replace(stages[0], plan=None),),
+                       num_layers=prof.layering.num_layers)
+    mesh = logical_mesh(cl)
+    return Plan(model=req.name, graph_fingerprint=found.fingerprint,
+                mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
+                cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
+                ops=(), params=(), sources=(), collectives=(),
+                objective=sol.total_latency, objective_units="seconds",
+                search_time_s=seconds, ilp=stats,
+                predicted={"step_time_s": sol.total_latency,
+                           "peak_memory_bytes": max(s.memory_bytes for s in stages)},
+                dtype=req.dtype, microbatches=prof.microbatches,
+                recompute=any(s.recompute for s in stages), stages=tuple(stages),
+                schedule="1f1b", num_layers=prof.layering.num_layers,
+                options={"memory_budget_bytes": req.budget,
+                         "unsupported_ops": list(found.unsupported)})
