@@ -117,7 +117,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          method: str = "auto", force_batch_dim: int | None = None,
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
-         dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "none",
+         dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
          num_layers: int | None = None, name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
@@ -167,7 +167,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
     if method == "auto" and mesh_shape is None and not abstract and cl.num_devices > 1:
         return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                              counts, num_layers, name)
+                              counts, num_layers, name, recompute)
     for k, num in enumerate(counts):
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
@@ -186,13 +186,14 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
 
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
-                   counts: list[int], num_layers: int | None, name: str) -> Plan:
+                   counts: list[int], num_layers: int | None, name: str, recompute: str
+                   ) -> Plan:
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
-                          step.dtype, num_layers, name, "auto")
+                          step.dtype, num_layers, name, "auto", recompute)
     return search_pipeline(graph_for, counts, req)
 
 

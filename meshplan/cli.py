@@ -73,6 +73,16 @@ def _mesh_shape(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return int(text)
+
+
+def _microbatches(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _positive_int(text)
+
+
 def _budget_gb(text: str) -> float:
     try:
         value = float(text)
@@ -89,8 +99,10 @@ def _budget_gb(text: str) -> float:
 
 def _add_plan_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "plan", help="find the optimal intra-operator plan of one training step",
-        description="Find the optimal intra-operator plan of MODEL's training step on a cluster.",
+        "plan", help="find the fastest parallel plan of one training step",
+        description="Find the fastest plan of MODEL's training step on a cluster: pipeline "
+                    "stages on submeshes (method auto without --mesh), each stage's "
+                    "intra-operator plan, micro-batches, dtype and recomputation.",
         epilog="zoo models (kind:field=value,...; preset=NAME picks a paper size): "
                + describe_zoo())
     p.add_argument("model", metavar="MODEL",
@@ -114,6 +126,17 @@ def _add_plan_parser(subparsers: Any) -> None:
                    help="sharded (ZeRO-2) parameter updates where data parallel")
     p.add_argument("--memory-budget-gb", type=_budget_gb, metavar="X",
                    help="per-device memory budget in GiB (default: device memory; 0 = no budget)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="compute dtype (default auto: bf16 where the device runs it faster, "
+                        "else fp16 where that is faster, else fp32)")
+    p.add_argument("--microbatches", type=_microbatches, default="auto", metavar="auto|N",
+                   help="micro-batches per step, gradients accumulated (default: searched)")
+    p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
+                   help="recompute activations in backward (default auto: per stage, where "
+                        "memory demands it)")
+    p.add_argument("--layers", type=_positive_int, metavar="L", dest="num_layers",
+                   help="layers the program is clustered into for pipeline stages "
+                        "(default: from the program and the cluster)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="optimizer whose state is planned for (default: adamw)")
     p.add_argument("--json", action="store_true",
@@ -144,7 +167,9 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 mesh_shape=args.mesh, alpha=args.alpha, beta=args.beta, method=args.method,
                 force_batch_dim=args.force_batch_dim,
                 prefer_reduce_scatter=args.prefer_reduce_scatter,
-                memory_budget_gb=args.memory_budget_gb, name=work.name)
+                memory_budget_gb=args.memory_budget_gb, dtype=args.dtype,
+                microbatches=args.microbatches, recompute=args.recompute,
+                num_layers=args.num_layers, name=work.name)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -26,22 +26,62 @@ def summary(plan: Plan) -> str:
         f"  objective        {plan.objective:,.6g} {plan.objective_units}",
         f"  predicted step   {plan.predicted['step_time_s'] * 1e3:,.3f} ms, peak memory "
         f"{_fmt_bytes(plan.predicted['peak_memory_bytes'])} per device",
-        f"  search           {plan.search_time_s:.2f} s (ILP: {plan.ilp['variables']} variables, "
-        f"{plan.ilp['constraints']} constraints, solved in {plan.ilp['solve_time_s']:.2f} s)",
-        "  parameter updates " + ", ".join(f"{k}: {v}" for k, v in sorted(modes.items())),
+        f"  search           {plan.search_time_s:.2f} s ({_search(plan)})",
+        f"  training step    {plan.dtype}, {plan.microbatches} micro-batch"
+        f"{'es' if plan.microbatches != 1 else ''}"
+        f"{', recomputed' if plan.recompute else ''}, {plan.num_stages} stage"
+        f"{'s' if plan.num_stages != 1 else ''}"
+        f"{' (' + plan.schedule + ')' if plan.num_stages > 1 else ''}",
     ]
+    if plan.params:
+        lines.append("  parameter updates "
+                     + ", ".join(f"{k}: {v}" for k, v in sorted(modes.items())))
     if plan.options.get("unsupported_ops"):
         lines.append("  planned replicated (no signature): "
                      + ", ".join(plan.options["unsupported_ops"]))
     return "\n".join(lines)
 
 
+def _search(plan: Plan) -> str:
+    ilp = plan.ilp
+    if "variables" in ilp:
+        return (f"ILP: {ilp['variables']} variables, {ilp['constraints']} constraints, solved "
+                f"in {ilp['solve_time_s']:.2f} s")
+    return (f"{ilp.get('stage_solves', 0)} stage ILPs, {ilp.get('tmax_tried', 0)} t_max "
+            f"values in the stage DP")
+
+
+def stages_table(plan: Plan) -> list[str]:
+    """One line per pipeline stage: layers, devices, submesh, logical mesh, recompute,
+    micro-batches in flight, latency per micro-batch, peak memory."""
+    out = [f"stages ({plan.num_layers} layers; per micro-batch latency, peak memory per "
+           "device):"]
+    for s in plan.stages:
+        devs = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else f"{s.devices[0]}"
+        out.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) on devices "
+                   f"{devs} (submesh {s.submesh[0]}x{s.submesh[1]}, mesh "
+                   f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', recomputed' if s.recompute else ''}"
+                   f", {s.in_flight} in flight, {s.latency_s * 1e3:,.3f} ms, "
+                   f"{_fmt_bytes(s.memory_bytes)}")
+    return out
+
+
 def explain(plan: Plan, *, all_ops: bool = False) -> str:
-    """The summary, per-op decisions with their costs, parameters and collectives.
+    """The summary, per-op decisions with their costs, parameters and collectives; for a
+    plan of several stages, the stages and then each stage's own plan.
 
     Only ops that compute something or communicate are listed unless ``all_ops``.
     """
-    out = [summary(plan), "", "ops (strategy | operands -> output | compute, communication, "
+    if plan.num_stages > 1:
+        parts = [summary(plan), "", *stages_table(plan)]
+        for s in plan.stages:
+            assert s.plan is not None
+            parts += ["", f"--- stage {s.index} ---", explain(s.plan, all_ops=all_ops)]
+        return "\n".join(parts)
+    out = [summary(plan)]
+    if plan.stages:
+        out += ["", *stages_table(plan)]
+    out += ["", "ops (strategy | operands -> output | compute, communication, "
            "resharding, memory):"]
     for o in plan.ops:
         if not all_ops and o.op not in _HEAVY and o.communication == o.resharding == 0:

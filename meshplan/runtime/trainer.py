@@ -62,6 +62,11 @@ class Trainer:
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None) -> None:
+        if plan.num_stages > 1:
+            raise NotImplementedError(
+                f"this plan has {plan.num_stages} pipeline stages, and the pipeline runtime "
+                "(running stages on their own submeshes) is not implemented yet; plan one stage "
+                "with method='intra-only' or a mesh_shape, or give more memory")
         if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
             raise ValueError(f"the plan is for a {plan.mesh_shape} mesh, the communicator has "
                              f"{comm.mesh_shape}")

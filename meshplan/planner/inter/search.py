@@ -19,7 +19,7 @@ from typing import Callable
 from meshplan.cost.cluster import Cluster, cluster_to_dict
 from meshplan.cost.mesh import logical_mesh
 from meshplan.cost.precision import with_compute_dtype
-from meshplan.errors import NoPipelineError
+from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
@@ -48,6 +48,7 @@ class PipelineRequest:
     num_layers: int | None = None
     name: str = "model"
     method: str = "auto"
+    recompute: str = "auto"
 
 
 @dataclass
@@ -63,12 +64,12 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     NoPipelineError when no count gives a plan that fits."""
     t0 = time.perf_counter()
     best: _Found | None = None
-    worse, error = 0, None
+    worse, errors = 0, []
     for b in counts:
         try:
             found = _search_one(graph_for, b, req)
         except NoPipelineError as e:
-            error = e
+            errors.append(e)
             continue
         if best is None or found.solution.total_latency < best.solution.total_latency:
             best, worse = found, 0
@@ -77,9 +78,19 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
             if worse == 2:
                 break
     if best is None:
-        assert error is not None
-        raise error
+        raise _infeasible(errors, counts, req)
     return _to_plan(best, req, time.perf_counter() - t0)
+
+
+def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineRequest
+                ) -> InfeasiblePlanError:
+    need = min(e.min_memory_bytes for e in errors)
+    assert req.budget is not None, "without a budget some pipeline always fits"
+    return InfeasiblePlanError(
+        req.budget, need,
+        f"Searched pipelines of up to {req.cluster.num_devices} stages with "
+        f"{counts[0]}-{counts[-1]} micro-batches, recomputation and ZeRO; use more devices, "
+        "a smaller global batch or a larger budget.")
 
 
 def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
@@ -88,7 +99,8 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     cl = req.cluster
     num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
     layering = cluster_layers(graph, num_layers)
-    profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b)
+    profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
+                             req.budget, req.recompute)
     problem = PipelineProblem(ClusterShape(cl.num_hosts, cl.devices_per_host), num_layers,
                               profiler, b, device_memory=req.budget, in_flight=one_f_one_b)
     return _Found(solve_stage_dp(problem), profiler, fingerprint, traced.unsupported_ops)
@@ -119,6 +131,7 @@ def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
         only = stages[0].plan
         assert only is not None
         return replace(only, model=req.name, graph_fingerprint=found.fingerprint,
+                       cluster=cluster_to_dict(cl),
                        search_time_s=seconds, ilp=only.ilp | stats,
                        stages=(replace(stages[0], plan=None),),
                        num_layers=prof.layering.num_layers)

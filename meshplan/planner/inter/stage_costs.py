@@ -72,6 +72,8 @@ class StageProfiler:
     options: IntraOptions
     optimizer_bytes_per_param: float
     microbatches: int
+    memory_limit: float | None = None   # bytes per device the DP checks against
+    recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
     solves: int = 0
 
     def __post_init__(self) -> None:
@@ -108,20 +110,22 @@ class StageProfiler:
         choices = resolve_choices(g, shape, self.options)
         out = []
         free = self._solve(g, choices, ctx, None, (*key, shape, False))
-        limit = float(self.cluster.device.memory_bytes)
+        limit = self.memory_limit
         plans = [free] if free is not None else []
-        if free is not None and sum(self._memory(free)) > limit:
+        if free is not None and limit is not None and sum(self._memory(free)) > limit:
             lean = self._solve(g, choices, ctx, limit, (*key, shape, True))
             plans += [lean] if lean is not None else []
         transfer = self._transfer_time(g)
         for budgeted, s in zip((False, True), plans):
             state, act, inputs = self._memory(s, split_inputs=True)
             latency = self._latency(s) + transfer
-            out.append(StageOption(latency, state, act + inputs,
-                                   StageLabel(shape, budgeted, False)))
-            again = self._recompute_latency(s, ctx) + transfer
-            out.append(StageOption(again, state + act, inputs,
-                                   StageLabel(shape, budgeted, True)))
+            if self.recompute != "full":
+                out.append(StageOption(latency, state, act + inputs,
+                                       StageLabel(shape, budgeted, False)))
+            if self.recompute != "none":
+                again = self._recompute_latency(s, ctx) + transfer
+                out.append(StageOption(again, state + act, inputs,
+                                       StageLabel(shape, budgeted, True)))
         return out
 
     def _solve(self, g: Graph, choices: Any, ctx: CostContext, budget: float | None,

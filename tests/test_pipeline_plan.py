@@ -1,0 +1,112 @@
+"""The two-level search end to end on the cost model: stage programs, placement, a plan of
+several stages in JSON and explain, and the runtime refusing it until the pipeline runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan.api as api
+from meshplan.capture.to_ir import capture
+from meshplan.plan.plan import plan_from_json
+from meshplan.planner.inter.clustering import cluster_layers
+from meshplan.planner.inter.placement import place_submeshes
+from meshplan.planner.inter.stage_graph import SINK_OP, renamed, stage_graph, structure_key
+from meshplan.planner.inter.stage_problem import pipeline_latency
+from meshplan.runtime.emulated import run_emulated
+from meshplan.zoo.spec import build_workload
+
+# Two V100 hosts joined by 25 Gb/s Ethernet: data parallelism across hosts is slow enough that
+# a stage per host wins.
+WIDE = "gpt:hidden=1024,layers=4,heads=8,seq=128,vocab=1024,batch=16"
+
+
+@pytest.fixture(scope="module")
+def two_stage_plan() -> api.Plan:
+    w = build_workload(WIDE, device="meta")
+    return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                    memory_budget_gb=0, microbatches=8, num_layers=4, name="wide-gpt")
+
+
+def test_a_stage_per_host_wins_over_slow_ethernet(two_stage_plan: api.Plan) -> None:
+    p = two_stage_plan
+    assert p.num_stages == 2 and p.microbatches == 8 and p.dtype == "fp16"
+    assert [s.layers for s in p.stages] == [(0, p.stages[0].layers[1]),
+                                           (p.stages[0].layers[1], 4)]
+    assert sorted(d for s in p.stages for d in s.devices) == [0, 1, 2, 3]
+    assert [s.in_flight for s in p.stages] == [2, 1]   # 1F1B: S - i
+    latencies = tuple(s.latency_s for s in p.stages)
+    assert p.predicted["step_time_s"] == pytest.approx(pipeline_latency(latencies, 8))
+    for s in p.stages:
+        assert s.plan is not None and s.plan.mesh_shape == s.mesh_shape
+        assert s.plan.ops and s.plan.params
+
+
+def test_stages_round_trip_through_json_and_explain(two_stage_plan: api.Plan) -> None:
+    back = plan_from_json(two_stage_plan.to_json())
+    assert back == two_stage_plan
+    text = two_stage_plan.explain()
+    assert "2 stages (1f1b)" in text and "--- stage 0 ---" in text and "--- stage 1 ---" in text
+    assert "stage 1: layers [" in text
+
+
+def test_trainer_names_the_missing_pipeline_runtime(two_stage_plan: api.Plan) -> None:
+    from oracle import train_rank
+    w = build_workload(WIDE.replace("hidden=1024", "hidden=32").replace("heads=8", "heads=4")
+                       .replace("seq=128", "seq=8"), device="cpu")
+    with pytest.raises(NotImplementedError, match="pipeline runtime"):
+        run_emulated(train_rank, (2, 2), two_stage_plan, w, [w.example_batch])
+
+
+def test_single_stage_result_is_the_stage_plan_itself() -> None:
+    w = build_workload("gpt:hidden=32,layers=2,heads=4,seq=8,vocab=64,batch=4", device="meta")
+    p = api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "local:2", memory_budget_gb=0,
+                 microbatches=1)
+    assert p.num_stages == 1 and len(p.stages) == 1 and p.stages[0].plan is None
+    assert p.ops and p.stages[0].devices == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    w = build_workload("gpt:hidden=32,layers=6,heads=4,seq=8,vocab=64,batch=4", device="meta")
+    return capture(w.model, w.loss_fn, w.example_batch)[1]
+
+
+def test_stage_programs_cover_the_program_once(gpt_graph) -> None:
+    layering = cluster_layers(gpt_graph, 6)
+    cuts = [(0, 2), (2, 5), (5, 6)]
+    ops = [n.name for a, b in cuts for n in stage_graph(gpt_graph, layering, a, b).nodes
+           if n.role == "op" and n.op != SINK_OP]
+    assert sorted(ops) == sorted(n.name for n in gpt_graph.nodes if n.role == "op")
+    middle = stage_graph(gpt_graph, layering, 2, 5)
+    received = [n for n in middle.nodes if n.role == "input" and n.state_name is None]
+    sinks = [n for n in middle.nodes if n.op == SINK_OP]
+    assert received and sinks and all(n.requires_grad for n in received)
+    last = stage_graph(gpt_graph, layering, 5, 6)
+    assert last.loss == gpt_graph.loss and not [n for n in last.nodes if n.op == SINK_OP]
+
+
+def test_identical_layer_ranges_share_a_structure_key(gpt_graph) -> None:
+    layering = cluster_layers(gpt_graph, 6)
+    keys = {(a, b): structure_key(stage_graph(gpt_graph, layering, a, b))
+            for a in range(6) for b in range(a + 1, 7)}
+    assert keys[(1, 3)] == keys[(2, 4)] == keys[(3, 5)]
+    assert keys[(0, 2)] != keys[(1, 3)] != keys[(4, 6)]
+    g = stage_graph(gpt_graph, layering, 1, 3)
+    assert structure_key(renamed(g, "other_")) == keys[(1, 3)]
+    # Ranges from layer 0 (6), to the last layer (5 more), and the middle ones by length (4):
+    # 3L - 3 distinct programs to cost instead of L(L+1)/2.
+    assert len(set(keys.values())) == 15
+
+
+@pytest.mark.parametrize("submeshes,hosts,per_host,expected", [
+    ([(1, 2), (1, 2)], 1, 4, [(0, 1), (2, 3)]),
+    ([(1, 1), (2, 4), (1, 2), (1, 1)], 3, 4, [(10,), (0, 1, 2, 3, 4, 5, 6, 7), (8, 9), (11,)]),
+    ([(1, 4), (1, 4)], 2, 4, [(0, 1, 2, 3), (4, 5, 6, 7)]),
+])
+def test_placement_tiles_the_cluster(submeshes, hosts: int, per_host: int, expected) -> None:
+    assert place_submeshes(submeshes, hosts, per_host) == expected
+
+
+def test_placement_rejects_submeshes_that_do_not_add_up() -> None:
+    with pytest.raises(ValueError, match="hold 3 devices, the cluster 4"):
+        place_submeshes([(1, 2), (1, 1)], 1, 4)
