@@ -166,8 +166,15 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
     if method == "auto" and mesh_shape is None and not abstract and cl.num_devices > 1:
-        return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                              counts, num_layers, name, recompute)
+        try:
+            return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
+                                  counts, num_layers, name, recompute)
+        except InfeasiblePlanError:
+            pass  # explained below by the single-stage search, which knows what would help
+    if budget is not None and len(counts) > 1:
+        _, graph = capture(model, loss_fn, split_microbatches(example_batch, counts[-1])[0])
+        if _state_floor(graph, cl.num_devices, opt.state_bytes_per_param()) > budget:
+            counts = counts[-1:]  # micro-batches cannot help: the state alone is too large
     for k, num in enumerate(counts):
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
@@ -192,9 +199,21 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
+    floor = _state_floor(graph_for(1)[0], cl.num_devices, opt.state_bytes_per_param())
+    if budget is not None and floor > budget:
+        # Parameters, gradients and optimizer state sharded over every device already
+        # exceed the budget: no pipeline fits, and searching for one would be long.
+        raise InfeasiblePlanError(budget, floor, "")
+
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
                           step.dtype, num_layers, name, "auto", recompute)
     return search_pipeline(graph_for, counts, req)
+
+
+def _state_floor(graph: Any, num_devices: int, optimizer_bytes_per_param: float) -> float:
+    """Bytes per device of the parameters, gradients and optimizer state when every one of
+    them is sharded over all devices: a lower bound of any plan's memory."""
+    return graph.num_params() * (8.0 + optimizer_bytes_per_param) / num_devices
 
 
 @dataclass(frozen=True)

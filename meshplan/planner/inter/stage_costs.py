@@ -17,7 +17,12 @@ one micro-batch in flight, the fastest plan that fits (the ILP under that budget
 also comes recomputed (only the stage's inputs kept per micro-batch, its activations once, for
 the micro-batch in backward; the forward runs twice), used by the DP where memory demands it.
 Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved
-once per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges.
+once per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of
+more than two layers are priced as sums of one-layer solves (`_telescoped`), so the solves grow
+with the distinct layers, not with L²; the stages the DP picks are then solved whole. Each layer is also priced at its leanest (the fastest plan within 5 % of its smallest
+memory: ZeRO, tensor parallelism), so a long range has a lean variant too; a chosen lean stage is
+solved whole under the device-memory limit, or at its own leanest where that limit is
+infeasible.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import StageOption, Submesh
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
-from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import extract
 from meshplan.planner.intra.ilp_problem import IlpSolution
 
@@ -46,7 +51,7 @@ class StageLabel:
     device-memory budget, whether it is recomputed."""
 
     logical_shape: tuple[int, int]
-    budgeted: bool
+    budget: str        # "free", "limit" (the device-memory limit) or "lean" (see `_price`)
     recompute: bool
 
 
@@ -59,11 +64,29 @@ class StageSolution:
     graph: Graph
 
 
+@dataclass(frozen=True)
+class _Costed:
+    """A priced stage plan: seconds per micro-batch without the inbound transfer (run once,
+    and recomputed) and its bytes per device (state, activations, received inputs)."""
+
+    latency: float
+    recompute_latency: float
+    state: float
+    act: float
+    inputs: float
+
+    def __add__(self, o: "_Costed") -> "_Costed":
+        return _Costed(self.latency + o.latency, self.recompute_latency + o.recompute_latency,
+                       self.state + o.state, self.act + o.act, self.inputs + o.inputs)
+
+
 @dataclass
 class StageProfiler:
     """``profile(start, end, submesh)`` for `PipelineProblem` (module docstring).
 
-    ``graph``: the traced program at one micro-batch's size, at the compute dtype.
+    ``graph``: the traced program at one micro-batch's size, at the compute dtype. With
+    ``exact_up_to`` layers or fewer, or when ``telescope`` is off, every range is solved as it
+    is; longer ranges are priced by telescoping (`_telescoped`) and solved only when chosen.
     """
 
     graph: Graph
@@ -74,59 +97,136 @@ class StageProfiler:
     microbatches: int
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
+    telescope: bool = True
     solves: int = 0
 
     def __post_init__(self) -> None:
         self._by_key: dict[tuple, tuple[StageOption, ...]] = {}
+        self._costed: dict[tuple, _Costed | None] = {}
         self._solutions: dict[tuple, StageSolution] = {}
         self._graphs: dict[tuple[int, int], Graph] = {}
+        self._keys: dict[tuple[int, int], str] = {}
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
             self._graphs[(start, end)] = stage_graph(self.graph, self.layering, start, end)
         return self._graphs[(start, end)]
 
+    def key(self, start: int, end: int) -> str:
+        if (start, end) not in self._keys:
+            self._keys[(start, end)] = structure_key(self.stage(start, end))
+        return self._keys[(start, end)]
+
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
-        g = self.stage(start, end)
-        key = (structure_key(g), submesh)
-        if key not in self._by_key:
-            self._by_key[key] = tuple(o for shape in factor_pairs(submesh[0] * submesh[1])
-                                      for o in self._shape_options(g, key, submesh, shape))
-        return self._by_key[key]
+        out = []
+        # What a stage receives is what its first layer does (a one-layer program is cheaper
+        # to build than the whole range).
+        transfer = self._transfer_time(self.stage(start, start + 1))
+        for shape in factor_pairs(submesh[0] * submesh[1]):
+            for budget in self._budgets(start, end):
+                c = self._range(start, end, submesh, shape, budget)
+                if c is not None:
+                    out += self._options(c, transfer, StageLabel(shape, budget, False))
+        return tuple(out)
+
+    def _options(self, c: _Costed, transfer: float, label: StageLabel) -> list[StageOption]:
+        out = []
+        if self.recompute != "full":
+            out.append(StageOption(c.latency + transfer, c.state, c.act + c.inputs, label))
+        if self.recompute != "none":
+            out.append(StageOption(c.recompute_latency + transfer, c.state + c.act, c.inputs,
+                                   replace(label, recompute=True)))
+        return out
+
+    def _whole(self, start: int, end: int) -> bool:
+        return not self.telescope or end - start <= 2
+
+    def _budgets(self, start: int, end: int) -> tuple[str, ...]:
+        return ("free", "limit") if self._whole(start, end) else ("free", "lean")
+
+    def _range(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+               budget: str) -> _Costed | None:
+        if self._whole(start, end):
+            return self._exact(start, end, submesh, shape, budget)
+        return self._telescoped(start, end, submesh, shape, budget)
+
+    def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+                    budget: str) -> _Costed | None:
+        """A stage of more than two layers as the sum of its layers, each priced as a one-layer
+        stage: it receives its inputs in any layout and sends reduced outputs, so each boundary
+        inside the stage is priced as a reduction plus a free relayout (Megatron's blocks
+        exchange a replicated residual stream, which is what that costs), and what a later
+        layer receives is kept as an activation. Repeated layers share one solve, so a range
+        of any length costs a handful of one-layer solves; the stages the DP picks are solved
+        whole afterwards."""
+        total = self._exact(start, start + 1, submesh, shape, budget)
+        for m in range(start + 1, end):
+            layer = self._exact(m, m + 1, submesh, shape, budget)
+            if total is None or layer is None:
+                return None
+            total = total + replace(layer, act=layer.act + layer.inputs, inputs=0.0)
+        return total
+
+    def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+               budget: str) -> _Costed | None:
+        key = (self.key(start, end), submesh, shape, budget)
+        if key not in self._costed:
+            self._costed[key] = self._price(self.stage(start, end), key, submesh, shape, budget)
+        return self._costed[key]
 
     def solution(self, start: int, end: int, submesh: Submesh, label: StageLabel
                  ) -> StageSolution:
-        """The solved plan behind an option the DP chose."""
+        """The solved plan behind an option the DP chose, solved whole now if it was priced
+        by parts (a lean one under the memory limit, else at its own leanest)."""
         g = self.stage(start, end)
-        return self._solutions[(structure_key(g), submesh, label.logical_shape, label.budgeted)]
+        base = (self.key(start, end), submesh, label.logical_shape)
+        kinds = [label.budget] if label.budget != "lean" else ["limit", "lean"]
+        if label.budget == "free" or self.memory_limit is None:
+            kinds = ["free"]
+        for kind in kinds:
+            if (*base, kind) not in self._solutions:
+                self._price(g, (*base, kind), submesh, label.logical_shape, kind, force=True)
+            if (*base, kind) in self._solutions:
+                return self._solutions[(*base, kind)]
+        raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on {submesh} "
+                             "has no plan although the DP chose one")
 
     # ------------------------------------------------------------------ one logical shape
-    def _shape_options(self, g: Graph, key: tuple, submesh: Submesh,
-                       shape: tuple[int, int]) -> list[StageOption]:
+    def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
         sub = replace(self.cluster, name=f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]",
                       num_hosts=submesh[0], devices_per_host=submesh[1])
-        ctx = CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_bytes_per_param,
-                          microbatches=self.microbatches)
+        return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_bytes_per_param,
+                           microbatches=self.microbatches)
+
+    def _price(self, g: Graph, key: tuple, submesh: Submesh, shape: tuple[int, int],
+               budget: str, force: bool = False) -> _Costed | None:
+        """The time-optimal plan of ``g`` under ``budget``: "free" (none), "limit" (the device
+        memory limit; only sought when the free plan exceeds it, unless ``force``), "lean"
+        (5 % above the smallest memory any plan of ``g`` needs)."""
+        ctx = self._context(submesh, shape)
         choices = resolve_choices(g, shape, self.options)
-        out = []
-        free = self._solve(g, choices, ctx, None, (*key, shape, False))
-        limit = self.memory_limit
-        plans = [free] if free is not None else []
-        if free is not None and limit is not None and sum(self._memory(free)) > limit:
-            lean = self._solve(g, choices, ctx, limit, (*key, shape, True))
-            plans += [lean] if lean is not None else []
-        transfer = self._transfer_time(g)
-        for budgeted, s in zip((False, True), plans):
-            state, act, inputs = self._memory(s, split_inputs=True)
-            latency = self._latency(s) + transfer
-            if self.recompute != "full":
-                out.append(StageOption(latency, state, act + inputs,
-                                       StageLabel(shape, budgeted, False)))
-            if self.recompute != "none":
-                again = self._recompute_latency(s, ctx) + transfer
-                out.append(StageOption(again, state + act, inputs,
-                                       StageLabel(shape, budgeted, True)))
-        return out
+        bytes_ = None
+        if budget == "limit":
+            free = self._exact_free(g, key, submesh, shape)
+            if self.memory_limit is None or (not force and (
+                    free is None or free.state + free.act + free.inputs <= self.memory_limit)):
+                return None
+            bytes_ = self.memory_limit
+        elif budget == "lean":
+            form = formulate(choices, ctx, 0.0, share_blocks=self.options.share_blocks)
+            bytes_ = min_memory(form.problem) * 1.05
+        s = self._solve(g, choices, ctx, bytes_, key)
+        if s is None:
+            return None
+        state, act, inputs = self._memory(s, split_inputs=True)
+        return _Costed(self._latency(s), self._recompute_latency(s, ctx), state, act, inputs)
+
+    def _exact_free(self, g: Graph, key: tuple, submesh: Submesh, shape: tuple[int, int]
+                    ) -> _Costed | None:
+        free_key = (*key[:3], "free")
+        if free_key not in self._costed:
+            self._costed[free_key] = self._price(g, free_key, submesh, shape, "free")
+        return self._costed[free_key]
 
     def _solve(self, g: Graph, choices: Any, ctx: CostContext, budget: float | None,
                key: tuple) -> StageSolution | None:

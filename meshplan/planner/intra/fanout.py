@@ -107,8 +107,13 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
             a = nc.root_of[name]
             if a != r and (a, r) not in out.edges:
                 out.edges[(a, r)] = [[0.0] * len(nc.choices[r]) for _ in nc.choices[a]]
+            src, dst = _use_classes(costs, node, j, len(nc.choices[a]), len(nc.choices[r]))
+            memo: dict[tuple, list[Charge] | None] = {}
             for p, q in _pairs(a, r, len(nc.choices[a]), len(nc.choices[r])):
-                charges = use_charges(costs, node, j, p, q)
+                k = (src[p], dst[q])
+                if k not in memo:
+                    memo[k] = use_charges(costs, node, j, p, q)
+                charges = memo[k]
                 if charges is None:
                     out.add(a, r, p, q, math.inf)
                     continue
@@ -120,6 +125,29 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
     for entries in pending.values():
         _charge_unit(out, entries)
     return out
+
+
+def _use_classes(costs: OpCosts, node: Node, j: int, num_a: int, num_r: int
+                 ) -> tuple[list[Hashable], list[Hashable]]:
+    """What `use_charges` of operand ``j`` depends on, per producer-root index (the value's
+    layout; a parameter's update mode and layout) and per consumer-root index (the layout the
+    operand is consumed in, its gradient's partial axes): pairs of equal classes cost the same,
+    so each class pair is priced once."""
+    nc, name = costs.nc, node.inputs[j]
+    param = costs.param_root.get(name)
+    src: list[Hashable] = []
+    for p in range(num_a):
+        c = nc.choices[name][p]
+        if param is not None:
+            pc = nc.choices[param][p]
+            src.append((c.strategy.output, pc.mode, pc.strategy.output))
+        else:
+            src.append(c.strategy.output)
+    dst = []
+    for q in range(num_r):
+        s = nc.choices[node.name][q].strategy
+        dst.append((s.inputs[j], s.grad_partial[j]))
+    return src, dst
 
 
 def _pairs(a: str, r: str, num_a: int, num_r: int) -> list[tuple[int, int]]:
