@@ -172,17 +172,24 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
         except InfeasiblePlanError:
             pass  # explained below by the single-stage search, which knows what would help
     if budget is not None and len(counts) > 1:
-        _, graph = capture(model, loss_fn, split_microbatches(example_batch, counts[-1])[0])
+        _, graph = capture(model, loss_fn, split_microbatches(example_batch, counts[0])[0])
         if _state_floor(graph, cl.num_devices, opt.state_bytes_per_param()) > budget:
             counts = counts[-1:]  # micro-batches cannot help: the state alone is too large
-    for k, num in enumerate(counts):
+    last: InfeasiblePlanError | None = None
+    for num in counts:
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
                                opts, budget, replace(step, microbatches=num))
             break
-        except InfeasiblePlanError:
-            if k == len(counts) - 1:
+        except InfeasiblePlanError as e:
+            last = e
+        except ValueError:
+            if last is None:
                 raise
+            raise last from None  # a micro-batch too small for the model (batch norm of 1)
+    else:
+        assert last is not None
+        raise last
     form, sol, graph, fingerprint, ctx = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
     return intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,

@@ -1,0 +1,74 @@
+"""Two-level search speed and outcome (pipeline stages, micro-batches, dtype), each run in a
+fresh process.
+
+Usage: python benchmarks/inter_search.py [--repeats 1] [--case NAME ...]
+Prints a markdown table for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+
+CASES = {
+    # name: (model spec, cluster, extra plan() keywords)
+    "gpt-wide-2x2": ("gpt:hidden=1024,layers=4,heads=8,seq=128,vocab=1024,batch=16",
+                     "p3.16xlarge:2x2", {"microbatches": 8, "num_layers": 4}),
+    "gpt-1.3b-1x8": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=64",
+                     "p3.16xlarge:1", {"microbatches": 8}),
+    "gpt-1.3b-2x8": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=128",
+                     "p3.16xlarge:2", {"microbatches": 16}),
+}
+
+_ONE_RUN = """
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+import meshplan.api as api
+from meshplan.zoo.spec import build_workload
+spec, cluster, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+w = build_workload(spec)
+t0 = time.perf_counter()
+p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, cluster, name=spec, **extra)
+wall = time.perf_counter() - t0
+print(json.dumps({"wall_s": wall, "stages": [[s.layers, s.submesh, s.mesh_shape, s.recompute]
+                                             for s in p.stages],
+                  "microbatches": p.microbatches, "dtype": p.dtype, "ilp": p.ilp,
+                  "step_s": p.predicted["step_time_s"],
+                  "memory_gib": p.predicted["peak_memory_bytes"] / 2**30}))
+"""
+
+
+def run_case(name: str) -> dict:
+    spec, cluster, extra = CASES[name]
+    out = subprocess.run([sys.executable, "-c", _ONE_RUN, spec, cluster, json.dumps(extra)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--case", action="append", choices=sorted(CASES))
+    args = p.parse_args(argv)
+    print(f"python {platform.python_version()}, {args.repeats} run(s) per case, fresh process "
+          "each\n")
+    print("| case | wall s (median) | stages (layers, submesh, mesh, recompute) | B | dtype "
+          "| stage ILPs | predicted step s | peak GiB |")
+    print("|---|---:|---|---:|---|---:|---:|---:|")
+    for name in args.case or list(CASES):
+        runs = [run_case(name) for _ in range(args.repeats)]
+        r = runs[-1]
+        stages = "; ".join(f"{tuple(a)} {tuple(b)} {tuple(c)}{' rc' if d else ''}"
+                           for a, b, c, d in r["stages"])
+        print(f"| {name} | {statistics.median(x['wall_s'] for x in runs):.1f} | {stages} | "
+              f"{r['microbatches']} | {r['dtype']} | {r['ilp'].get('stage_solves', 0)} | "
+              f"{r['step_s']:.4g} | {r['memory_gib']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
