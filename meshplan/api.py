@@ -27,7 +27,9 @@ from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
-METHODS = ("auto", "intra-only", "data", "zero2", "zero3", "megatron", "heuristic", "expert")
+METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "data", "zero2", "zero3",
+           "megatron", "heuristic", "expert")
+PIPELINE_METHODS = ("auto", "inter-only", "equal-layer")
 
 
 def method_options(method: str, *, force_batch_dim: int | None = None,
@@ -37,11 +39,11 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
-    if method not in ("auto", "intra-only"):
+    if method not in ("auto", "intra-only", "equal-layer"):
         opts["full_split"] = True
-    if method in ("data", "zero2", "zero3"):
+    if method in ("data", "zero2", "zero3", "inter-only"):
         opts["force_data_parallel"] = True
-        if method != "data":
+        if method in ("zero2", "zero3"):
             opts["update_mode"] = method
     elif method == "megatron":
         opts.update(force_batch_axis=0, tensor_axis=1)
@@ -165,12 +167,18 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         share_blocks=share_blocks)
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
-    if method == "auto" and mesh_shape is None and not abstract and cl.num_devices > 1:
+    if method in PIPELINE_METHODS[1:] and (mesh_shape is not None or abstract):
+        raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
+                         "cluster: give no mesh_shape and no alpha/beta")
+    if method in PIPELINE_METHODS and mesh_shape is None and not abstract \
+            and cl.num_devices > 1:
         try:
             return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                                  counts, num_layers, name, recompute)
+                                  counts, num_layers, name, recompute, method)
         except InfeasiblePlanError:
-            pass  # explained below by the single-stage search, which knows what would help
+            if method != "auto":
+                raise
+            # explained below by the single-stage search, which knows what would help
     if budget is not None and len(counts) > 1:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, counts[0])[0])
         if _state_floor(graph, cl.num_devices, opt.state_bytes_per_param()) > budget:
@@ -200,8 +208,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
 
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
-                   counts: list[int], num_layers: int | None, name: str, recompute: str
-                   ) -> Plan:
+                   counts: list[int], num_layers: int | None, name: str, recompute: str,
+                   method: str) -> Plan:
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
@@ -213,7 +221,7 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         raise InfeasiblePlanError(budget, floor, "")
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
-                          step.dtype, num_layers, name, "auto", recompute)
+                          step.dtype, num_layers, name, method, recompute)
     return search_pipeline(graph_for, counts, req)
 
 

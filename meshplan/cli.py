@@ -119,7 +119,9 @@ def _add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--beta", type=_float_pair, metavar="B0,B1",
                    help="abstract inverse bandwidth per mesh axis (with --alpha)")
     p.add_argument("--method", choices=METHODS, default="auto",
-                   help="auto = the ILP's choice; others force a hand-style plan (default: auto)")
+                   help="auto = both levels searched (pipeline stages without --mesh); "
+                        "intra-only = one stage; inter-only / equal-layer = Alpa's ablations; "
+                        "others force a hand-style plan (default: auto)")
     p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
                    help="split the batch dim of every op over this mesh axis (0 or 1)")
     p.add_argument("--prefer-reduce-scatter", action="store_true",

@@ -110,3 +110,37 @@ def test_placement_tiles_the_cluster(submeshes, hosts: int, per_host: int, expec
 def test_placement_rejects_submeshes_that_do_not_add_up() -> None:
     with pytest.raises(ValueError, match="hold 3 devices, the cluster 4"):
         place_submeshes([(1, 2), (1, 1)], 1, 4)
+
+
+@pytest.mark.parametrize("method", ["inter-only", "equal-layer"])
+def test_alpa_ablations_plan_pipelines_no_faster_than_auto(method: str,
+                                                           two_stage_plan: api.Plan) -> None:
+    w = build_workload(WIDE, device="meta")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                 memory_budget_gb=0, microbatches=8, num_layers=4, method=method)
+    assert p.method == method
+    assert p.predicted["step_time_s"] >= two_stage_plan.predicted["step_time_s"] * (1 - 1e-9)
+    stages = p.stages if p.num_stages > 1 else ()
+    if method == "equal-layer":
+        assert len({s.layers[1] - s.layers[0] for s in stages}) <= 1
+        assert len({len(s.devices) for s in stages}) <= 1
+    for s in stages:
+        assert all(d.update == "replicated" or method != "inter-only" for d in s.plan.params)
+        if method == "inter-only":   # data parallel only: the batch split, weights whole
+            assert all(d.spec.replace(",", "").strip("R") == "" for d in s.plan.params)
+
+
+def test_pipeline_methods_refuse_a_fixed_mesh() -> None:
+    w = build_workload(WIDE, device="meta")
+    with pytest.raises(ValueError, match="no mesh_shape"):
+        api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                 mesh_shape=(2, 2), method="equal-layer")
+
+
+def test_two_levels_are_no_slower_than_one_stage_on_the_whole_cluster(
+        two_stage_plan: api.Plan) -> None:
+    w = build_workload(WIDE, device="meta")
+    one = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                   memory_budget_gb=0, microbatches=8, method="intra-only")
+    assert one.num_stages == 1
+    assert two_stage_plan.predicted["step_time_s"] < one.predicted["step_time_s"]

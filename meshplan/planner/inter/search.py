@@ -8,6 +8,10 @@ logical shape (`stage_costs.py`) and the DP picks the stages (`stage_dp.py`, Alp
 bubble ((B - 1) x t_max amortizes the fill) and the activations kept, but add per-micro-batch
 latency; the search stops once two larger counts in a row are no faster (beyond Alpa, which takes
 B from the user). A pipeline of one stage is returned as that stage's own intra-op plan.
+
+Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
+parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
+best S, instead of the DP's uneven stages.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
-                                                  PipelineSolution, one_f_one_b)
+                                                  PipelineSolution, Profile, one_f_one_b,
+                                                  submesh_shapes)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.to_plan import intra_plan
 
@@ -101,9 +106,44 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     layering = cluster_layers(graph, num_layers)
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
                              req.budget, req.recompute)
-    problem = PipelineProblem(ClusterShape(cl.num_hosts, cl.devices_per_host), num_layers,
-                              profiler, b, device_memory=req.budget, in_flight=one_f_one_b)
-    return _Found(solve_stage_dp(problem), profiler, fingerprint, traced.unsupported_ops)
+    shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
+    profiles = [profiler] if req.method != "equal-layer" else \
+        [_equal_layers(profiler, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
+    best, errors = None, []
+    for profile in profiles:
+        problem = PipelineProblem(shape, num_layers, profile, b, device_memory=req.budget,
+                                  in_flight=one_f_one_b)
+        try:
+            sol = solve_stage_dp(problem)
+        except NoPipelineError as e:
+            errors.append(e)
+            continue
+        if best is None or sol.total_latency < best.total_latency:
+            best = sol
+    if best is None:
+        raise min(errors, key=lambda e: e.min_memory_bytes)
+    return _Found(best, profiler, fingerprint, traced.unsupported_ops)
+
+
+def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:
+    """Stage counts S for Alpa's equal-layer ablation: S divides the layers, and N/S devices
+    form one of the submesh shapes."""
+    sizes = {h * d for h, d in submesh_shapes(shape)}
+    return [n for n in range(1, num_layers + 1) if num_layers % n == 0
+            and shape.num_devices % n == 0 and shape.num_devices // n in sizes]
+
+
+def _equal_layers(profile: StageProfiler, num_layers: int, num_stages: int,
+                  shape: ClusterShape) -> Profile:
+    """``profile`` restricted to S stages of L/S layers on N/S devices each (Alpa's
+    "equal layer" ablation: no DP over uneven stages; each stage's intra plan still searched)."""
+    per, devices = num_layers // num_stages, shape.num_devices // num_stages
+
+    def restricted(start: int, end: int, submesh: tuple[int, int]) -> tuple:
+        if end - start != per or start % per or submesh[0] * submesh[1] != devices:
+            return ()
+        return profile(start, end, submesh)
+    return restricted
 
 
 def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
