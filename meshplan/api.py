@@ -18,7 +18,7 @@ from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan
-from meshplan.planner.inter.search import PipelineRequest, search_pipeline
+from meshplan.planner.inter.search import PipelineRequest, resolve_schedule, search_pipeline
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
@@ -120,7 +120,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
-         num_layers: int | None = None, name: str = "model") -> Plan:
+         num_layers: int | None = None, schedule: str = "auto", name: str = "model") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -140,7 +140,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     it faster, else fp16 where that is faster, else fp32); ``microbatches`` a count dividing
     the batch, or "auto" for the fewest that fit the budget (more only add per-micro-batch
     latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
-    "auto" recomputes only where memory demands it, which on one stage it never does).
+    "auto" recomputes only where memory demands it, which on one stage it never does);
+    ``schedule`` of a pipeline "auto" (1F1B), "1f1b" or "gpipe" (every micro-batch in flight).
 
     Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
@@ -166,6 +167,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
                         share_blocks=share_blocks)
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
+    schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
     if method in PIPELINE_METHODS[1:] and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
@@ -174,7 +176,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
             and cl.num_devices > 1:
         try:
             return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                                  counts, num_layers, name, recompute, method)
+                                  counts, num_layers, name, recompute, method, schedule)
         except InfeasiblePlanError:
             if method != "auto":
                 raise
@@ -209,7 +211,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
-                   method: str) -> Plan:
+                   method: str, schedule: str) -> Plan:
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
@@ -221,7 +223,7 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         raise InfeasiblePlanError(budget, floor, "")
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
-                          step.dtype, num_layers, name, method, recompute)
+                          step.dtype, num_layers, name, method, recompute, schedule)
     return search_pipeline(graph_for, counts, req)
 
 

@@ -136,6 +136,8 @@ def _add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
                    help="recompute activations in backward (default auto: per stage, where "
                         "memory demands it)")
+    p.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "interleaved"),
+                   default="auto", help="pipeline schedule planned for (default auto: 1F1B)")
     p.add_argument("--layers", type=_positive_int, metavar="L", dest="num_layers",
                    help="layers the program is clustered into for pipeline stages "
                         "(default: from the program and the cluster)")
@@ -171,7 +173,7 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 prefer_reduce_scatter=args.prefer_reduce_scatter,
                 memory_budget_gb=args.memory_budget_gb, dtype=args.dtype,
                 microbatches=args.microbatches, recompute=args.recompute,
-                num_layers=args.num_layers, name=work.name)
+                num_layers=args.num_layers, schedule=args.schedule, name=work.name)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -180,7 +182,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         with quiet:
             result = _plan_from_args(args)
-    except (ValueError, TypeError, InfeasiblePlanError) as err:
+    except (ValueError, TypeError, InfeasiblePlanError, NotImplementedError) as err:
         return _fail(str(err))
     if args.output is not None:
         try:

@@ -144,3 +144,13 @@ def test_two_levels_are_no_slower_than_one_stage_on_the_whole_cluster(
                    memory_budget_gb=0, microbatches=8, method="intra-only")
     assert one.num_stages == 1
     assert two_stage_plan.predicted["step_time_s"] < one.predicted["step_time_s"]
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight_and_interleaved_is_refused() -> None:
+    w = build_workload(WIDE, device="meta")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                 memory_budget_gb=0, microbatches=8, num_layers=4, schedule="gpipe")
+    assert p.schedule == "gpipe" and all(s.in_flight == 8 for s in p.stages)
+    with pytest.raises(NotImplementedError, match="interleaved"):
+        api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                 schedule="interleaved")

@@ -31,10 +31,29 @@ from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
-                                                  PipelineSolution, Profile, one_f_one_b,
-                                                  submesh_shapes)
+                                                  PipelineSolution, Profile, gpipe,
+                                                  one_f_one_b, submesh_shapes)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.to_plan import intra_plan
+
+# Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
+# same latency (Alpa eq. 2); 1F1B keeps fewer, so "auto" is 1F1B.
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+def resolve_schedule(schedule: str) -> str:
+    """The schedule a plan uses for ``schedule`` ("auto", "1f1b", "gpipe"); ValueError for an
+    unknown one, NotImplementedError for interleaved 1F1B (not modelled yet)."""
+    if schedule == "interleaved":
+        raise NotImplementedError("the interleaved 1F1B schedule (virtual stages) is not "
+                                  "implemented yet; use 'auto', '1f1b' or 'gpipe'")
+    if schedule == "auto":
+        return "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: auto, 1f1b, gpipe, "
+                         "interleaved")
+    return schedule
+
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
 GraphFor = Callable[[int], tuple[Graph, str]]
@@ -54,6 +73,7 @@ class PipelineRequest:
     name: str = "model"
     method: str = "auto"
     recompute: str = "auto"
+    schedule: str = "1f1b"
 
 
 @dataclass
@@ -112,7 +132,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     best, errors = None, []
     for profile in profiles:
         problem = PipelineProblem(shape, num_layers, profile, b, device_memory=req.budget,
-                                  in_flight=one_f_one_b)
+                                  in_flight=SCHEDULES[req.schedule])
         try:
             sol = solve_stage_dp(problem)
         except NoPipelineError as e:
@@ -186,6 +206,6 @@ def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
                            "peak_memory_bytes": max(s.memory_bytes for s in stages)},
                 dtype=req.dtype, microbatches=prof.microbatches,
                 recompute=any(s.recompute for s in stages), stages=tuple(stages),
-                schedule="1f1b", num_layers=prof.layering.num_layers,
+                schedule=req.schedule, num_layers=prof.layering.num_layers,
                 options={"memory_budget_bytes": req.budget,
                          "unsupported_ops": list(found.unsupported)})
