@@ -17,7 +17,7 @@ from meshplan.cost.cluster import Cluster, parse_cluster_spec
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.search import PipelineRequest, resolve_schedule, search_pipeline
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
@@ -202,10 +202,19 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
         raise last
     form, sol, graph, fingerprint, ctx = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
-    return intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
-                      method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
-                      search_time_s=time.perf_counter() - t0, dtype=step.dtype,
-                      unsupported_ops=graph.unsupported_ops, axis_weights=weights)
+    result = intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
+                        method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
+                        search_time_s=time.perf_counter() - t0, dtype=step.dtype,
+                        unsupported_ops=graph.unsupported_ops, axis_weights=weights)
+    return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+
+def _whole_mesh_stage(p: Plan, cl: Cluster) -> StagePlan:
+    """A single-stage plan described as one stage, in the format of a pipeline's stages."""
+    return StagePlan(0, (0, 1), tuple(range(cl.num_devices)), (cl.num_hosts,
+                     cl.devices_per_host), tuple(p.mesh_shape), p.recompute, 1,
+                     p.predicted["step_time_s"] / p.microbatches,
+                     p.predicted["peak_memory_bytes"])
 
 
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,

@@ -54,8 +54,8 @@ def _search(plan: Plan) -> str:
 def stages_table(plan: Plan) -> list[str]:
     """One line per pipeline stage: layers, devices, submesh, logical mesh, recompute,
     micro-batches in flight, latency per micro-batch, peak memory."""
-    out = [f"stages ({plan.num_layers} layers; per micro-batch latency, peak memory per "
-           "device):"]
+    layers = f"{plan.num_layers} layer{'s' if plan.num_layers != 1 else ''}"
+    out = [f"stages ({layers}; per micro-batch latency, peak memory per device):"]
     for s in plan.stages:
         devs = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else f"{s.devices[0]}"
         out.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) on devices "
