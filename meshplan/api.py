@@ -172,7 +172,14 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     if method in PIPELINE_METHODS[1:] and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
                          "cluster: give no mesh_shape and no alpha/beta")
-    if method in PIPELINE_METHODS and mesh_shape is None and not abstract \
+    # Parameters, gradients and optimizer state sharded over every device already exceeding
+    # the budget: no plan fits, whatever the stages or micro-batches; the single-stage search
+    # explains it (once, at the most micro-batches).
+    state_too_large = budget is not None and _state_floor(
+        model, cl.num_devices, opt.state_bytes_per_param()) > budget
+    if state_too_large:
+        counts = counts[-1:]
+    elif method in PIPELINE_METHODS and mesh_shape is None and not abstract \
             and cl.num_devices > 1:
         try:
             return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
@@ -181,10 +188,6 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
             if method != "auto":
                 raise
             # explained below by the single-stage search, which knows what would help
-    if budget is not None and len(counts) > 1:
-        _, graph = capture(model, loss_fn, split_microbatches(example_batch, counts[0])[0])
-        if _state_floor(graph, cl.num_devices, opt.state_bytes_per_param()) > budget:
-            counts = counts[-1:]  # micro-batches cannot help: the state alone is too large
     last: InfeasiblePlanError | None = None
     for num in counts:
         try:
@@ -225,21 +228,17 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
-    floor = _state_floor(graph_for(1)[0], cl.num_devices, opt.state_bytes_per_param())
-    if budget is not None and floor > budget:
-        # Parameters, gradients and optimizer state sharded over every device already
-        # exceed the budget: no pipeline fits, and searching for one would be long.
-        raise InfeasiblePlanError(budget, floor, "")
-
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
                           step.dtype, num_layers, name, method, recompute, schedule)
     return search_pipeline(graph_for, counts, req)
 
 
-def _state_floor(graph: Any, num_devices: int, optimizer_bytes_per_param: float) -> float:
+def _state_floor(model: nn.Module, num_devices: int, optimizer_bytes_per_param: float
+                 ) -> float:
     """Bytes per device of the parameters, gradients and optimizer state when every one of
     them is sharded over all devices: a lower bound of any plan's memory."""
-    return graph.num_params() * (8.0 + optimizer_bytes_per_param) / num_devices
+    numel = sum(p.numel() for p in model.parameters())
+    return numel * (8.0 + optimizer_bytes_per_param) / num_devices
 
 
 @dataclass(frozen=True)

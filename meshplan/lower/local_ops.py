@@ -47,22 +47,6 @@ def _substitute(args: tuple, kwargs: dict, operands: Sequence[fx.Node]) -> tuple
     return new_args, new_kwargs
 
 
-def _fx_nodes(args: tuple, kwargs: dict) -> list[fx.Node]:
-    """The fx nodes among ``args`` and ``kwargs``, in the order `_substitute` visits them."""
-    found: list[fx.Node] = []
-
-    def visit(a: Any) -> None:
-        if isinstance(a, fx.Node):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-
-    for a in (*args, *kwargs.values()):
-        visit(a)
-    return found
-
-
 def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The local part of a mean NLL's divisor: the targets not equal to ``ignore_index``,
@@ -189,8 +173,8 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
     if packet in CONSTANT_OPS:
         # A factory's tensor operands (linspace's start and end) are values, as eager's
         # torch.linspace treats them: its aten overload has no derivative for them.
-        args, kwargs = _substitute(args, kwargs, [g.call_function(aten.detach.default, (a,))
-                                                  for a in _fx_nodes(args, kwargs)])
+        args, kwargs = fx.node.map_arg((args, kwargs),
+                                       lambda a: g.call_function(aten.detach.default, (a,)))
     value = g.call_function(target, args, kwargs)
     if isinstance(orig.meta.get("val"), (tuple, list)):
         value = g.call_function(operator.getitem, (value, 0))

@@ -15,18 +15,17 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from meshplan.cost.precision import DTYPES
 from meshplan.runtime.comm import Comm
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_for(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
     """``torch.autocast`` at ``dtype`` ("bf16", "fp16"), or nothing for "fp32"."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown training dtype {dtype!r}; valid: {list(DTYPES)}")
     if dtype == "fp32":
         return contextlib.nullcontext()
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unknown training dtype {dtype!r}; valid: fp32, bf16, fp16")
-    return torch.autocast(device_type, dtype=_TORCH_DTYPES[dtype])
+    return torch.autocast(device_type, dtype=getattr(torch, DTYPES[dtype]))
 
 
 def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor],

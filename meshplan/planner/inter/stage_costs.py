@@ -28,7 +28,6 @@ infeasible.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.mesh import factor_pairs, logical_mesh
@@ -47,8 +46,8 @@ from meshplan.planner.intra.ilp_problem import IlpSolution
 
 @dataclass(frozen=True)
 class StageLabel:
-    """Which plan of a stage an option is: its logical mesh, whether it was solved under the
-    device-memory budget, whether it is recomputed."""
+    """Which plan of a stage an option is: its logical mesh, the memory bound it was solved
+    under, whether it is recomputed."""
 
     logical_shape: tuple[int, int]
     budget: str        # "free", "limit" (the device-memory limit) or "lean" (see `_price`)
@@ -203,19 +202,19 @@ class StageProfiler:
         """The time-optimal plan of ``g`` under ``budget``: "free" (none), "limit" (the device
         memory limit; only sought when the free plan exceeds it, unless ``force``), "lean"
         (5 % above the smallest memory any plan of ``g`` needs)."""
-        ctx = self._context(submesh, shape)
-        choices = resolve_choices(g, shape, self.options)
-        bytes_ = None
         if budget == "limit":
             free = self._exact_free(g, key, submesh, shape)
             if self.memory_limit is None or (not force and (
                     free is None or free.state + free.act + free.inputs <= self.memory_limit)):
                 return None
-            bytes_ = self.memory_limit
-        elif budget == "lean":
-            form = formulate(choices, ctx, 0.0, share_blocks=self.options.share_blocks)
-            bytes_ = min_memory(form.problem) * 1.05
-        s = self._solve(g, choices, ctx, bytes_, key)
+        ctx = self._context(submesh, shape)
+        form = formulate(resolve_choices(g, shape, self.options), ctx,
+                         None if budget == "free" else self.memory_limit or 0.0,
+                         share_blocks=self.options.share_blocks)
+        if budget == "lean":  # the same problem, bounded just above its smallest memory
+            form = replace(form, problem=replace(
+                form.problem, memory_budget=min_memory(form.problem) * 1.05))
+        s = self._solve(g, form, key)
         if s is None:
             return None
         state, act, inputs = self._memory(s, split_inputs=True)
@@ -228,9 +227,7 @@ class StageProfiler:
             self._costed[free_key] = self._price(g, free_key, submesh, shape, "free")
         return self._costed[free_key]
 
-    def _solve(self, g: Graph, choices: Any, ctx: CostContext, budget: float | None,
-               key: tuple) -> StageSolution | None:
-        form = formulate(choices, ctx, budget, share_blocks=self.options.share_blocks)
+    def _solve(self, g: Graph, form: Formulation, key: tuple) -> StageSolution | None:
         self.solves += 1
         try:
             sol = solve(form.problem)
