@@ -1,13 +1,16 @@
 """The two-level search (Alpa §5): operator clustering, stage costs from the intra-op ILP, the
 stage–submesh DP, and the number of micro-batches around them; the result as a `Plan`.
 
-For each micro-batch count B tried (fewest first), the program traced at the micro-batch's size
-is clustered into L layers (`clustering.py`), every layer range is priced on every submesh and
-logical shape (`stage_costs.py`) and the DP picks the stages (`stage_dp.py`, Alpa eq. 2-5,
-1F1B's in-flight micro-batches in the memory check). More micro-batches shrink the pipeline
-bubble ((B - 1) x t_max amortizes the fill) and the activations kept, but add per-micro-batch
-latency; the search stops once two larger counts in a row are no faster (beyond Alpa, which takes
-B from the user). A pipeline of one stage is returned as that stage's own intra-op plan.
+For each micro-batch count B tried, the program traced at the micro-batch's size is clustered
+into L layers (`clustering.py`), every layer range is priced on every submesh and logical shape
+(`stage_costs.py`) and the DP picks the stages (`stage_dp.py`, Alpa eq. 2-5, 1F1B's in-flight
+micro-batches in the memory check). With per-micro-batch latency t(b) = c + k·b for b samples,
+eq. 2 gives T(B) = (S + B - 1)·(c + k·batch / B): more micro-batches shrink the bubble and the
+activations kept until the fixed cost c of each dominates, so T is convex in B and the fastest
+count is usually a large one for a large model. Counts are therefore tried from the most
+micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
+user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
+profiled. A pipeline of one stage is returned as that stage's own intra-op plan.
 
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
@@ -32,7 +35,8 @@ from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
                                                   PipelineSolution, Profile, gpipe,
-                                                  one_f_one_b, submesh_shapes)
+                                                  one_f_one_b, pipeline_latency,
+                                                  submesh_shapes)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.to_plan import intra_plan
 
@@ -86,25 +90,50 @@ class _Found:
 
 def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> Plan:
     """The fastest pipeline over the micro-batch ``counts`` (module docstring). Raises
-    NoPipelineError when no count gives a plan that fits."""
+    InfeasiblePlanError when no count gives a plan that fits."""
     t0 = time.perf_counter()
     best: _Found | None = None
-    worse, errors = 0, []
-    for b in counts:
+    errors: list[NoPipelineError] = []
+    for b in sorted(counts, reverse=True):
+        floor = _MemoryFloor.of(graph_for(b)[0], req)
+        if not floor.may_fit():  # nor does any smaller count: its micro-batches are larger
+            errors.append(NoPipelineError("below the memory floor", req.budget,
+                                          floor.per_device))
+            break
         try:
             found = _search_one(graph_for, b, req)
         except NoPipelineError as e:
             errors.append(e)
             continue
-        if best is None or found.solution.total_latency < best.solution.total_latency:
-            best, worse = found, 0
-        else:
-            worse += 1
-            if worse == 2:
-                break
+        if best is not None and found.solution.total_latency >= best.solution.total_latency:
+            break  # eq. 2 is convex in B: past the fastest count it only grows
+        best = found
     if best is None:
         raise _infeasible(errors, counts, req)
     return _to_plan(best, req, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class _MemoryFloor:
+    """A lower bound of any plan's memory, to skip micro-batch counts without profiling them:
+    summed over all devices, a plan holds every parameter's state once and, for at least one
+    micro-batch, every activation once (sharding never shrinks the total; a recomputed stage
+    still materializes its activations in backward)."""
+
+    per_device: float
+    budget: float | None
+
+    @staticmethod
+    def of(traced: Graph, req: PipelineRequest) -> "_MemoryFloor":
+        graph = with_compute_dtype(traced, req.dtype)
+        state = sum(n.out.numel for n in graph.nodes if n.role == "param") * (
+            8.0 + req.optimizer_bytes_per_param)
+        act = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target") or (
+            n.role == "op" and n.requires_grad))
+        return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)
+
+    def may_fit(self) -> bool:
+        return self.budget is None or self.per_device <= self.budget
 
 
 def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineRequest
@@ -127,6 +156,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
                              req.budget, req.recompute)
     shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
+    profiler.prefetch(submesh_shapes(shape))
     profiles = [profiler] if req.method != "equal-layer" else \
         [_equal_layers(profiler, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
     best, errors = None, []
@@ -171,9 +201,10 @@ def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
     devices = place_submeshes([s.submesh for s in sol.stages], cl.num_hosts,
                               cl.devices_per_host)
     stages = []
-    for i, (s, devs) in enumerate(zip(sol.stages, devices)):
+    solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
+                                 for s in sol.stages])
+    for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
         label = s.option.label
-        solved = prof.solution(s.start, s.end, s.submesh, label)
         form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
         sub = replace(cl, name=f"{cl.name}[stage {i}]", num_hosts=s.submesh[0],
                       devices_per_host=s.submesh[1])
@@ -183,8 +214,11 @@ def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
                           budget=req.budget, search_time_s=0.0, dtype=req.dtype,
                           unsupported_ops=found.unsupported)
         stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh, label.logical_shape,
-                                label.recompute, s.in_flight, s.option.latency,
-                                s.option.memory_bytes(s.in_flight), plan))
+                                label.recompute, s.in_flight, solved.latency,
+                                solved.memory_bytes, plan))
+    # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
+    # estimates by parts.
+    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches)
     stats = {"stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
              "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
     if len(stages) == 1:
@@ -200,9 +234,9 @@ def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
                 mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
                 cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
                 ops=(), params=(), sources=(), collectives=(),
-                objective=sol.total_latency, objective_units="seconds",
+                objective=step, objective_units="seconds",
                 search_time_s=seconds, ilp=stats,
-                predicted={"step_time_s": sol.total_latency,
+                predicted={"step_time_s": step,
                            "peak_memory_bytes": max(s.memory_bytes for s in stages)},
                 dtype=req.dtype, microbatches=prof.microbatches,
                 recompute=any(s.recompute for s in stages), stages=tuple(stages),

@@ -12,26 +12,31 @@ micro-batch) + one update. A `StageOption` per plan found:
 - ``state_bytes``: parameters, gradients, optimizer state per device;
 - ``activation_bytes``: what one in-flight micro-batch keeps per device.
 
-Each shape gives the time-optimal plan and, when that one needs more than the device holds with
-one micro-batch in flight, the fastest plan that fits (the ILP under that budget). Each plan
-also comes recomputed (only the stage's inputs kept per micro-batch, its activations once, for
-the micro-batch in backward; the forward runs twice), used by the DP where memory demands it.
-Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved
-once per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of
-more than two layers are priced as sums of one-layer solves (`_telescoped`), so the solves grow
-with the distinct layers, not with L²; the stages the DP picks are then solved whole. Each layer is also priced at its leanest (the fastest plan within 5 % of its smallest
-memory: ZeRO, tensor parallelism), so a long range has a lean variant too; a chosen lean stage is
-solved whole under the device-memory limit, or at its own leanest where that limit is
-infeasible.
+Each shape gives the time-optimal plan ("free") and the fastest within 5 % of the smallest memory
+any plan of the stage needs ("lean": ZeRO, tensor parallelism). Each plan also comes recomputed,
+layer by layer as Megatron-LM's full recomputation: per micro-batch only what each layer
+receives is kept, one layer's activations at a time in backward, and the forward runs twice.
+The DP uses these where memory demands it.
+
+Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved once
+per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
+than ``exact_up_to`` layers are priced as sums of one-layer solves (`_telescoped`), so the solves
+grow with the distinct layers, not with L². The stages the DP picks are then solved whole
+(`solution`) with memory counted as the pipeline holds it, in-flight micro-batches included,
+and their real latency and peak memory replace the estimates.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from multiprocessing import get_context
+
+import numpy as np
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.mesh import factor_pairs, logical_mesh
-from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasibleIlpError
 from meshplan.ir.graph import Graph
 from meshplan.planner.inter.clustering import Layering
@@ -41,7 +46,7 @@ from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import extract
-from meshplan.planner.intra.ilp_problem import IlpSolution
+from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, peak_memory
 
 
 @dataclass(frozen=True)
@@ -50,23 +55,28 @@ class StageLabel:
     under, whether it is recomputed."""
 
     logical_shape: tuple[int, int]
-    budget: str        # "free", "limit" (the device-memory limit) or "lean" (see `_price`)
+    budget: str        # "free" (time-optimal) or "lean" (see `_price`)
     recompute: bool
 
 
 @dataclass(frozen=True)
 class StageSolution:
-    """A solved stage plan, kept so the chosen stages need no second solve."""
+    """A solved stage plan: the formulation, the ILP's answer, the stage's program, and as the
+    pipeline runs it (``in_flight`` micro-batches kept) its seconds per micro-batch and peak
+    bytes per device."""
 
     form: Formulation
     solution: IlpSolution
     graph: Graph
+    latency: float = 0.0
+    memory_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
 class _Costed:
-    """A priced stage plan: seconds per micro-batch without the inbound transfer (run once,
-    and recomputed) and its bytes per device (state, activations, received inputs)."""
+    """A priced one-layer (or exact) stage plan: seconds per micro-batch without the inbound
+    transfer (run once, and recomputed) and its bytes per device (state, activations, received
+    inputs)."""
 
     latency: float
     recompute_latency: float
@@ -74,18 +84,14 @@ class _Costed:
     act: float
     inputs: float
 
-    def __add__(self, o: "_Costed") -> "_Costed":
-        return _Costed(self.latency + o.latency, self.recompute_latency + o.recompute_latency,
-                       self.state + o.state, self.act + o.act, self.inputs + o.inputs)
-
 
 @dataclass
 class StageProfiler:
     """``profile(start, end, submesh)`` for `PipelineProblem` (module docstring).
 
-    ``graph``: the traced program at one micro-batch's size, at the compute dtype. With
-    ``exact_up_to`` layers or fewer, or when ``telescope`` is off, every range is solved as it
-    is; longer ranges are priced by telescoping (`_telescoped`) and solved only when chosen.
+    ``graph``: the traced program at one micro-batch's size, at the compute dtype. Ranges of
+    ``exact_up_to`` layers or fewer are solved as they are; longer ranges are priced by
+    telescoping (`_telescoped`) and solved whole only when chosen (`solution`).
     """
 
     graph: Graph
@@ -96,15 +102,15 @@ class StageProfiler:
     microbatches: int
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
-    telescope: bool = True
+    exact_up_to: int = 1
     solves: int = 0
 
     def __post_init__(self) -> None:
-        self._by_key: dict[tuple, tuple[StageOption, ...]] = {}
         self._costed: dict[tuple, _Costed | None] = {}
-        self._solutions: dict[tuple, StageSolution] = {}
+        self._forms: dict[tuple, Formulation] = {}
         self._graphs: dict[tuple[int, int], Graph] = {}
         self._keys: dict[tuple[int, int], str] = {}
+        self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -116,79 +122,131 @@ class StageProfiler:
             self._keys[(start, end)] = structure_key(self.stage(start, end))
         return self._keys[(start, end)]
 
+    @property
+    def budgets(self) -> tuple[str, ...]:
+        return ("free",) if self.memory_limit is None else ("free", "lean")
+
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
         out = []
         # What a stage receives is what its first layer does (a one-layer program is cheaper
         # to build than the whole range).
-        transfer = self._transfer_time(self.stage(start, start + 1))
+        transfer = self.transfer_time(start)
         for shape in factor_pairs(submesh[0] * submesh[1]):
-            for budget in self._budgets(start, end):
-                c = self._range(start, end, submesh, shape, budget)
-                if c is not None:
-                    out += self._options(c, transfer, StageLabel(shape, budget, False))
+            for budget in self.budgets:
+                if end - start <= self.exact_up_to:
+                    c = self._exact(start, end, submesh, shape, budget)
+                    priced = None if c is None else (
+                        (c.latency, c.state, c.act + c.inputs),
+                        (c.recompute_latency, c.state + c.act, c.inputs))
+                else:
+                    priced = self._telescoped(start, end, submesh, shape, budget)
+                if priced is None:
+                    continue
+                (lat, state, act), (rc_lat, rc_state, rc_act) = priced
+                label = StageLabel(shape, budget, False)
+                if self.recompute != "full":
+                    out.append(StageOption(lat + transfer, state, act, label))
+                if self.recompute != "none":
+                    out.append(StageOption(rc_lat + transfer, rc_state, rc_act,
+                                           replace(label, recompute=True)))
         return tuple(out)
 
-    def _options(self, c: _Costed, transfer: float, label: StageLabel) -> list[StageOption]:
-        out = []
-        if self.recompute != "full":
-            out.append(StageOption(c.latency + transfer, c.state, c.act + c.inputs, label))
-        if self.recompute != "none":
-            out.append(StageOption(c.recompute_latency + transfer, c.state + c.act, c.inputs,
-                                   replace(label, recompute=True)))
-        return out
-
-    def _whole(self, start: int, end: int) -> bool:
-        return not self.telescope or end - start <= 2
-
-    def _budgets(self, start: int, end: int) -> tuple[str, ...]:
-        return ("free", "limit") if self._whole(start, end) else ("free", "lean")
-
-    def _range(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
-               budget: str) -> _Costed | None:
-        if self._whole(start, end):
-            return self._exact(start, end, submesh, shape, budget)
-        return self._telescoped(start, end, submesh, shape, budget)
-
     def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
-                    budget: str) -> _Costed | None:
-        """A stage of more than two layers as the sum of its layers, each priced as a one-layer
+                    budget: str) -> tuple[tuple[float, float, float], ...] | None:
+        """A stage of several layers as the sum of its layers, each priced as a one-layer
         stage: it receives its inputs in any layout and sends reduced outputs, so each boundary
         inside the stage is priced as a reduction plus a free relayout (Megatron's blocks
-        exchange a replicated residual stream, which is what that costs), and what a later
-        layer receives is kept as an activation. Repeated layers share one solve, so a range
-        of any length costs a handful of one-layer solves; the stages the DP picks are solved
-        whole afterwards."""
-        total = self._exact(start, start + 1, submesh, shape, budget)
-        for m in range(start + 1, end):
-            layer = self._exact(m, m + 1, submesh, shape, budget)
-            if total is None or layer is None:
-                return None
-            total = total + replace(layer, act=layer.act + layer.inputs, inputs=0.0)
-        return total
+        exchange a replicated residual stream, which is what that costs). Without
+        recomputation, what each layer receives is kept per micro-batch with its activations;
+        recomputed layer by layer (Megatron's full recomputation), only what each layer
+        receives is kept per micro-batch, and one layer's activations at a time in backward.
+        Repeated layers share one solve, and prefix sums price any range in constant time;
+        the stages the DP picks are then solved whole. Returns ((latency, state, kept per
+        micro-batch) plain, the same recomputed), or None if a layer has no plan."""
+        sums, missing, act_max = self._layer_sums(submesh, shape, budget)
+        if missing[end] - missing[start]:
+            return None
+        lat, rc_lat, state, kept, inputs = (sums[end] - sums[start]).tolist()
+        # Differences of prefix sums may round a zero to a tiny negative.
+        state, kept, inputs = max(state, 0.0), max(kept, 0.0), max(inputs, 0.0)
+        return ((lat, state, kept), (rc_lat, state + act_max[start, end - 1], inputs))
+
+    def _layer_sums(self, submesh: Submesh, shape: tuple[int, int], budget: str
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer of ``submesh``/``shape``/``budget``: prefix sums over layers of (latency,
+        recomputed latency, state, activations + inputs, inputs) (``sums[m]``: the layers before
+        m), of the layers without a plan (``missing``), and ``act_max[i, j]`` the largest
+        activations of layers i..j."""
+        key = (submesh, shape, budget)
+        if key not in self._sums:
+            n = self.layering.num_layers
+            rows, bad = np.zeros((n, 5)), np.zeros(n, dtype=np.int64)
+            for m in range(n):
+                c = self._exact(m, m + 1, submesh, shape, budget)
+                if c is None:
+                    bad[m] = 1
+                else:
+                    rows[m] = (c.latency, c.recompute_latency, c.state, c.act + c.inputs,
+                               c.inputs)
+            act_max = np.zeros((n, n))
+            for m in range(n):
+                act_max[m, m:] = np.maximum.accumulate(rows[m:, 3] - rows[m:, 4])
+            self._sums[key] = (np.vstack([np.zeros((1, 5)), np.cumsum(rows, axis=0)]),
+                               np.concatenate([[0], np.cumsum(bad)]), act_max)
+        return self._sums[key]
+
+    def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None) -> None:
+        """Price every distinct one-layer structure on every submesh and logical shape ahead of
+        the DP, which asks for all of them anyway. The solves are independent, so with many of
+        them they run on ``workers`` forked processes (default: the usable cores; fork shares
+        the program without pickling it); results are identical to pricing on demand."""
+        firsts: dict[str, int] = {}
+        for m in range(self.layering.num_layers):
+            firsts.setdefault(self.key(m, m + 1), m)
+        tasks = [(m, sub, shape) for m in firsts.values() for sub in submeshes
+                 for shape in factor_pairs(sub[0] * sub[1])
+                 if (self.key(m, m + 1), sub, shape, "free") not in self._costed]
+        workers = workers or _usable_cores()
+        if workers > 1 and len(tasks) >= PARALLEL_FROM_TASKS:
+            global _FORKED
+            _FORKED = self
+            try:
+                with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+                    priced = list(pool.map(_price_forked, tasks,
+                                           chunksize=max(1, len(tasks) // (8 * workers))))
+            finally:
+                _FORKED = None
+        else:
+            priced = [self._price_all(*t) for t in tasks]
+        for (m, sub, shape), (costs, solves) in zip(tasks, priced):
+            self.solves += solves if workers > 1 and len(tasks) >= PARALLEL_FROM_TASKS else 0
+            for budget, c in zip(self.budgets, costs):
+                self._costed[(self.key(m, m + 1), sub, shape, budget)] = c
+
+    def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
+                   ) -> tuple[tuple[_Costed | None, ...], int]:
+        before = self.solves
+        costs = tuple(self._exact(m, m + 1, submesh, shape, b) for b in self.budgets)
+        return costs, self.solves - before
 
     def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                budget: str) -> _Costed | None:
         key = (self.key(start, end), submesh, shape, budget)
         if key not in self._costed:
-            self._costed[key] = self._price(self.stage(start, end), key, submesh, shape, budget)
+            self._costed[key] = self._price(start, end, submesh, shape, budget)
         return self._costed[key]
 
-    def solution(self, start: int, end: int, submesh: Submesh, label: StageLabel
-                 ) -> StageSolution:
-        """The solved plan behind an option the DP chose, solved whole now if it was priced
-        by parts (a lean one under the memory limit, else at its own leanest)."""
-        g = self.stage(start, end)
-        base = (self.key(start, end), submesh, label.logical_shape)
-        kinds = [label.budget] if label.budget != "lean" else ["limit", "lean"]
-        if label.budget == "free" or self.memory_limit is None:
-            kinds = ["free"]
-        for kind in kinds:
-            if (*base, kind) not in self._solutions:
-                self._price(g, (*base, kind), submesh, label.logical_shape, kind, force=True)
-            if (*base, kind) in self._solutions:
-                return self._solutions[(*base, kind)]
-        raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on {submesh} "
-                             "has no plan although the DP chose one")
+    def transfer_time(self, start: int) -> float:
+        """Receiving a stage's activations and sending their gradients back, per micro-batch,
+        over the slowest link between stages (another host's when the cluster has several)."""
+        g = self.stage(start, start + 1)
+        received = [n for n in g.nodes if n.role == "input" and n.op == "input"
+                    and not n.state_name]
+        nbytes = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in received)
+        if not nbytes:
+            return 0.0
+        link = self.cluster.inter_host if self.cluster.num_hosts > 1 else self.cluster.intra_host
+        return link.latency + nbytes / link.bandwidth
 
     # ------------------------------------------------------------------ one logical shape
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
@@ -197,78 +255,151 @@ class StageProfiler:
         return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_bytes_per_param,
                            microbatches=self.microbatches)
 
-    def _price(self, g: Graph, key: tuple, submesh: Submesh, shape: tuple[int, int],
-               budget: str, force: bool = False) -> _Costed | None:
-        """The time-optimal plan of ``g`` under ``budget``: "free" (none), "limit" (the device
-        memory limit; only sought when the free plan exceeds it, unless ``force``), "lean"
-        (5 % above the smallest memory any plan of ``g`` needs)."""
-        if budget == "limit":
-            free = self._exact_free(g, key, submesh, shape)
-            if self.memory_limit is None or (not force and (
-                    free is None or free.state + free.act + free.inputs <= self.memory_limit)):
-                return None
-        ctx = self._context(submesh, shape)
-        form = formulate(resolve_choices(g, shape, self.options), ctx,
-                         None if budget == "free" else self.memory_limit or 0.0,
+    def _form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
+              ) -> Formulation:
+        """The stage's ILP with one live set of everything (budget unset), built once per
+        structure, submesh and logical shape and shared by its variants (its node names are
+        those of the first range of that structure)."""
+        key = (self.key(start, end), submesh, shape)
+        if key not in self._forms:
+            self._forms[key] = self._formulate(start, end, submesh, shape)
+        return self._forms[key]
+
+    def _formulate(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
+                   ) -> Formulation:
+        form = formulate(resolve_choices(self.stage(start, end), shape, self.options),
+                         self._context(submesh, shape), 0.0,
                          share_blocks=self.options.share_blocks)
-        if budget == "lean":  # the same problem, bounded just above its smallest memory
-            form = replace(form, problem=replace(
-                form.problem, memory_budget=min_memory(form.problem) * 1.05))
-        s = self._solve(g, form, key)
+        return replace(form, problem=replace(form.problem, memory_budget=None))
+
+    def _price(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+               budget: str) -> _Costed | None:
+        """The time-optimal plan of the stage, "free" (no memory bound) or "lean" (the fastest
+        within 5 % of the smallest memory any plan of it needs: ZeRO, tensor parallelism)."""
+        form = self._form(start, end, submesh, shape)
+        problem = replace(form.problem, live_sets=()) if budget == "free" else replace(
+            form.problem, memory_budget=min_memory(form.problem) * 1.05)
+        s = self._solve(start, end, form, problem)
         if s is None:
             return None
-        state, act, inputs = self._memory(s, split_inputs=True)
-        return _Costed(self._latency(s), self._recompute_latency(s, ctx), state, act, inputs)
+        state, act, inputs = _memory_parts(s)
+        return _Costed(self._latency(s), self._recompute_latency(s), state, act, inputs)
 
-    def _exact_free(self, g: Graph, key: tuple, submesh: Submesh, shape: tuple[int, int]
-                    ) -> _Costed | None:
-        free_key = (*key[:3], "free")
-        if free_key not in self._costed:
-            self._costed[free_key] = self._price(g, free_key, submesh, shape, "free")
-        return self._costed[free_key]
+    def solutions(self, chosen: list[tuple[int, int, Submesh, StageLabel, int]]
+                  ) -> list[StageSolution]:
+        """The plans behind the options the DP chose, ``(start, end, submesh, label,
+        in_flight)`` each, solved whole (module docstring): the fastest whose memory with its
+        in-flight micro-batches kept (`_in_flight_problem`) fits the device limit, or without a
+        limit the fastest; where nothing fits, the leanest. Stages of one structure on one
+        submesh and plan kind share one solve, at the most micro-batches any of them keeps (a
+        plan that fits it fits the others), so a long pipeline of repeated blocks costs a
+        few solves. Each carries its latency and peak memory as the pipeline runs it."""
+        shared: dict[tuple, IlpSolution] = {}
+        for start, end, submesh, label, in_flight in sorted(chosen, key=lambda c: -c[4]):
+            group = (self.key(start, end), submesh, label)
+            if group not in shared:
+                shared[group] = self._solve_whole(start, end, submesh, label, in_flight)
+        out = []
+        for start, end, submesh, label, in_flight in chosen:
+            # Formulated for this very range: the plan must name its own nodes. Ranges of one
+            # structure list their choices in the same order.
+            form = self._formulate(start, end, submesh, label.logical_shape)
+            s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
+                              self.stage(start, end))
+            weighted = _in_flight_problem(form, s.graph, self.layering, in_flight,
+                                          label.recompute)
+            latency = self._recompute_latency(s) if label.recompute else self._latency(s)
+            out.append(replace(s, latency=latency + self.transfer_time(start),
+                               memory_bytes=peak_memory(weighted, s.solution.choices)))
+        return out
 
-    def _solve(self, g: Graph, form: Formulation, key: tuple) -> StageSolution | None:
+    def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                     in_flight: int) -> IlpSolution:
+        form = self._formulate(start, end, submesh, label.logical_shape)
+        weighted = _in_flight_problem(form, self.stage(start, end), self.layering, in_flight,
+                                      label.recompute)
+        if self.memory_limit is None:
+            s = self._solve(start, end, form, replace(weighted, live_sets=()))
+        else:
+            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit))
+            if s is None:
+                s = self._solve(start, end, form, replace(
+                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)))
+        if s is None:
+            raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on "
+                                 f"{submesh} has no plan although the DP chose one")
+        return s.solution
+
+    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem
+               ) -> StageSolution | None:
         self.solves += 1
         try:
-            sol = solve(form.problem)
+            sol = solve(problem)
         except InfeasibleIlpError:
             return None
-        self._solutions[key] = StageSolution(form, sol, g)
-        return self._solutions[key]
+        return StageSolution(form, sol, self.stage(start, end))
 
     def _latency(self, s: StageSolution) -> float:
-        tie = s.form.ctx.tie_break * sum(self._memory(s))
+        tie = s.form.ctx.tie_break * sum(_memory_parts(s))
         return (s.solution.objective - tie) / self.microbatches
 
-    def _recompute_latency(self, s: StageSolution, ctx: CostContext) -> float:
+    def _recompute_latency(self, s: StageSolution) -> float:
         """The same plan with its forward run again in backward: its compute and forward
         collectives once more (`extract` prices a fixed plan without rebuilding the ILP)."""
+        ctx = s.form.ctx
         again = replace(ctx, recompute=True)
         once = extract(s.form, s.solution.choices, ctx).step_time_s
         twice = extract(replace(s.form, ctx=again), s.solution.choices, again).step_time_s
         return self._latency(s) + (twice - once) / self.microbatches
 
-    def _memory(self, s: StageSolution, split_inputs: bool = False) -> tuple[float, ...]:
-        """(state, activations[, inputs]) bytes per device of a solved stage."""
-        mem, roots = s.form.problem.node_memory, s.form.roots
-        by = s.graph.by_name
-        parts = {"param": 0.0, "act": 0.0, "in": 0.0}
-        for i, r in enumerate(roots):
-            role = by[r].role
-            part = "param" if role == "param" else "in" if role in ("input", "target") \
-                else "act"
-            parts[part] += mem[i][s.solution.choices[i]]
-        if split_inputs:
-            return parts["param"], parts["act"], parts["in"]
-        return parts["param"], parts["act"] + parts["in"]
 
-    def _transfer_time(self, g: Graph) -> float:
-        """Receiving the stage's activations and sending their gradients back, per micro-batch,
-        over the slowest link between stages (another host's when the cluster has several)."""
-        received = [n for n in g.nodes if n.role == "input" and n.op == "input"
-                    and not n.state_name]
-        nbytes = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in received)
-        if not nbytes:
-            return 0.0
-        link = self.cluster.inter_host if self.cluster.num_hosts > 1 else self.cluster.intra_host
-        return link.latency + nbytes / link.bandwidth
+# Below this many one-layer pricings, forking workers costs more than it saves.
+PARALLEL_FROM_TASKS = 48
+_FORKED: StageProfiler | None = None   # the profiler forked workers price for
+
+
+def _price_forked(task: tuple[int, Submesh, tuple[int, int]]
+                  ) -> tuple[tuple[_Costed | None, ...], int]:
+    assert _FORKED is not None, "prefetch sets the profiler before forking"
+    return _FORKED._price_all(*task)
+
+
+def _usable_cores() -> int:
+    env = os.environ.get("MESHPLAN_WORKERS")
+    if env:
+        return max(1, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
+def _memory_parts(s: StageSolution) -> tuple[float, float, float]:
+    """(state, activations, received inputs) bytes per device of a solved stage."""
+    mem, roots, by = s.form.problem.node_memory, s.form.roots, s.graph.by_name
+    parts = {"param": 0.0, "act": 0.0, "in": 0.0}
+    for i, r in enumerate(roots):
+        role = by[r].role
+        part = "param" if role == "param" else "in" if role in ("input", "target") else "act"
+        parts[part] += mem[i][s.solution.choices[i]]
+    return parts["param"], parts["act"], parts["in"]
+
+
+def _in_flight_problem(form: Formulation, stage: Graph, layering: Layering, in_flight: int,
+                       recompute: bool) -> IlpProblem:
+    """The stage's ILP with memory as the pipeline holds it with ``in_flight`` micro-batches:
+    state once; without recomputation every activation and input ``in_flight`` times;
+    recomputed layer by layer, the inputs and every value a layer passes to a later layer
+    ``in_flight`` times, plus one layer's activations (a live set per layer)."""
+    where, users = layering.layer_of, stage.users
+    kept, per_layer = [], {}
+    scaled = []
+    for i, r in enumerate(form.roots):
+        n = stage.by_name[r]
+        once = n.role == "param" or (recompute and n.role == "op" and not any(
+            where.get(u, -1) > where.get(r, -1) for u in users[r]))
+        scaled.append(tuple(m * (1 if once else in_flight) for m in form.problem.node_memory[i]))
+        if once and n.role != "param":
+            per_layer.setdefault(where.get(r, -1), []).append(i)
+        else:
+            kept.append(i)
+    live = tuple(tuple(kept + ids) for ids in per_layer.values()) or (tuple(kept),)
+    return replace(form.problem, node_memory=tuple(scaled), live_sets=live)
