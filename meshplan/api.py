@@ -27,9 +27,9 @@ from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
-METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "data", "zero2", "zero3",
-           "megatron", "heuristic", "expert")
-PIPELINE_METHODS = ("auto", "inter-only", "equal-layer")
+METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "equal-operator", "data",
+           "zero2", "zero3", "megatron", "heuristic", "expert")
+PIPELINE_METHODS = ("auto", "inter-only", "equal-layer", "equal-operator")
 
 
 def method_options(method: str, *, force_batch_dim: int | None = None,
@@ -39,7 +39,7 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
         raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
-    if method not in ("auto", "intra-only", "equal-layer"):
+    if method not in ("auto", "intra-only", "equal-layer", "equal-operator"):
         opts["full_split"] = True
     if method in ("data", "zero2", "zero3", "inter-only"):
         opts["force_data_parallel"] = True
@@ -148,7 +148,10 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
     which the runtime cannot run yet. "intra-only", or "auto" with a ``mesh_shape``, plans one
-    stage over the whole mesh.
+    stage over the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
+    parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
+    of equal op counts instead of operator clustering); they refuse a ``mesh_shape`` and
+    ``alpha``/``beta``.
 
     Raises ValueError on bad input, InfeasiblePlanError when no single-stage plan fits the
     budget and NoPipelineError when no pipeline does.

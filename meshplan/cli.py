@@ -120,7 +120,8 @@ def _add_plan_parser(subparsers: Any) -> None:
                    help="abstract inverse bandwidth per mesh axis (with --alpha)")
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="auto = both levels searched (pipeline stages without --mesh); "
-                        "intra-only = one stage; inter-only / equal-layer = Alpa's ablations; "
+                        "intra-only = one stage; inter-only / equal-layer / equal-operator = "
+                        "Alpa's ablations; "
                         "others force a hand-style plan (default: auto)")
     p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
                    help="split the batch dim of every op over this mesh axis (0 or 1)")

@@ -34,6 +34,9 @@ FLOPs to the last layer at L = number of blocks. When no split satisfies the bou
 (from at least `MIN_RELAXED_DELTA`) until one does; `Layering.delta` is the δ used. If
 FLOP_total is 0, each op weighs 1, so layers are balanced by op count.
 
+Alpa's "equal operator" ablation (§8.4, ``balance="ops"``) replaces both DPs by cuts at equal
+op counts, blind to FLOPs and to what crosses a cut.
+
 Choosing L (`default_num_layers`): Alpa picks "a small L from the number of devices and the
 number of heavy ops". Here the target is ``min(2 · devices, heavy ops // 3)``: two layers per
 device leave the stage DP room to balance, and Alpa keeps at least 3 heavy ops (matmul, conv,
@@ -58,6 +61,7 @@ DEFAULT_DELTA = 0.5
 MIN_RELAXED_DELTA = 0.125
 HEAVY_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
 MIN_HEAVY_PER_LAYER = 3
+BALANCES = ("flops", "ops")
 LAYERS_PER_DEVICE = 2
 # Slack on the FLOP bound so rounding in prefix sums never excludes a split that meets it.
 _REL_TOL = 1e-9
@@ -209,14 +213,23 @@ def _check_args(num_ops: int, num_layers: int, delta: float) -> None:
         raise ValueError(f"delta={delta!r}: must be a finite float >= 0")
 
 
-def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA) -> Layering:
-    """Cluster ``graph``'s ops into ``num_layers`` contiguous layers by eq. 6 (module docstring).
+def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA,
+                   balance: str = "flops") -> Layering:
+    """Cluster ``graph``'s ops into ``num_layers`` contiguous layers.
 
-    ``delta`` is the FLOP imbalance tolerated per layer, relaxed (doubled) when infeasible.
-    Raises ValueError if ``num_layers`` is not in [1, number of op nodes] or ``delta`` < 0.
+    ``balance="flops"``: by eq. 6 (module docstring); ``delta`` is the FLOP imbalance tolerated
+    per layer, relaxed (doubled) when infeasible. ``balance="ops"``: Alpa's "equal operator"
+    ablation (§8.4) — layers of equal op counts (within one), cut wherever that falls, no DP.
+    Raises ValueError if ``num_layers`` is not in [1, number of op nodes], ``delta`` < 0 or
+    ``balance`` is neither.
     """
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: must be one of {BALANCES}")
     ops = _op_table(graph)
     _check_args(len(ops.names), num_layers, delta)
+    if balance == "ops":
+        cuts = [j * len(ops.names) // num_layers for j in range(num_layers)]
+        return _assemble(graph, ops, cuts, float(delta), float(delta))
     prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
     used, starts = _resolve_delta(prefix, num_layers, float(delta))
     max_inbound = _min_max_inbound(ops, starts, num_layers)

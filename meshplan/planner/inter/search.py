@@ -11,7 +11,8 @@ B from the user). A pipeline of one stage is returned as that stage's own intra-
 
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
-best S, instead of the DP's uneven stages.
+best S, instead of the DP's uneven stages; "equal-operator" clusters layers of equal op counts
+instead of eq. 6 (`clustering.py`), then runs the same DP.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     graph = with_compute_dtype(traced, req.dtype)
     cl = req.cluster
     num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
-    layering = cluster_layers(graph, num_layers)
+    layering = cluster_layers(graph, num_layers,
+                              balance="ops" if req.method == "equal-operator" else "flops")
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
                              req.budget, req.recompute)
     shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
