@@ -262,7 +262,7 @@ def _inbound_bytes(graph: Graph, names: list[str]) -> int:
     return sum(graph.by_name[x].out.nbytes for x in outside)
 
 
-def _repeat_count(graph: Graph) -> int:
+def repeat_count(graph: Graph) -> int:
     """How often the program's repeated unit occurs (1 if none): heavy ops are grouped by kind
     (op, operand shapes, output shape); n is the commonest count among kinds seen more than once
     (the larger on a tie), if kinds whose count is a multiple of n hold at least half the heavy
@@ -291,6 +291,6 @@ def default_num_layers(graph: Graph, num_devices: int) -> int:
     num_heavy = sum(n.role == "op" and n.op in HEAVY_OPS for n in graph.nodes)
     target = max(1, min(LAYERS_PER_DEVICE * num_devices, num_heavy // MIN_HEAVY_PER_LAYER,
                         num_ops))
-    repeats = _repeat_count(graph)
+    repeats = repeat_count(graph)
     even = max(d for d in range(1, min(repeats, target) + 1) if repeats % d == 0)
     return even if repeats > 1 and (even == repeats or 2 * even >= target) else target

@@ -12,7 +12,8 @@ B from the user). A pipeline of one stage is returned as that stage's own intra-
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
 best S, instead of the DP's uneven stages; "equal-operator" clusters layers of equal op counts
-instead of eq. 6 (`clustering.py`), then runs the same DP.
+instead of eq. 6 (`clustering.py`), then runs the same DP. Hand-style pipelines (Megatron-LM's
+dp x tp x pp) are priced in `manual.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem, Profile,
                                                   gpipe, one_f_one_b, submesh_shapes)
-# The result of a search and its Plan, shared with other pipeline methods.
+# The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
 from meshplan.planner.inter.to_plan import FoundPipeline as _Found
 from meshplan.planner.inter.to_plan import pipeline_plan as _to_plan
 from meshplan.planner.intra.choices import IntraOptions

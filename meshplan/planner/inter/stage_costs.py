@@ -86,6 +86,7 @@ class StageProfiler:
     ``graph``: the traced program at one micro-batch's size, at the compute dtype. With
     ``exact_up_to`` layers or fewer, or when ``telescope`` is off, every range is solved as it
     is; longer ranges are priced by telescoping (`_telescoped`) and solved only when chosen.
+    ``logical_shapes`` restricts the logical meshes priced (a hand-style method's own).
     """
 
     graph: Graph
@@ -97,6 +98,7 @@ class StageProfiler:
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
     telescope: bool = True
+    logical_shapes: frozenset[tuple[int, int]] | None = None  # None: every (r, c) of a submesh
     solves: int = 0
 
     def __post_init__(self) -> None:
@@ -122,6 +124,8 @@ class StageProfiler:
         # to build than the whole range).
         transfer = self._transfer_time(self.stage(start, start + 1))
         for shape in factor_pairs(submesh[0] * submesh[1]):
+            if self.logical_shapes is not None and shape not in self.logical_shapes:
+                continue
             for budget in self._budgets(start, end):
                 c = self._range(start, end, submesh, shape, budget)
                 if c is not None:

@@ -1,7 +1,8 @@
 """A chosen pipeline as a `Plan`: stages placed on the cluster, each stage's intra-operator plan
 from the solve the profiler kept, the whole step's prediction (Alpa eq. 2).
 
-Shared by every method that ends in a `PipelineSolution` priced by a `StageProfiler`.
+Shared by every method that ends in a `PipelineSolution` priced by a `StageProfiler`: the
+two-level search (`search.py`) and the hand-style pipelines (`manual.py`).
 """
 
 from __future__ import annotations
