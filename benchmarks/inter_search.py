@@ -22,6 +22,9 @@ CASES = {
                      "p3.16xlarge:1", {"microbatches": 8}),
     "gpt-1.3b-2x8": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=128",
                      "p3.16xlarge:2", {"microbatches": 16}),
+    # Every Megatron-LM configuration (dp, tp, pp, micro-batch size 1-8) of 8 GPUs.
+    "gpt-1.3b-1x8-megatron-grid": ("gpt:preset=1.3b,batch=1024", "p3.16xlarge:1",
+                                   {"method": "megatron-grid"}),
 }
 
 _ONE_RUN = """

@@ -18,6 +18,9 @@ from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
+from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
+                                                  parse_megatron_spec)
 from meshplan.planner.inter.search import PipelineRequest, resolve_schedule, search_pipeline
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
@@ -27,19 +30,42 @@ from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
-METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "data", "zero2", "zero3",
-           "megatron", "heuristic", "expert")
-PIPELINE_METHODS = ("auto", "inter-only", "equal-layer")
+METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "equal-operator", "data",
+           "zero2", "zero3", "megatron", "megatron-grid", "heuristic", "expert")
+PIPELINE_METHODS = ("auto", "inter-only", "equal-layer", "equal-operator", "megatron-grid")
+
+
+def check_method(method: str) -> str:
+    """``method`` if it is one of `METHODS` or a Megatron configuration ``megatron:dp=..``
+    (checked by `parse_megatron_spec`); else ValueError naming the valid methods."""
+    if is_megatron_spec(method):
+        parse_megatron_spec(method)
+    elif method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}, "
+                         f"{SPEC_FORM}")
+    return method
+
+
+def is_pipeline_method(method: str) -> bool:
+    """Whether ``method`` plans pipeline stages on submeshes of the cluster."""
+    return method in PIPELINE_METHODS or is_megatron_spec(method)
+
+
+def _is_megatron(method: str) -> bool:
+    """Megatron-LM's pipelines: one configuration, or the grid of them."""
+    return method == "megatron-grid" or is_megatron_spec(method)
 
 
 def method_options(method: str, *, force_batch_dim: int | None = None,
                    prefer_reduce_scatter: bool = False) -> dict[str, Any]:
-    """IntraOptions fields of a planning method (``auto`` is the unconstrained ILP)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
+    """IntraOptions fields of a planning method (``auto`` is the unconstrained ILP). Megatron
+    pipelines ("megatron:dp=..", "megatron-grid") plan each stage as method "megatron"."""
+    check_method(method)
+    if _is_megatron(method):
+        method = "megatron"
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
-    if method not in ("auto", "intra-only", "equal-layer"):
+    if method not in ("auto", "intra-only", "equal-layer", "equal-operator"):
         opts["full_split"] = True
     if method in ("data", "zero2", "zero3", "inter-only"):
         opts["force_data_parallel"] = True
@@ -109,7 +135,6 @@ def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> Infe
     if method != "auto":
         tips.append("Method 'auto' may find a plan that uses less memory (ZeRO-3, tensor "
                     "parallelism).")
-    tips.append("Pipeline stages are not implemented yet.")
     return InfeasiblePlanError(budget, need, " ".join(tips))
 
 
@@ -148,10 +173,23 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
     which the runtime cannot run yet. "intra-only", or "auto" with a ``mesh_shape``, plans one
-    stage over the whole mesh.
+    stage over the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
+    parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
+    of equal op counts instead of operator clustering).
+
+    Megatron-LM's 3-D parallelism (`planner/inter/manual.py`): ``"megatron:dp=D,tp=T,pp=P"``
+    with optional ``mb=M`` (micro-batch size per replica, so B = batch / (D·M); searched
+    without it; then ``microbatches`` must be "auto") and ``virtual=V`` (only 1: interleaved
+    1F1B is not implemented) plans P equal stages of D·T devices, each data parallel over D and
+    tensor parallel over T; D·T·P must be the cluster's device count. "megatron-grid" returns
+    the fastest such configuration that fits (tp a power of two within a host, micro-batch
+    sizes 1-8). The plan's ``options["megatron"]`` records dp, tp, pp and mb. "megatron" alone
+    is one stage on the whole mesh, data parallel on axis 0 and tensor parallel on axis 1.
+    Pipeline methods other than "auto" refuse a ``mesh_shape`` and ``alpha``/``beta``.
 
     Raises ValueError on bad input, InfeasiblePlanError when no single-stage plan fits the
-    budget and NoPipelineError when no pipeline does.
+    budget (or no Megatron configuration does) and NoPipelineError when no pipeline does;
+    NotImplementedError for interleaved 1F1B.
     """
     t0 = time.perf_counter()
     cl = _cluster(cluster)
@@ -169,7 +207,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
     schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
-    if method in PIPELINE_METHODS[1:] and (mesh_shape is not None or abstract):
+    if is_pipeline_method(method) and method != "auto" and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
                          "cluster: give no mesh_shape and no alpha/beta")
     # Parameters, gradients and optimizer state sharded over every device already exceeding
@@ -179,11 +217,12 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
         model, cl.num_devices, opt.state_bytes_per_param()) > budget
     if state_too_large:
         counts = counts[-1:]
-    elif method in PIPELINE_METHODS and mesh_shape is None and not abstract \
-            and cl.num_devices > 1:
+    elif is_pipeline_method(method) and mesh_shape is None and not abstract \
+            and (cl.num_devices > 1 or _is_megatron(method)):
         try:
             return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                                  counts, num_layers, name, recompute, method, schedule)
+                                  counts, num_layers, name, recompute, method, schedule,
+                                  microbatches)
         except InfeasiblePlanError:
             if method != "auto":
                 raise
@@ -223,13 +262,23 @@ def _whole_mesh_stage(p: Plan, cl: Cluster) -> StagePlan:
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
-                   method: str, schedule: str) -> Plan:
+                   method: str, schedule: str, microbatches: int | str) -> Plan:
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
                           step.dtype, num_layers, name, method, recompute, schedule)
+    fixed = None if microbatches == "auto" else int(microbatches)
+    if method == "megatron-grid":
+        return plan_megatron_grid(graph_for, batch_size(example_batch), fixed, req)
+    if is_megatron_spec(method):
+        spec = parse_megatron_spec(method)
+        if spec.mb is not None and fixed is not None:
+            raise ValueError(f"{method} fixes the micro-batch size (mb={spec.mb}); give "
+                             f"microbatches='auto', not {fixed}")
+        return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
+                             replace(req, method=str(spec)))
     return search_pipeline(graph_for, counts, req)
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-from meshplan.api import METHODS, plan
+from meshplan.api import check_method, plan
 from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.mesh import parse_mesh_shape
 from meshplan.errors import InfeasiblePlanError
@@ -79,6 +79,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _method(text: str) -> str:
+    try:
+        return check_method(text.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _microbatches(text: str) -> int | str:
     return "auto" if text.strip() == "auto" else _positive_int(text)
 
@@ -118,10 +125,15 @@ def _add_plan_parser(subparsers: Any) -> None:
                    help="abstract latency per mesh axis (with --beta; objective in α-β units)")
     p.add_argument("--beta", type=_float_pair, metavar="B0,B1",
                    help="abstract inverse bandwidth per mesh axis (with --alpha)")
-    p.add_argument("--method", choices=METHODS, default="auto",
+    p.add_argument("--method", type=_method, default="auto", metavar="METHOD",
                    help="auto = both levels searched (pipeline stages without --mesh); "
-                        "intra-only = one stage; inter-only / equal-layer = Alpa's ablations; "
-                        "others force a hand-style plan (default: auto)")
+                        "intra-only = one stage; inter-only / equal-layer / equal-operator = "
+                        "Alpa's ablations; megatron:dp=D,tp=T,pp=P[,mb=M] = Megatron-LM's "
+                        "3-D parallelism as configured (mb: micro-batch size per replica, "
+                        "searched if absent); megatron-grid = the fastest such configuration; "
+                        "data, zero2, zero3, megatron (one stage: dp on mesh axis 0, tp on "
+                        "axis 1), heuristic, expert = hand-style plans on one mesh "
+                        "(default: auto)")
     p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
                    help="split the batch dim of every op over this mesh axis (0 or 1)")
     p.add_argument("--prefer-reduce-scatter", action="store_true",

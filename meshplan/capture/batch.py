@@ -167,7 +167,10 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
 
 def _piece(x: Any, num: int, i: int) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.chunk(num, 0)[i] if x.dim() else x
+        if not x.dim():
+            return x
+        size = x.shape[0] // num  # one view, not all num chunks per piece (num² views)
+        return x.narrow(0, i * size, size)
     if isinstance(x, Mapping):
         return {k: _piece(v, num, i) for k, v in x.items()}
     if isinstance(x, (tuple, list)):

@@ -33,6 +33,8 @@ def summary(plan: Plan) -> str:
         f"{'s' if plan.num_stages != 1 else ''}"
         f"{' (' + plan.schedule + ')' if plan.num_stages > 1 else ''}",
     ]
+    if "megatron" in plan.options:
+        lines.append(_megatron(plan.options))
     if plan.params:
         lines.append("  parameter updates "
                      + ", ".join(f"{k}: {v}" for k, v in sorted(modes.items())))
@@ -40,6 +42,17 @@ def summary(plan: Plan) -> str:
         lines.append("  planned replicated (no signature): "
                      + ", ".join(plan.options["unsupported_ops"]))
     return "\n".join(lines)
+
+
+def _megatron(options: dict) -> str:
+    """The Megatron configuration of a "megatron:.." or "megatron-grid" plan."""
+    c = options["megatron"]
+    line = f"  megatron: dp={c['dp']},tp={c['tp']},pp={c['pp']},mb={c['mb']}"
+    grid = options.get("megatron_grid")
+    if grid:
+        fit = sum(r["step_time_s"] is not None for r in grid)
+        line += f" (the fastest of {fit} configurations that fit, {len(grid)} priced)"
+    return line
 
 
 def _search(plan: Plan) -> str:

@@ -34,6 +34,9 @@ FLOPs to the last layer at L = number of blocks. When no split satisfies the bou
 (from at least `MIN_RELAXED_DELTA`) until one does; `Layering.delta` is the δ used. If
 FLOP_total is 0, each op weighs 1, so layers are balanced by op count.
 
+Alpa's "equal operator" ablation (§8.4, ``balance="ops"``) replaces both DPs by cuts at equal
+op counts, blind to FLOPs and to what crosses a cut.
+
 Choosing L (`default_num_layers`): Alpa picks "a small L from the number of devices and the
 number of heavy ops". Here the target is ``min(2 · devices, heavy ops // 3)``: two layers per
 device leave the stage DP room to balance, and Alpa keeps at least 3 heavy ops (matmul, conv,
@@ -58,6 +61,7 @@ DEFAULT_DELTA = 0.5
 MIN_RELAXED_DELTA = 0.125
 HEAVY_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
 MIN_HEAVY_PER_LAYER = 3
+BALANCES = ("flops", "ops")
 LAYERS_PER_DEVICE = 2
 # Slack on the FLOP bound so rounding in prefix sums never excludes a split that meets it.
 _REL_TOL = 1e-9
@@ -209,14 +213,23 @@ def _check_args(num_ops: int, num_layers: int, delta: float) -> None:
         raise ValueError(f"delta={delta!r}: must be a finite float >= 0")
 
 
-def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA) -> Layering:
-    """Cluster ``graph``'s ops into ``num_layers`` contiguous layers by eq. 6 (module docstring).
+def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA,
+                   balance: str = "flops") -> Layering:
+    """Cluster ``graph``'s ops into ``num_layers`` contiguous layers.
 
-    ``delta`` is the FLOP imbalance tolerated per layer, relaxed (doubled) when infeasible.
-    Raises ValueError if ``num_layers`` is not in [1, number of op nodes] or ``delta`` < 0.
+    ``balance="flops"``: by eq. 6 (module docstring); ``delta`` is the FLOP imbalance tolerated
+    per layer, relaxed (doubled) when infeasible. ``balance="ops"``: Alpa's "equal operator"
+    ablation (§8.4) — layers of equal op counts (within one), cut wherever that falls, no DP.
+    Raises ValueError if ``num_layers`` is not in [1, number of op nodes], ``delta`` < 0 or
+    ``balance`` is neither.
     """
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: must be one of {BALANCES}")
     ops = _op_table(graph)
     _check_args(len(ops.names), num_layers, delta)
+    if balance == "ops":
+        cuts = [j * len(ops.names) // num_layers for j in range(num_layers)]
+        return _assemble(graph, ops, cuts, float(delta), float(delta))
     prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
     used, starts = _resolve_delta(prefix, num_layers, float(delta))
     max_inbound = _min_max_inbound(ops, starts, num_layers)
@@ -249,7 +262,7 @@ def _inbound_bytes(graph: Graph, names: list[str]) -> int:
     return sum(graph.by_name[x].out.nbytes for x in outside)
 
 
-def _repeat_count(graph: Graph) -> int:
+def repeat_count(graph: Graph) -> int:
     """How often the program's repeated unit occurs (1 if none): heavy ops are grouped by kind
     (op, operand shapes, output shape); n is the commonest count among kinds seen more than once
     (the larger on a tie), if kinds whose count is a multiple of n hold at least half the heavy
@@ -278,6 +291,6 @@ def default_num_layers(graph: Graph, num_devices: int) -> int:
     num_heavy = sum(n.role == "op" and n.op in HEAVY_OPS for n in graph.nodes)
     target = max(1, min(LAYERS_PER_DEVICE * num_devices, num_heavy // MIN_HEAVY_PER_LAYER,
                         num_ops))
-    repeats = _repeat_count(graph)
+    repeats = repeat_count(graph)
     even = max(d for d in range(1, min(repeats, target) + 1) if repeats % d == 0)
     return even if repeats > 1 and (even == repeats or 2 * even >= target) else target

@@ -14,31 +14,31 @@ profiled. A pipeline of one stage is returned as that stage's own intra-op plan.
 
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
-best S, instead of the DP's uneven stages.
+best S, instead of the DP's uneven stages; "equal-operator" clusters layers of equal op counts
+instead of eq. 6 (`clustering.py`), then runs the same DP. Hand-style pipelines (Megatron-LM's
+dp x tp x pp) are priced in `manual.py`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
-from meshplan.cost.cluster import Cluster, cluster_to_dict
-from meshplan.cost.mesh import logical_mesh
+from meshplan.cost.cluster import Cluster
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
-from meshplan.plan.plan import Plan, StagePlan
+from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
-from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
-from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
-                                                  PipelineSolution, Profile, gpipe,
-                                                  one_f_one_b, pipeline_latency,
-                                                  submesh_shapes)
+from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem, Profile,
+                                                  gpipe, one_f_one_b, submesh_shapes)
+# The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
+from meshplan.planner.inter.to_plan import FoundPipeline as _Found
+from meshplan.planner.inter.to_plan import pipeline_plan as _to_plan
 from meshplan.planner.intra.choices import IntraOptions
-from meshplan.planner.intra.to_plan import intra_plan
 
 # Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
 # same latency (Alpa eq. 2); 1F1B keeps fewer, so "auto" is 1F1B.
@@ -78,14 +78,6 @@ class PipelineRequest:
     method: str = "auto"
     recompute: str = "auto"
     schedule: str = "1f1b"
-
-
-@dataclass
-class _Found:
-    solution: PipelineSolution
-    profiler: StageProfiler
-    fingerprint: str
-    unsupported: tuple[str, ...]
 
 
 def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> Plan:
@@ -152,7 +144,8 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     graph = with_compute_dtype(traced, req.dtype)
     cl = req.cluster
     num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
-    layering = cluster_layers(graph, num_layers)
+    layering = cluster_layers(graph, num_layers,
+                              balance="ops" if req.method == "equal-operator" else "flops")
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
                              req.budget, req.recompute)
     shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
@@ -194,52 +187,3 @@ def _equal_layers(profile: StageProfiler, num_layers: int, num_stages: int,
             return ()
         return profile(start, end, submesh)
     return restricted
-
-
-def _to_plan(found: _Found, req: PipelineRequest, seconds: float) -> Plan:
-    cl, sol, prof = req.cluster, found.solution, found.profiler
-    devices = place_submeshes([s.submesh for s in sol.stages], cl.num_hosts,
-                              cl.devices_per_host)
-    stages = []
-    solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
-                                 for s in sol.stages])
-    for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
-        label = s.option.label
-        form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
-        sub = replace(cl, name=f"{cl.name}[stage {i}]", num_hosts=s.submesh[0],
-                      devices_per_host=s.submesh[1])
-        plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
-                          name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
-                          method=req.method, optimizer=req.optimizer, options=req.options,
-                          budget=req.budget, search_time_s=0.0, dtype=req.dtype,
-                          unsupported_ops=found.unsupported)
-        stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh, label.logical_shape,
-                                label.recompute, s.in_flight, solved.latency,
-                                solved.memory_bytes, plan))
-    # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
-    # estimates by parts.
-    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches)
-    stats = {"stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
-             "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
-    if len(stages) == 1:
-        only = stages[0].plan
-        assert only is not None
-        return replace(only, model=req.name, graph_fingerprint=found.fingerprint,
-                       cluster=cluster_to_dict(cl),
-                       search_time_s=seconds, ilp=only.ilp | stats,
-                       stages=(replace(stages[0], plan=None),),
-                       num_layers=prof.layering.num_layers)
-    mesh = logical_mesh(cl)
-    return Plan(model=req.name, graph_fingerprint=found.fingerprint,
-                mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
-                cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
-                ops=(), params=(), sources=(), collectives=(),
-                objective=step, objective_units="seconds",
-                search_time_s=seconds, ilp=stats,
-                predicted={"step_time_s": step,
-                           "peak_memory_bytes": max(s.memory_bytes for s in stages)},
-                dtype=req.dtype, microbatches=prof.microbatches,
-                recompute=any(s.recompute for s in stages), stages=tuple(stages),
-                schedule=req.schedule, num_layers=prof.layering.num_layers,
-                options={"memory_budget_bytes": req.budget,
-                         "unsupported_ops": list(found.unsupported)})

@@ -92,6 +92,7 @@ class StageProfiler:
     ``graph``: the traced program at one micro-batch's size, at the compute dtype. Ranges of
     ``exact_up_to`` layers or fewer are solved as they are; longer ranges are priced by
     telescoping (`_telescoped`) and solved whole only when chosen (`solution`).
+    ``logical_shapes`` restricts the logical meshes priced (a hand-style method's own).
     """
 
     graph: Graph
@@ -103,6 +104,7 @@ class StageProfiler:
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
     exact_up_to: int = 1
+    logical_shapes: frozenset[tuple[int, int]] | None = None  # None: every (r, c) of a submesh
     solves: int = 0
 
     def __post_init__(self) -> None:
@@ -122,6 +124,11 @@ class StageProfiler:
             self._keys[(start, end)] = structure_key(self.stage(start, end))
         return self._keys[(start, end)]
 
+    def shapes(self, submesh: Submesh) -> list[tuple[int, int]]:
+        """The logical meshes of ``submesh`` priced."""
+        return [s for s in factor_pairs(submesh[0] * submesh[1])
+                if self.logical_shapes is None or s in self.logical_shapes]
+
     @property
     def budgets(self) -> tuple[str, ...]:
         return ("free",) if self.memory_limit is None else ("free", "lean")
@@ -131,7 +138,7 @@ class StageProfiler:
         # What a stage receives is what its first layer does (a one-layer program is cheaper
         # to build than the whole range).
         transfer = self.transfer_time(start)
-        for shape in factor_pairs(submesh[0] * submesh[1]):
+        for shape in self.shapes(submesh):
             for budget in self.budgets:
                 if end - start <= self.exact_up_to:
                     c = self._exact(start, end, submesh, shape, budget)
@@ -204,7 +211,7 @@ class StageProfiler:
         for m in range(self.layering.num_layers):
             firsts.setdefault(self.key(m, m + 1), m)
         tasks = [(m, sub, shape) for m in firsts.values() for sub in submeshes
-                 for shape in factor_pairs(sub[0] * sub[1])
+                 for shape in self.shapes(sub)
                  if (self.key(m, m + 1), sub, shape, "free") not in self._costed]
         workers = workers or _usable_cores()
         if workers > 1 and len(tasks) >= PARALLEL_FROM_TASKS:

@@ -1,0 +1,299 @@
+"""Hand-style pipelines: one Megatron-LM configuration (``megatron:dp=D,tp=T,pp=P[,mb=M]``,
+`megatron_spec.py`) or the fastest of every configuration a Megatron user would try
+("megatron-grid"), priced on the cost model like the two-level search.
+
+A configuration. The program is clustered into L layers (`clustering.py`) and cut into P equal
+contiguous stages; L is the program's repeated-unit count n (a GPT's blocks, so a stage holds
+n / P of them, as Megatron divides ``--num-layers`` by the pipeline size), or the user's
+``num_layers``. Each stage runs on D·T devices (`stage_submesh`: part of one host, or whole
+hosts) as the logical mesh (D, T) with the intra-op options of method "megatron": the batch on
+axis 0, tensor parallelism on axis 1; parameter update modes (ZeRO) stay the ILP's choice, as
+for that method. Device i·T + j sits at mesh position (i, j) (`cost/mesh.py`), so with T at
+most a host's M devices and dividing it, axis 1's groups stay inside a host: tensor
+parallelism on the fast link, data parallelism across hosts, as Megatron places them. The
+micro-batch size M_b per replica makes B = global batch / (D·M_b) micro-batches; without it,
+B is searched among the counts like "auto".
+
+Its price. Each stage's options come from a `StageProfiler` that prices the mesh (D, T); each
+stage takes its fastest option (recomputed or not, per ``recompute``) that fits its in-flight
+micro-batches under the schedule (Alpa eq. 5). The step is Alpa eq. 2,
+``T = sum_i t_i + (B - 1) max_i t_i``, which grows with every t_i, so the per-stage fastest
+choices give the configuration's fastest step.
+
+The grid. Every (dp, tp, pp) with dp·tp·pp = N, tp a power of two within a host, pp dividing
+L; every micro-batch size a Megatron user tries: powers of two up to `MAX_MICRO_BATCH`
+dividing the batch per replica. One capture and one `StageProfiler` per micro-batch count
+serve all configurations of that count: the profiler caches each (layer structure, submesh,
+logical shape) solve, so every pp and every (dp, tp) of one stage size share them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import partial
+
+from meshplan.cost.precision import with_compute_dtype
+from meshplan.errors import InfeasiblePlanError, NoPipelineError
+from meshplan.ir.graph import Graph
+from meshplan.plan.plan import Plan
+from meshplan.planner.inter.clustering import cluster_layers, default_num_layers, repeat_count
+from meshplan.planner.inter.megatron_spec import (MegatronSpec, check_on_cluster,
+                                                  stage_submesh)
+from meshplan.planner.inter.search import SCHEDULES, GraphFor, PipelineRequest
+from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_problem import DpStats, StagePlacement, make_solution
+from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
+
+MAX_MICRO_BATCH = 8  # Megatron's GPT recipes use micro-batches of 1-8 sequences per replica
+
+
+def plan_megatron(graph_for: GraphFor, batch: int, spec: MegatronSpec, counts: list[int],
+                  req: PipelineRequest) -> Plan:
+    """The plan of one Megatron configuration (module docstring) for a global ``batch``; with
+    no ``spec.mb``, the fastest over the micro-batch ``counts`` that give whole micro-batches
+    per replica. Raises ValueError for a configuration that does not fit the cluster, the
+    layers or the batch; InfeasiblePlanError when it does not fit the memory budget."""
+    t0 = time.perf_counter()
+    check_on_cluster(spec, req.cluster.num_hosts, req.cluster.devices_per_host)
+    layers = partial(_layers_for, pp=spec.pp, req=req)
+    priced = (_price(_profiled(graph_for, b, req, layers, [spec]), spec.dp, spec.tp, spec.pp,
+                     req) for b in _counts_for(spec, batch, counts))
+    best, needs = None, []
+    for found in _fewest_first(priced):
+        if isinstance(found, NoPipelineError):
+            needs.append(found.min_memory_bytes)
+        else:
+            best = found
+    if best is None:
+        raise _infeasible(min(needs), req, f"{spec}")
+    mb = batch // (spec.dp * best.profiler.microbatches)
+    return _with_config(pipeline_plan(best, req, time.perf_counter() - t0),
+                        replace(spec, mb=mb), {})
+
+
+def plan_megatron_grid(graph_for: GraphFor, batch: int, microbatches: int | None,
+                       req: PipelineRequest) -> Plan:
+    """The fastest Megatron configuration that fits (module docstring); ``microbatches``
+    fixes the count (None: any). Raises ValueError when no configuration suits the cluster
+    and batch, InfeasiblePlanError when none fits the memory budget."""
+    t0 = time.perf_counter()
+    cl = req.cluster
+    by_count: dict[int, list[MegatronSpec]] = defaultdict(list)
+    for spec in megatron_grid(cl.num_hosts, cl.devices_per_host, batch, microbatches):
+        by_count[batch // (spec.dp * spec.mb)].append(spec)
+    best: tuple[FoundPipeline, MegatronSpec] | None = None
+    table, num_layers, solves = [], None, 0
+    for b in sorted(by_count):
+        specs = [s for s in by_count[b] if num_layers is None or num_layers % s.pp == 0]
+        if not specs:
+            continue
+        profiled = _profiled(graph_for, b, req, partial(_grid_layers, req=req), specs)
+        num_layers = profiled.profiler.layering.num_layers
+        for spec in (s for s in specs if num_layers % s.pp == 0):
+            found = _price(profiled, spec.dp, spec.tp, spec.pp, req)
+            table.append(_row(spec, found))
+            if not isinstance(found, NoPipelineError) and (
+                    best is None or found.solution.total_latency
+                    < best[0].solution.total_latency):
+                best = (found, spec)
+        solves += profiled.profiler.solves
+    if not table:
+        fixed = "" if microbatches is None else f" in {microbatches} micro-batches"
+        raise ValueError(f"no Megatron configuration of {cl.num_devices} devices splits a "
+                         f"batch of {batch}{fixed} into micro-batches of at most "
+                         f"{MAX_MICRO_BATCH} per replica")
+    if best is None:
+        raise _infeasible(min(r["memory_need_bytes"] for r in table), req,
+                          f"{len(table)} Megatron configurations")
+    fit = sum(r["step_time_s"] is not None for r in table)
+    plan = pipeline_plan(best[0], req, time.perf_counter() - t0)
+    return _with_config(plan, best[1], {"stage_solves": solves, "configs_priced": len(table),
+                                        "configs_fit": fit}, table)
+
+
+def megatron_grid(num_hosts: int, devices_per_host: int, batch: int,
+                  microbatches: int | None = None) -> list[MegatronSpec]:
+    """Every configuration of the grid (module docstring) on the cluster, before the layer
+    count is known (pp is then restricted to its divisors); ``microbatches``, if given, fixes
+    batch / (dp * mb)."""
+    n, out = num_hosts * devices_per_host, []
+    for pp in (p for p in range(1, n + 1) if n % p == 0):
+        for tp in (t for t in _powers_of_two(devices_per_host) if (n // pp) % t == 0):
+            dp = n // (pp * tp)
+            if batch % dp or not _tiles(dp * tp, pp, num_hosts, devices_per_host):
+                continue
+            per_replica = batch // dp
+            out += [MegatronSpec(dp, tp, pp, mb)
+                    for mb in _powers_of_two(min(MAX_MICRO_BATCH, per_replica))
+                    if per_replica % mb == 0
+                    and microbatches in (None, per_replica // mb)]
+    return out
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def _tiles(stage_devices: int, pp: int, num_hosts: int, devices_per_host: int) -> bool:
+    try:
+        check_on_cluster(MegatronSpec(stage_devices, 1, pp), num_hosts, devices_per_host)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- layers
+
+
+def _grid_layers(graph: Graph, req: PipelineRequest) -> int:
+    """L of the grid: the user's ``num_layers``, else the repeated-unit count, else the
+    search's default (pp then runs over L's divisors)."""
+    if req.num_layers is not None:
+        return req.num_layers
+    n = repeat_count(graph)
+    return n if n > 1 else default_num_layers(graph, req.cluster.num_devices)
+
+
+def _layers_for(graph: Graph, pp: int, req: PipelineRequest) -> int:
+    """L for ``pp`` equal stages: the user's ``num_layers`` or the repeated-unit count, which
+    ``pp`` must divide (Megatron's rule); without repetition the default L rounded up to a
+    multiple of ``pp``. Raises ValueError naming the valid pipeline sizes."""
+    if req.num_layers is not None:
+        if req.num_layers % pp:
+            raise ValueError(f"pp={pp} does not divide num_layers={req.num_layers}: the stages "
+                             "would not hold equal layers")
+        return req.num_layers
+    n = repeat_count(graph)
+    if n > 1:
+        if n % pp:
+            valid = [p for p in range(1, n + 1) if n % p == 0]
+            raise ValueError(f"pp={pp} does not divide the model's {n} repeated blocks, so the "
+                             f"stages would not hold equal blocks; valid pp: {valid}")
+        return n
+    return math.ceil(default_num_layers(graph, req.cluster.num_devices) / pp) * pp
+
+
+# ---------------------------------------------------------------- pricing
+
+
+@dataclass(frozen=True)
+class _Profiled:
+    """One micro-batch count's traced program and the profiler pricing its stages."""
+
+    profiler: StageProfiler
+    fingerprint: str
+    unsupported: tuple[str, ...]
+
+
+def _profiled(graph_for: GraphFor, b: int, req: PipelineRequest,
+              layers_for: Callable[[Graph], int], specs: list[MegatronSpec]) -> _Profiled:
+    """The program at ``b`` micro-batches, clustered, and its profiler for ``specs``' meshes."""
+    traced, fingerprint = graph_for(b)
+    graph = with_compute_dtype(traced, req.dtype)
+    layering = cluster_layers(graph, layers_for(graph))
+    profiler = StageProfiler(graph, layering, req.cluster, req.options,
+                             req.optimizer_bytes_per_param, b, req.budget, req.recompute,
+                             logical_shapes=frozenset((s.dp, s.tp) for s in specs))
+    return _Profiled(profiler, fingerprint, traced.unsupported_ops)
+
+
+def _price(profiled: _Profiled, dp: int, tp: int, pp: int, req: PipelineRequest
+           ) -> FoundPipeline | NoPipelineError:
+    """The pipeline of pp equal stages on (dp, tp) meshes, each stage's fastest option that
+    fits; else a NoPipelineError with the memory the leanest options would need."""
+    t0 = time.perf_counter()
+    prof, b = profiled.profiler, profiled.profiler.microbatches
+    per = prof.layering.num_layers // pp
+    submesh = stage_submesh(dp * tp, req.cluster.devices_per_host)
+    stages, need = [], 0.0
+    for i in range(pp):
+        in_flight = SCHEDULES[req.schedule](i, pp, b)
+        options = [o for o in prof(i * per, (i + 1) * per, submesh)
+                   if o.label.logical_shape == (dp, tp)]
+        need = max(need, min((o.memory_bytes(in_flight) for o in options), default=math.inf))
+        fitting = [o for o in options
+                   if req.budget is None or o.memory_bytes(in_flight) <= req.budget]
+        if fitting:
+            best = min(fitting, key=lambda o: o.latency)
+            stages.append(StagePlacement(i * per, (i + 1) * per, submesh, best, in_flight))
+    if len(stages) < pp:
+        return NoPipelineError(f"dp={dp},tp={tp},pp={pp} with {b} micro-batches does not fit",
+                               req.budget, need)
+    sol = make_solution(tuple(stages), b, DpStats(0, pp, time.perf_counter() - t0))
+    return FoundPipeline(sol, prof, profiled.fingerprint, profiled.unsupported)
+
+
+def _fewest_first(results: Iterator[FoundPipeline | NoPipelineError]
+                  ) -> Iterator[FoundPipeline | NoPipelineError]:
+    """``results`` (one per micro-batch count, fewest first) while they improve: each better
+    pipeline, every failure, and stop once two counts in a row are no faster (the search's
+    rule: more micro-batches only add per-micro-batch latency past the bubble's gain)."""
+    best, worse = math.inf, 0
+    for r in results:
+        if isinstance(r, NoPipelineError):
+            yield r
+        elif r.solution.total_latency < best:
+            best, worse = r.solution.total_latency, 0
+            yield r
+        else:
+            worse += 1
+            if worse == 2:
+                return
+
+
+def _counts_for(spec: MegatronSpec, batch: int, counts: list[int]) -> list[int]:
+    """The micro-batch counts of ``spec`` for a global ``batch``: batch / (dp * mb), or those of
+    ``counts`` giving each replica a whole micro-batch. Raises ValueError when there is none."""
+    if batch % spec.dp:
+        raise ValueError(f"{spec}: the global batch of {batch} does not split over dp={spec.dp} "
+                         "replicas")
+    per_replica = batch // spec.dp
+    if spec.mb is None:
+        valid = [b for b in counts if per_replica % b == 0]
+        if not valid:
+            raise ValueError(f"{spec}: none of the micro-batch counts {counts} gives each of "
+                             f"the {spec.dp} replicas a whole micro-batch of its {per_replica}")
+        return valid
+    if per_replica % spec.mb:
+        sizes = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+        raise ValueError(f"{spec}: mb={spec.mb} does not divide the batch per replica, "
+                         f"{batch} / dp={spec.dp} = {per_replica}; valid mb: {sizes}")
+    return [per_replica // spec.mb]
+
+
+# ---------------------------------------------------------------- result
+
+
+def _row(spec: MegatronSpec, found: FoundPipeline | NoPipelineError) -> dict:
+    ok = not isinstance(found, NoPipelineError)
+    return spec.as_dict() | {
+        "step_time_s": found.solution.total_latency if ok else None,
+        "memory_need_bytes": max(s.option.memory_bytes(s.in_flight)
+                                 for s in found.solution.stages) if ok
+        else found.min_memory_bytes}
+
+
+def _with_config(plan: Plan, spec: MegatronSpec, stats: dict, table: list | None = None
+                 ) -> Plan:
+    """``plan`` recording its Megatron configuration (and the grid's table) for `explain`."""
+    options = plan.options | {"megatron": spec.as_dict()}
+    if table is not None:
+        options["megatron_grid"] = table
+    return replace(plan, options=options, ilp=plan.ilp | stats)
+
+
+def _infeasible(need: float, req: PipelineRequest, what: str) -> ValueError:
+    """InfeasiblePlanError with the memory needed; ValueError when no stage had any plan."""
+    if math.isinf(need):
+        return ValueError(f"{what}: no stage plan on the cost model (the intra-op ILP is "
+                          "infeasible under Megatron's constraints); try method 'auto'")
+    assert req.budget is not None, "without a budget every stage with a plan fits"
+    return InfeasiblePlanError(
+        req.budget, need,
+        f"Priced {what} with recomputation '{req.recompute}' and the '{req.schedule}' "
+        "schedule; more tensor or pipeline parallelism, a smaller micro-batch size (mb), "
+        "method 'megatron-grid' or 'auto', or a larger budget may fit.")

@@ -1,0 +1,84 @@
+"""A chosen pipeline as a `Plan`: stages placed on the cluster, each stage's intra-operator plan
+from the solve the profiler kept, the whole step's prediction (Alpa eq. 2).
+
+Shared by every method that ends in a `PipelineSolution` priced by a `StageProfiler`: the
+two-level search (`search.py`) and the hand-style pipelines (`manual.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from meshplan.cost.cluster import cluster_to_dict
+from meshplan.cost.mesh import logical_mesh
+from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.placement import place_submeshes
+from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_problem import PipelineSolution, pipeline_latency
+from meshplan.planner.intra.to_plan import intra_plan
+
+if TYPE_CHECKING:  # search.py imports this module
+    from meshplan.planner.inter.search import PipelineRequest
+
+
+@dataclass
+class FoundPipeline:
+    """A pipeline a method chose, with the profiler that priced it (it holds the stages'
+    solves) and the traced program's fingerprint and unsupported ops."""
+
+    solution: PipelineSolution
+    profiler: StageProfiler
+    fingerprint: str
+    unsupported: tuple[str, ...]
+
+
+def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:
+    """The `Plan` of ``found`` (``seconds``: the search's wall time). A pipeline of one stage
+    is that stage's own intra-operator plan, listing itself as its one stage."""
+    cl, sol, prof = req.cluster, found.solution, found.profiler
+    devices = place_submeshes([s.submesh for s in sol.stages], cl.num_hosts,
+                              cl.devices_per_host)
+    stages = []
+    solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
+                                 for s in sol.stages])
+    for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
+        label = s.option.label
+        form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
+        sub = replace(cl, name=f"{cl.name}[stage {i}]", num_hosts=s.submesh[0],
+                      devices_per_host=s.submesh[1])
+        plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
+                          name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
+                          method=req.method, optimizer=req.optimizer, options=req.options,
+                          budget=req.budget, search_time_s=0.0, dtype=req.dtype,
+                          unsupported_ops=found.unsupported)
+        stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh, label.logical_shape,
+                                label.recompute, s.in_flight, solved.latency,
+                                solved.memory_bytes, plan))
+    # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
+    # estimates by parts.
+    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches)
+    stats = {"estimated_step_s": sol.total_latency, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
+             "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
+    if len(stages) == 1:
+        only = stages[0].plan
+        assert only is not None
+        return replace(only, model=req.name, graph_fingerprint=found.fingerprint,
+                       cluster=cluster_to_dict(cl),
+                       search_time_s=seconds, ilp=only.ilp | stats,
+                       stages=(replace(stages[0], plan=None),),
+                       num_layers=prof.layering.num_layers)
+    mesh = logical_mesh(cl)
+    return Plan(model=req.name, graph_fingerprint=found.fingerprint,
+                mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
+                cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
+                ops=(), params=(), sources=(), collectives=(),
+                objective=step, objective_units="seconds",
+                search_time_s=seconds, ilp=stats,
+                predicted={"step_time_s": step,
+                           "peak_memory_bytes": max(s.memory_bytes for s in stages)},
+                dtype=req.dtype, microbatches=prof.microbatches,
+                recompute=any(s.recompute for s in stages), stages=tuple(stages),
+                schedule=req.schedule, num_layers=prof.layering.num_layers,
+                options={"memory_budget_bytes": req.budget,
+                         "unsupported_ops": list(found.unsupported)})
