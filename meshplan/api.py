@@ -145,7 +145,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
-         num_layers: int | None = None, schedule: str = "auto", name: str = "model") -> Plan:
+         num_layers: int | None = None, schedule: str = "auto", name: str = "model",
+         progress: bool = False) -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -167,6 +168,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
     "auto" recomputes only where memory demands it, which on one stage it never does);
     ``schedule`` of a pipeline "auto" (1F1B), "1f1b" or "gpipe" (every micro-batch in flight).
+    ``progress``: progress bars on stderr during long pipeline searches (only when stderr is a
+    terminal).
 
     Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
@@ -222,7 +225,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
         try:
             return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
                                   counts, num_layers, name, recompute, method, schedule,
-                                  microbatches)
+                                  microbatches, progress)
         except InfeasiblePlanError:
             if method != "auto":
                 raise
@@ -262,13 +265,13 @@ def _whole_mesh_stage(p: Plan, cl: Cluster) -> StagePlan:
 def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
-                   method: str, schedule: str, microbatches: int | str) -> Plan:
+                   method: str, schedule: str, microbatches: int | str, progress: bool) -> Plan:
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
-                          step.dtype, num_layers, name, method, recompute, schedule)
+                          step.dtype, num_layers, name, method, recompute, schedule, progress)
     fixed = None if microbatches == "auto" else int(microbatches)
     if method == "megatron-grid":
         return plan_megatron_grid(graph_for, batch_size(example_batch), fixed, req)

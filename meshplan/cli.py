@@ -157,6 +157,8 @@ def _add_plan_parser(subparsers: Any) -> None:
                    help="optimizer whose state is planned for (default: adamw)")
     p.add_argument("--json", action="store_true",
                    help="print the plan as one JSON document on stdout (nothing else)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bars (they are shown only when stderr is a terminal)")
     p.add_argument("-o", "--output", metavar="PATH", help="save the plan as JSON to PATH")
     p.set_defaults(run=_run_plan)
 
@@ -185,7 +187,8 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 prefer_reduce_scatter=args.prefer_reduce_scatter,
                 memory_budget_gb=args.memory_budget_gb, dtype=args.dtype,
                 microbatches=args.microbatches, recompute=args.recompute,
-                num_layers=args.num_layers, schedule=args.schedule, name=work.name)
+                num_layers=args.num_layers, schedule=args.schedule, name=work.name,
+                progress=not args.quiet)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -167,3 +167,38 @@ def test_python_dash_m_prints_one_json_document() -> None:
     doc = json.loads(proc.stdout)
     assert {"objective", "search_time_s", "params", "collectives", "predicted", "ilp"} <= doc.keys()
     assert {"spec", "storage", "update"} <= doc["params"]["layers.0.weight"].keys()
+
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_on_a_terminal_unless_quiet(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 quiet: bool) -> None:
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    argv = ["plan", "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=32,batch=4",
+            "--cluster", "p3.16xlarge:1x2", "--microbatches", "2"] + (["--quiet"] if quiet else [])
+    assert main(argv) == 0
+    assert ("stage costs, 2 micro-batches" in term.text) is not quiet
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=32,batch=4",
+                       "--cluster", "p3.16xlarge:1x2", "--microbatches", "2")
+    assert code == 0 and "stage costs" not in err

@@ -78,6 +78,7 @@ class PipelineRequest:
     method: str = "auto"
     recompute: str = "auto"
     schedule: str = "1f1b"
+    progress: bool = False   # progress bars on stderr (when it is a terminal)
 
 
 def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> Plan:
@@ -147,7 +148,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     layering = cluster_layers(graph, num_layers,
                               balance="ops" if req.method == "equal-operator" else "flops")
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
-                             req.budget, req.recompute)
+                             req.budget, req.recompute, show_progress=req.progress)
     shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
     profiler.prefetch(submesh_shapes(shape))
     profiles = [profiler] if req.method != "equal-layer" else \

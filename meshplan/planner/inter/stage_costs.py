@@ -28,10 +28,12 @@ and their real latency and peak memory replace the estimates.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
+from typing import Iterator
 
 import numpy as np
 
@@ -47,6 +49,7 @@ from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import extract
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, peak_memory
+from meshplan.progress import progress
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class StageLabel:
     logical_shape: tuple[int, int]
     budget: str        # "free" (time-optimal) or "lean" (see `_price`)
     recompute: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _label(shape: tuple[int, int], budget: str, recompute: bool) -> StageLabel:
+    return StageLabel(shape, budget, recompute)  # one object per kind: profiles make many
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class StageProfiler:
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
     exact_up_to: int = 1
+    show_progress: bool = False         # a bar on stderr while pricing (`meshplan.progress`)
     logical_shapes: frozenset[tuple[int, int]] | None = None  # None: every (r, c) of a submesh
     solves: int = 0
 
@@ -113,6 +122,7 @@ class StageProfiler:
         self._graphs: dict[tuple[int, int], Graph] = {}
         self._keys: dict[tuple[int, int], str] = {}
         self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._transfers: dict[int, float] = {}
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -125,9 +135,25 @@ class StageProfiler:
         return self._keys[(start, end)]
 
     def shapes(self, submesh: Submesh) -> list[tuple[int, int]]:
-        """The logical meshes of ``submesh`` priced."""
-        return [s for s in factor_pairs(submesh[0] * submesh[1])
-                if self.logical_shapes is None or s in self.logical_shapes]
+        """The logical meshes of ``submesh`` priced: every one (or those of
+        ``logical_shapes``), less mirror images. (r, c) and (c, r) whose axes have the same
+        links are one problem with its axes swapped when no option singles out an axis, so
+        only the first is solved."""
+        out = []
+        for s in factor_pairs(submesh[0] * submesh[1]):
+            if self.logical_shapes is not None and s not in self.logical_shapes:
+                continue
+            if (s[1], s[0]) in out and self._symmetric(submesh, s):
+                continue
+            out.append(s)
+        return out
+
+    def _symmetric(self, submesh: Submesh, shape: tuple[int, int]) -> bool:
+        o = self.options
+        if o.force_batch_axis is not None or o.tensor_axis is not None:
+            return False
+        mesh = self._context(submesh, shape).mesh
+        return mesh.alpha[0] == mesh.alpha[1] and mesh.beta[0] == mesh.beta[1]
 
     @property
     def budgets(self) -> tuple[str, ...]:
@@ -150,12 +176,12 @@ class StageProfiler:
                 if priced is None:
                     continue
                 (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-                label = StageLabel(shape, budget, False)
                 if self.recompute != "full":
-                    out.append(StageOption(lat + transfer, state, act, label))
+                    out.append(StageOption(lat + transfer, state, act,
+                                           _label(shape, budget, False)))
                 if self.recompute != "none":
                     out.append(StageOption(rc_lat + transfer, rc_state, rc_act,
-                                           replace(label, recompute=True)))
+                                           _label(shape, budget, True)))
         return tuple(out)
 
     def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
@@ -176,7 +202,7 @@ class StageProfiler:
         lat, rc_lat, state, kept, inputs = (sums[end] - sums[start]).tolist()
         # Differences of prefix sums may round a zero to a tiny negative.
         state, kept, inputs = max(state, 0.0), max(kept, 0.0), max(inputs, 0.0)
-        return ((lat, state, kept), (rc_lat, state + act_max[start, end - 1], inputs))
+        return ((lat, state, kept), (rc_lat, state + float(act_max[start, end - 1]), inputs))
 
     def _layer_sums(self, submesh: Submesh, shape: tuple[int, int], budget: str
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -213,22 +239,36 @@ class StageProfiler:
         tasks = [(m, sub, shape) for m in firsts.values() for sub in submeshes
                  for shape in self.shapes(sub)
                  if (self.key(m, m + 1), sub, shape, "free") not in self._costed]
-        workers = workers or _usable_cores()
-        if workers > 1 and len(tasks) >= PARALLEL_FROM_TASKS:
-            global _FORKED
-            _FORKED = self
-            try:
-                with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-                    priced = list(pool.map(_price_forked, tasks,
-                                           chunksize=max(1, len(tasks) // (8 * workers))))
-            finally:
-                _FORKED = None
-        else:
-            priced = [self._price_all(*t) for t in tasks]
+        priced = progress(self._map("_price_all", tasks, workers), total=len(tasks),
+                          desc=f"stage costs, {self.microbatches} micro-batches",
+                          enabled=self.show_progress)
         for (m, sub, shape), (costs, solves) in zip(tasks, priced):
-            self.solves += solves if workers > 1 and len(tasks) >= PARALLEL_FROM_TASKS else 0
+            self.solves += solves
             for budget, c in zip(self.budgets, costs):
                 self._costed[(self.key(m, m + 1), sub, shape, budget)] = c
+
+    def _map(self, method: str, tasks: list[tuple], workers: int | None,
+             parallel_from: int | None = None) -> Iterator:
+        """``self.<method>(*t) for t in tasks`` (each returning its result and its solve
+        count), lazily and in order, on ``workers`` forked processes (default: the usable
+        cores) when there are at least ``parallel_from`` tasks (default `PARALLEL_FROM_TASKS`):
+        fork shares the program and the caches without pickling."""
+        workers = workers or _usable_cores()
+        if workers < 2 or len(tasks) < (parallel_from or PARALLEL_FROM_TASKS):
+            for t in tasks:
+                before = self.solves
+                out = getattr(self, method)(*t)
+                self.solves = before  # the tasks report their solves, as forked ones must
+                yield out
+            return
+        global _FORKED
+        _FORKED = self
+        try:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+                yield from pool.map(_call_forked, [(method, t) for t in tasks],
+                                    chunksize=max(1, len(tasks) // (16 * workers)))
+        finally:
+            _FORKED = None
 
     def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
                    ) -> tuple[tuple[_Costed | None, ...], int]:
@@ -246,6 +286,11 @@ class StageProfiler:
     def transfer_time(self, start: int) -> float:
         """Receiving a stage's activations and sending their gradients back, per micro-batch,
         over the slowest link between stages (another host's when the cluster has several)."""
+        if start not in self._transfers:
+            self._transfers[start] = self._transfer_time(start)
+        return self._transfers[start]
+
+    def _transfer_time(self, start: int) -> float:
         g = self.stage(start, start + 1)
         received = [n for n in g.nodes if n.role == "input" and n.op == "input"
                     and not n.state_name]
@@ -290,10 +335,11 @@ class StageProfiler:
         if s is None:
             return None
         state, act, inputs = _memory_parts(s)
-        return _Costed(self._latency(s), self._recompute_latency(s), state, act, inputs)
+        return _Costed(float(self._latency(s)), float(self._recompute_latency(s)), float(state),
+                       float(act), float(inputs))
 
-    def solutions(self, chosen: list[tuple[int, int, Submesh, StageLabel, int]]
-                  ) -> list[StageSolution]:
+    def solutions(self, chosen: list[tuple[int, int, Submesh, StageLabel, int]],
+                  workers: int | None = None) -> list[StageSolution]:
         """The plans behind the options the DP chose, ``(start, end, submesh, label,
         in_flight)`` each, solved whole (module docstring): the fastest whose memory with its
         in-flight micro-batches kept (`_in_flight_problem`) fits the device limit, or without a
@@ -301,11 +347,16 @@ class StageProfiler:
         submesh and plan kind share one solve, at the most micro-batches any of them keeps (a
         plan that fits it fits the others), so a long pipeline of repeated blocks costs a
         few solves. Each carries its latency and peak memory as the pipeline runs it."""
-        shared: dict[tuple, IlpSolution] = {}
+        firsts: dict[tuple, tuple] = {}
         for start, end, submesh, label, in_flight in sorted(chosen, key=lambda c: -c[4]):
-            group = (self.key(start, end), submesh, label)
-            if group not in shared:
-                shared[group] = self._solve_whole(start, end, submesh, label, in_flight)
+            firsts.setdefault((self.key(start, end), submesh, label),
+                              (start, end, submesh, label, in_flight))
+        solved = list(self._map("_solve_whole", list(firsts.values()), workers,
+                                parallel_from=3))
+        shared = {}
+        for group, (sol, solves) in zip(firsts, solved):
+            shared[group] = sol
+            self.solves += solves
         out = []
         for start, end, submesh, label, in_flight in chosen:
             # Formulated for this very range: the plan must name its own nodes. Ranges of one
@@ -321,28 +372,34 @@ class StageProfiler:
         return out
 
     def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                     in_flight: int) -> IlpSolution:
+                     in_flight: int) -> tuple[IlpSolution, int]:
+        before = self.solves
         form = self._formulate(start, end, submesh, label.logical_shape)
         weighted = _in_flight_problem(form, self.stage(start, end), self.layering, in_flight,
                                       label.recompute)
+        # A long stage's ILP under a memory bound can take seconds to prove optimal; the best
+        # plan found within the time limit is kept (its gap is recorded in the plan).
+        limit = WHOLE_STAGE_SECONDS
         if self.memory_limit is None:
-            s = self._solve(start, end, form, replace(weighted, live_sets=()))
+            s = self._solve(start, end, form, replace(weighted, live_sets=()), limit)
         else:
-            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit))
+            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit),
+                            limit)
             if s is None:
                 s = self._solve(start, end, form, replace(
                     weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)))
         if s is None:
             raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on "
                                  f"{submesh} has no plan although the DP chose one")
-        return s.solution
+        return s.solution, self.solves - before
 
-    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem
-               ) -> StageSolution | None:
+    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem,
+               time_limit_s: float | None = None) -> StageSolution | None:
+        """The ILP's answer, or None when nothing fits (or none was found in time)."""
         self.solves += 1
         try:
-            sol = solve(problem)
-        except InfeasibleIlpError:
+            sol = solve(problem, time_limit_s=time_limit_s)
+        except (InfeasibleIlpError, TimeoutError):
             return None
         return StageSolution(form, sol, self.stage(start, end))
 
@@ -360,15 +417,17 @@ class StageProfiler:
         return self._latency(s) + (twice - once) / self.microbatches
 
 
+# Seconds a chosen stage's whole ILP may search before its best plan so far is taken.
+WHOLE_STAGE_SECONDS = 1.0
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
 _FORKED: StageProfiler | None = None   # the profiler forked workers price for
 
 
-def _price_forked(task: tuple[int, Submesh, tuple[int, int]]
-                  ) -> tuple[tuple[_Costed | None, ...], int]:
-    assert _FORKED is not None, "prefetch sets the profiler before forking"
-    return _FORKED._price_all(*task)
+def _call_forked(job: tuple[str, tuple]) -> object:
+    assert _FORKED is not None, "StageProfiler._map sets the profiler before forking"
+    method, args = job
+    return getattr(_FORKED, method)(*args)
 
 
 def _usable_cores() -> int:

@@ -58,6 +58,11 @@ class StageOption:
     label: Hashable = None
 
     def __post_init__(self) -> None:
+        # Profiles return hundreds of thousands of options: plain finite floats pass quickly.
+        lat, state, act = self.latency, self.state_bytes, self.activation_bytes
+        if type(lat) is float and type(state) is float and type(act) is float and \
+                0.0 <= lat < math.inf and 0.0 <= state < math.inf and 0.0 <= act < math.inf:
+            return
         check_nonnegative(self.latency, "StageOption.latency")
         check_nonnegative(self.state_bytes, "StageOption.state_bytes")
         check_nonnegative(self.activation_bytes, "StageOption.activation_bytes")
