@@ -12,6 +12,14 @@ micro-batches down, stopping at the first that is no faster (beyond Alpa, which 
 user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
 profiled. A pipeline of one stage is returned as that stage's own intra-op plan.
 
+Scale. On up to `HOST_GRANULAR_ABOVE` hosts (Alpa's testbed has 8) the submeshes are Alpa's:
+(1, 2^k) within a host and (k, M) for every k, each with every logical shape. Beyond that the
+search is host-granular: stages take whole hosts, (k, M) for k a power of two or the whole
+cluster, with the tensor axis of their logical mesh inside a host (Alpa's own default logical
+space; Megatron-LM finds tensor parallelism across hosts slow). A stage of 1536 GPUs has 30
+logical shapes and a cluster of 192 hosts 191 (k, M) shapes; pricing each is what would not
+scale, while a pipeline over hundreds of GPUs gains nothing from stages of a few.
+
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
 best S, instead of the DP's uneven stages; "equal-operator" clusters layers of equal op counts
@@ -22,7 +30,7 @@ dp x tp x pp) are priced in `manual.py`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from meshplan.cost.cluster import Cluster
@@ -58,6 +66,9 @@ def resolve_schedule(schedule: str) -> str:
                          "interleaved")
     return schedule
 
+
+# Clusters of more hosts are planned host-granular (module docstring).
+HOST_GRANULAR_ABOVE = 8
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
 GraphFor = Callable[[int], tuple[Graph, str]]
@@ -147,12 +158,19 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
     layering = cluster_layers(graph, num_layers,
                               balance="ops" if req.method == "equal-operator" else "flops")
+    by_hosts = cl.num_hosts > HOST_GRANULAR_ABOVE
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
-                             req.budget, req.recompute, show_progress=req.progress)
-    shape = ClusterShape(cl.num_hosts, cl.devices_per_host)
-    profiler.prefetch(submesh_shapes(shape))
-    profiles = [profiler] if req.method != "equal-layer" else \
-        [_equal_layers(profiler, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
+                             req.budget, req.recompute, show_progress=req.progress,
+                             tensor_within_host=by_hosts)
+    # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a
+    # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
+    shape = ClusterShape(1, cl.num_hosts) if by_hosts else \
+        ClusterShape(cl.num_hosts, cl.devices_per_host)
+    real = (lambda sub: (sub[1], cl.devices_per_host)) if by_hosts else (lambda sub: sub)
+    profiler.prefetch(tuple(real(sub) for sub in submesh_shapes(shape)))
+    whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
+    profiles = [whole] if req.method != "equal-layer" else \
+        [_equal_layers(whole, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
     best, errors = None, []
     for profile in profiles:
         problem = PipelineProblem(shape, num_layers, profile, b, device_memory=req.budget,
@@ -166,6 +184,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
             best = sol
     if best is None:
         raise min(errors, key=lambda e: e.min_memory_bytes)
+    best = replace(best, stages=tuple(replace(s, submesh=real(s.submesh)) for s in best.stages))
     return _Found(best, profiler, fingerprint, traced.unsupported_ops)
 
 
@@ -177,7 +196,7 @@ def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:
             and shape.num_devices % n == 0 and shape.num_devices // n in sizes]
 
 
-def _equal_layers(profile: StageProfiler, num_layers: int, num_stages: int,
+def _equal_layers(profile: Profile, num_layers: int, num_stages: int,
                   shape: ClusterShape) -> Profile:
     """``profile`` restricted to S stages of L/S layers on N/S devices each (Alpa's
     "equal layer" ablation: no DP over uneven stages; each stage's intra plan still searched)."""

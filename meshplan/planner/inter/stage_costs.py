@@ -33,7 +33,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -113,6 +113,7 @@ class StageProfiler:
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
     exact_up_to: int = 1
     show_progress: bool = False         # a bar on stderr while pricing (`meshplan.progress`)
+    tensor_within_host: bool = False    # multi-host submeshes: only (r, c) with c | M
     logical_shapes: frozenset[tuple[int, int]] | None = None  # None: every (r, c) of a submesh
     solves: int = 0
 
@@ -142,6 +143,9 @@ class StageProfiler:
         out = []
         for s in factor_pairs(submesh[0] * submesh[1]):
             if self.logical_shapes is not None and s not in self.logical_shapes:
+                continue
+            per_host = self.cluster.devices_per_host
+            if self.tensor_within_host and submesh[0] > 1 and per_host % s[1]:
                 continue
             if (s[1], s[0]) in out and self._symmetric(submesh, s):
                 continue
@@ -176,6 +180,11 @@ class StageProfiler:
                 if priced is None:
                     continue
                 (lat, state, act), (rc_lat, rc_state, rc_act) = priced
+                if self._whole_model(start, end, submesh):  # recomputed as one piece
+                    first = self._exact(start, start + 1, submesh, shape, budget)
+                    if first is None:
+                        continue
+                    rc_state, rc_act = state + act - first.inputs, first.inputs
                 if self.recompute != "full":
                     out.append(StageOption(lat + transfer, state, act,
                                            _label(shape, budget, False)))
@@ -183,6 +192,16 @@ class StageProfiler:
                     out.append(StageOption(rc_lat + transfer, rc_state, rc_act,
                                            _label(shape, budget, True)))
         return tuple(out)
+
+    def _whole_model(self, start: int, end: int, submesh: Submesh) -> bool:
+        """A stage of every layer on every device: the program a single-stage plan runs, whose
+        runtime recomputes it as one piece (the forward of the whole program again), so its
+        recomputation keeps all activations at once."""
+        return start == 0 and end == self.layering.num_layers and \
+            submesh[0] * submesh[1] == self.cluster.num_devices
+
+    def _layer_of(self, start: int, end: int, submesh: Submesh) -> Mapping[str, int]:
+        return {} if self._whole_model(start, end, submesh) else self.layering.layer_of
 
     def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                     budget: str) -> tuple[tuple[float, float, float], ...] | None:
@@ -364,8 +383,8 @@ class StageProfiler:
             form = self._formulate(start, end, submesh, label.logical_shape)
             s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
                               self.stage(start, end))
-            weighted = _in_flight_problem(form, s.graph, self.layering, in_flight,
-                                          label.recompute)
+            weighted = _in_flight_problem(form, s.graph, self._layer_of(start, end, submesh),
+                                          in_flight, label.recompute)
             latency = self._recompute_latency(s) if label.recompute else self._latency(s)
             out.append(replace(s, latency=latency + self.transfer_time(start),
                                memory_bytes=peak_memory(weighted, s.solution.choices)))
@@ -375,7 +394,8 @@ class StageProfiler:
                      in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
         form = self._formulate(start, end, submesh, label.logical_shape)
-        weighted = _in_flight_problem(form, self.stage(start, end), self.layering, in_flight,
+        weighted = _in_flight_problem(form, self.stage(start, end),
+                                      self._layer_of(start, end, submesh), in_flight,
                                       label.recompute)
         # A long stage's ILP under a memory bound can take seconds to prove optimal; the best
         # plan found within the time limit is kept (its gap is recorded in the plan).
@@ -449,13 +469,14 @@ def _memory_parts(s: StageSolution) -> tuple[float, float, float]:
     return parts["param"], parts["act"], parts["in"]
 
 
-def _in_flight_problem(form: Formulation, stage: Graph, layering: Layering, in_flight: int,
-                       recompute: bool) -> IlpProblem:
+def _in_flight_problem(form: Formulation, stage: Graph, where: Mapping[str, int],
+                       in_flight: int, recompute: bool) -> IlpProblem:
     """The stage's ILP with memory as the pipeline holds it with ``in_flight`` micro-batches:
     state once; without recomputation every activation and input ``in_flight`` times;
-    recomputed layer by layer, the inputs and every value a layer passes to a later layer
-    ``in_flight`` times, plus one layer's activations (a live set per layer)."""
-    where, users = layering.layer_of, stage.users
+    recomputed layer by layer (``where``: node -> layer; empty for the stage as one layer), the
+    inputs and every value a layer passes to a later layer ``in_flight`` times, plus one
+    layer's activations (a live set per layer)."""
+    users = stage.users
     kept, per_layer = [], {}
     scaled = []
     for i, r in enumerate(form.roots):
