@@ -22,6 +22,11 @@ CASES = {
                      "p3.16xlarge:1", {"microbatches": 8}),
     "gpt-1.3b-2x8": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=128",
                      "p3.16xlarge:2", {"microbatches": 16}),
+    # The speed targets: Alpa's largest GPT on its 64 V100s (16 GB each), fp16; GPT-3
+    # 175B on 1024 A100s (80 GB), bf16. Every search choice automatic.
+    "gpt-39b-p3x8": ("gpt:preset=39b,batch=1024", "p3.16xlarge:8", {"dtype": "fp16"}),
+    "gpt-175b-dgx128": ("gpt:hidden=12288,layers=96,heads=96,seq=2048,vocab=51200,batch=1536",
+                        "dgx-a100:128", {"dtype": "bf16"}),
     # Every Megatron-LM configuration (dp, tp, pp, micro-batch size 1-8) of 8 GPUs.
     "gpt-1.3b-1x8-megatron-grid": ("gpt:preset=1.3b,batch=1024", "p3.16xlarge:1",
                                    {"method": "megatron-grid"}),
