@@ -50,6 +50,22 @@ print(json.dumps({"wall_s": wall, "stages": [[s.layers, s.submesh, s.mesh_shape,
 """
 
 
+def describe_stages(stages: list) -> str:
+    """Stages as "layers submesh mesh [rc]", runs of alike stages (same layer count, submesh,
+    mesh, recomputation) as "n x k layers submesh mesh"."""
+    groups: list[list] = []
+    for (a, b), sub, mesh, rc in stages:
+        key = (b - a, tuple(sub), tuple(mesh), rc)
+        if groups and groups[-1][0] == key:
+            groups[-1][1] += 1
+        else:
+            groups.append([key, 1, (a, b)])
+    return "; ".join(
+        f"{n} x {k} layers {sub} {mesh}{' rc' if rc else ''}" if n > 1 else
+        f"{first} {sub} {mesh}{' rc' if rc else ''}"
+        for (k, sub, mesh, rc), n, first in groups)
+
+
 def run_case(name: str) -> dict:
     spec, cluster, extra = CASES[name]
     out = subprocess.run([sys.executable, "-c", _ONE_RUN, spec, cluster, json.dumps(extra)],
@@ -70,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.case or list(CASES):
         runs = [run_case(name) for _ in range(args.repeats)]
         r = runs[-1]
-        stages = "; ".join(f"{tuple(a)} {tuple(b)} {tuple(c)}{' rc' if d else ''}"
-                           for a, b, c, d in r["stages"])
+        stages = describe_stages(r["stages"])
         print(f"| {name} | {statistics.median(x['wall_s'] for x in runs):.1f} | {stages} | "
               f"{r['microbatches']} | {r['dtype']} | {r['ilp'].get('stage_solves', 0)} | "
               f"{r['step_s']:.4g} | {r['memory_gib']:.2f} |")

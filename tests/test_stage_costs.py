@@ -1,0 +1,131 @@
+"""Stage pricing for the stage DP at scale: layer-by-layer recomputation, chosen stages solved
+whole with their in-flight memory, forked pricing equal to serial, mirror logical shapes,
+host-granular search, and the micro-batch memory floor."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan.api as api
+import meshplan.planner.inter.stage_costs as stage_costs
+from meshplan.capture.to_ir import capture
+from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.cost.precision import with_compute_dtype
+from meshplan.planner.inter.clustering import cluster_layers
+from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor
+from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
+from meshplan.planner.intra.choices import IntraOptions
+from meshplan.zoo.spec import build_workload
+
+GPT = "gpt:hidden=64,layers=6,heads=4,seq=16,vocab=128,batch=8"
+BUDGET = 2.0 * 2**20   # bytes per device: tight enough that memory shapes the choices
+
+
+@pytest.fixture(scope="module")
+def program():
+    w = build_workload(GPT, device="meta")
+    _, graph = capture(w.model, w.loss_fn, w.example_batch)
+    graph = with_compute_dtype(graph, "fp16")
+    return graph, cluster_layers(graph, 6)
+
+
+def _profiler(program, cluster: str = "p3.16xlarge:1x4", **kw) -> StageProfiler:
+    graph, layering = program
+    return StageProfiler(graph, layering, parse_cluster_spec(cluster),
+                         IntraOptions(optimizer="adamw", memory_budget=BUDGET), 8.0, 2, BUDGET,
+                         **kw)
+
+
+def test_long_ranges_recompute_layer_by_layer(program) -> None:
+    """A recomputed range keeps each layer's inputs per micro-batch and one layer's
+    activations at a time (Megatron's full recomputation), priced from one-layer solves."""
+    prof = _profiler(program)
+    sub, shape = (1, 2), (1, 2)
+    layers = [prof._exact(m, m + 1, sub, shape, "free") for m in range(1, 5)]
+    options = {(o.label.logical_shape, o.label.budget, o.label.recompute): o
+               for o in prof(1, 5, sub)}
+    plain, rc = options[(shape, "free", False)], options[(shape, "free", True)]
+    state = sum(c.state for c in layers)
+    assert rc.state_bytes == pytest.approx(state + max(c.act for c in layers))
+    assert rc.activation_bytes == pytest.approx(sum(c.inputs for c in layers))
+    assert plain.state_bytes == pytest.approx(state)
+    assert plain.activation_bytes == pytest.approx(sum(c.act + c.inputs for c in layers))
+    assert rc.latency > plain.latency   # the forward runs twice
+
+
+def test_forked_pricing_equals_serial(program, monkeypatch: pytest.MonkeyPatch) -> None:
+    serial, forked = _profiler(program), _profiler(program)
+    submeshes = ((1, 1), (1, 2), (1, 4))
+    serial.prefetch(submeshes, workers=1)
+    monkeypatch.setattr(stage_costs, "PARALLEL_FROM_TASKS", 1)
+    forked.prefetch(submeshes, workers=2)
+    assert forked._costed == serial._costed and forked.solves == serial.solves > 0
+    chosen = [(0, 2, (1, 2), StageLabel((1, 2), "lean", True), 2),
+              (2, 4, (1, 1), StageLabel((1, 1), "free", False), 2),
+              (4, 6, (1, 1), StageLabel((1, 1), "free", False), 1)]
+    a, b = serial.solutions(chosen, workers=1), forked.solutions(chosen, workers=2)
+    assert [(s.solution.choices, s.latency, s.memory_bytes) for s in a] == \
+        [(s.solution.choices, s.latency, s.memory_bytes) for s in b]
+
+
+def test_chosen_stages_fit_with_their_in_flight_micro_batches(program) -> None:
+    prof = _profiler(program)
+    prof.memory_limit = limit = 3 * BUDGET
+    label = StageLabel((1, 2), "lean", False)
+    one, three = prof.solutions([(1, 4, (1, 2), label, 1), (1, 4, (1, 2), label, 3)])
+    assert one.memory_bytes <= limit and three.memory_bytes <= limit
+    # The same structure, submesh and plan kind share one solve (at the most in flight).
+    assert one.solution.choices == three.solution.choices
+    assert three.memory_bytes > one.memory_bytes   # activations counted once per micro-batch
+
+
+def test_mirror_logical_shapes_are_priced_once(program) -> None:
+    assert _profiler(program).shapes((1, 4)) == [(1, 4), (2, 2)]
+    # On two hosts the axes have different links: both orders are different problems.
+    assert len(_profiler(program, "p3.16xlarge:2x2").shapes((2, 2))) == 3
+    forced = _profiler(program)
+    forced.options = IntraOptions(optimizer="adamw", force_batch_axis=0)
+    assert forced.shapes((1, 4)) == [(1, 4), (2, 2), (4, 1)]
+
+
+def test_many_hosts_are_planned_host_granular() -> None:
+    """Beyond 8 hosts stages take whole hosts and keep tensor parallelism inside one."""
+    w = build_workload("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128,batch=32",
+                       device="meta")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:16x2",
+                 memory_budget_gb=0, microbatches=4, num_layers=4)
+    devices = sorted(d for s in p.stages for d in s.devices)
+    assert devices == list(range(32))
+    for s in p.stages:
+        assert s.submesh[1] == 2 and s.submesh[0] in (1, 2, 4, 8, 16)
+        assert s.submesh[0] == 1 or 2 % s.mesh_shape[1] == 0
+
+
+def test_memory_floor_bounds_every_plan_from_below(program) -> None:
+    graph, _ = program
+    cl = parse_cluster_spec("p3.16xlarge:1x4")
+    req = PipelineRequest(cl, IntraOptions(optimizer="adamw"), {}, 8.0, 1.0, "fp16")
+    floor = _MemoryFloor.of(graph, req)
+    w = build_workload(GPT, device="meta")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
+                 memory_budget_gb=0, microbatches=1, dtype="fp16", method="intra-only")
+    assert 0 < floor.per_device <= p.predicted["peak_memory_bytes"]
+    assert not floor.may_fit()   # a one-byte budget
+
+
+def test_a_budget_that_only_recomputation_meets(program) -> None:
+    """The budget of the leanest plan without recomputation, less a little: some pipeline
+    with recomputed stages still fits, and every stage keeps within it."""
+    w = build_workload(GPT, device="meta")
+    plain = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
+                     microbatches=2, recompute="none", memory_budget_gb=0.004, num_layers=6)
+    need = max(s.memory_bytes for s in plain.stages)
+    with pytest.raises(api.InfeasiblePlanError):
+        api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
+                 microbatches=2, recompute="none", memory_budget_gb=need * 0.6 / 2**30,
+                 num_layers=6, method="inter-only")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
+                 microbatches=2, memory_budget_gb=need * 0.6 / 2**30, num_layers=6,
+                 method="inter-only")
+    assert any(s.recompute for s in p.stages)
+    assert all(s.memory_bytes <= need * 0.6 for s in p.stages)
