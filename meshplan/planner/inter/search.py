@@ -10,7 +10,9 @@ activations kept until the fixed cost c of each dominates, so T is convex in B a
 count is usually a large one for a large model. Counts are therefore tried from the most
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
 user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
-profiled. A pipeline of one stage is returned as that stage's own intra-op plan.
+profiled. Once a micro-batch is smaller than the devices it is spread over, c grows (one sample
+cannot be split), so the walk also starts from the most micro-batches that still give each
+device a sample, and goes both ways from there while it gains. A pipeline of one stage is returned as that stage's own intra-op plan.
 
 Scale. On up to `HOST_GRANULAR_ABOVE` hosts (Alpa's testbed has 8) the submeshes are Alpa's:
 (1, 2^k) within a host and (k, M) for every k, each with every logical shape. Beyond that the
@@ -29,6 +31,7 @@ dp x tp x pp) are priced in `manual.py`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -41,8 +44,10 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
-from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem, Profile,
-                                                  gpipe, one_f_one_b, submesh_shapes)
+from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
+                                                  PipelineSolution, Profile, StagePlacement,
+                                                  gpipe, make_solution, one_f_one_b,
+                                                  submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
 from meshplan.planner.inter.to_plan import FoundPipeline as _Found
 from meshplan.planner.inter.to_plan import pipeline_plan as _to_plan
@@ -96,25 +101,86 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     """The fastest pipeline over the micro-batch ``counts`` (module docstring). Raises
     InfeasiblePlanError when no count gives a plan that fits."""
     t0 = time.perf_counter()
-    best: _Found | None = None
-    errors: list[NoPipelineError] = []
-    for b in sorted(counts, reverse=True):
-        floor = _MemoryFloor.of(graph_for(b)[0], req)
-        if not floor.may_fit():  # nor does any smaller count: its micro-batches are larger
-            errors.append(NoPipelineError("below the memory floor", req.budget,
-                                          floor.per_device))
-            break
-        try:
-            found = _search_one(graph_for, b, req)
-        except NoPipelineError as e:
-            errors.append(e)
-            continue
-        if best is not None and found.solution.total_latency >= best.solution.total_latency:
-            break  # eq. 2 is convex in B: past the fastest count it only grows
-        best = found
+    search = _CountSearch(graph_for, sorted(counts), req)
+    top = len(search.counts) - 1
+    search.walk(top, -1)
+    # Past some count the micro-batch no longer spreads over the devices (one sample cannot
+    # be data parallel), which breaks the convexity of eq. 2: also start from the most
+    # micro-batches that still give every device a sample, and walk both ways from there.
+    probe = max((i for i, b in enumerate(search.counts) if search.counts[-1] // b >=
+                 req.cluster.num_devices), default=None)
+    if probe is not None and probe not in search.tried and search.fits(probe):
+        before = search.best_latency()
+        if search.latency(probe) < before:
+            search.walk(probe - 1, -1, search.latency(probe))
+            search.walk(probe + 1, +1, search.latency(probe))
+    best = search.best()
     if best is None:
-        raise _infeasible(errors, counts, req)
+        raise _infeasible(search.errors, counts, req)
     return _to_plan(best, req, time.perf_counter() - t0)
+
+
+class _CountSearch:
+    """Micro-batch counts tried, each at most once (`latency`), with a memory floor that skips
+    counts no plan could fit (`fits`)."""
+
+    def __init__(self, graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> None:
+        self.graph_for, self.counts, self.req = graph_for, counts, req
+        self.tried: dict[int, _Found | None] = {}
+        self.errors: list[NoPipelineError] = []
+        self._floors: dict[int, _MemoryFloor] = {}
+
+    def fits(self, i: int) -> bool:
+        """Whether count ``i`` passes the memory floor (traced at that count)."""
+        b = self.counts[i]
+        if b not in self._floors and self._surely_too_large(b):
+            return False
+        if b not in self._floors:
+            self._floors[b] = _MemoryFloor.of(self.graph_for(b)[0], self.req)
+        floor = self._floors[b]
+        if not floor.may_fit():
+            self.errors.append(NoPipelineError("below the memory floor", self.req.budget,
+                                               floor.per_device))
+        return floor.may_fit()
+
+    def _surely_too_large(self, b: int) -> bool:
+        """Whether the floor at ``b`` micro-batches, extrapolated from two traced counts
+        (activations are affine in the samples per micro-batch), exceeds the budget by 10 %:
+        then tracing that count is not worth it."""
+        if self.req.budget is None or len(self._floors) < 2:
+            return False
+        (b1, f1), (b2, f2) = sorted(self._floors.items())[:2]
+        x, x1, x2 = 1 / b, 1 / b1, 1 / b2     # samples per micro-batch, up to the batch size
+        guess = f1.per_device + (f2.per_device - f1.per_device) * (x - x1) / (x2 - x1)
+        return guess > 1.1 * self.req.budget
+
+    def latency(self, i: int) -> float:
+        """The fastest pipeline's latency at count ``i`` (inf when none fits)."""
+        if i not in self.tried:
+            try:
+                self.tried[i] = _search_one(self.graph_for, self.counts[i], self.req) \
+                    if self.fits(i) else None
+            except NoPipelineError as e:
+                self.errors.append(e)
+                self.tried[i] = None
+        found = self.tried[i]
+        return math.inf if found is None else found.solution.total_latency
+
+    def walk(self, i: int, step: int, previous: float = math.inf) -> None:
+        """Counts ``i``, ``i + step``, ... while each is faster than the one before. Going
+        down, a count that cannot fit ends the walk (fewer micro-batches hold more)."""
+        while 0 <= i < len(self.counts) and i not in self.tried:
+            t = self.latency(i)
+            if t >= previous or (t == math.inf and step < 0):
+                return
+            previous, i = t, i + step
+
+    def best_latency(self) -> float:
+        return min((self.latency(i) for i in self.tried), default=math.inf)
+
+    def best(self) -> _Found | None:
+        found = [f for f in self.tried.values() if f is not None]
+        return min(found, key=lambda f: f.solution.total_latency, default=None)
 
 
 @dataclass(frozen=True)
@@ -185,7 +251,36 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     if best is None:
         raise min(errors, key=lambda e: e.min_memory_bytes)
     best = replace(best, stages=tuple(replace(s, submesh=real(s.submesh)) for s in best.stages))
+    if req.method in ("auto", "inter-only", "equal-operator"):
+        best = _one_stage_if_faster(profiler, best, req)
     return _Found(best, profiler, fingerprint, traced.unsupported_ops)
+
+
+def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,
+                         req: PipelineRequest) -> PipelineSolution:
+    """The whole model as one stage on every device, solved whole under the memory limit,
+    when that beats the DP's pipeline. By parts, a long stage is priced at its fastest plan
+    ("free") or its leanest ("lean"); when the first does not fit and the second does, the
+    fastest plan that fits lies between and only a whole solve finds it (Megatron's tensor
+    parallelism within 1.07x of the smallest memory, say, where the leanest plan is ZeRO-3
+    with its gathers). One stage is the one pipeline that cannot gain from splitting, and the
+    plan an intra-only user would get, so it is checked exactly."""
+    cl, last = req.cluster, profiler.layering.num_layers
+    full = (cl.num_hosts, cl.devices_per_host)
+    options = profiler(0, last, full)
+    fits = {o.label: o.memory_bytes(1) <= (req.budget or float("inf")) for o in options}
+    gaps = [o for o in options if o.label.budget == "lean" and not o.label.recompute
+            and fits[o.label] and not fits.get(replace(o.label, budget="free"), False)]
+    for o in gaps:
+        solved = profiler.solutions([(0, last, full, o.label, 1)])[0]
+        if solved.memory_bytes > (req.budget or float("inf")):
+            continue
+        option = replace(o, latency=solved.latency)
+        one = make_solution((StagePlacement(0, last, full, option, 1),),
+                            profiler.microbatches, best.stats)
+        if one.total_latency < best.total_latency:
+            best = one
+    return best
 
 
 def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:

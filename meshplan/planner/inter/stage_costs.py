@@ -124,6 +124,7 @@ class StageProfiler:
         self._keys: dict[tuple[int, int], str] = {}
         self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._transfers: dict[int, float] = {}
+        self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -373,8 +374,8 @@ class StageProfiler:
         solved = list(self._map("_solve_whole", list(firsts.values()), workers,
                                 parallel_from=3))
         shared = {}
-        for group, (sol, solves) in zip(firsts, solved):
-            shared[group] = sol
+        for (group, first), (sol, solves) in zip(firsts.items(), solved):
+            shared[group] = self._wholes[(*group, first[4])] = sol
             self.solves += solves
         out = []
         for start, end, submesh, label, in_flight in chosen:
@@ -392,6 +393,13 @@ class StageProfiler:
 
     def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                      in_flight: int) -> tuple[IlpSolution, int]:
+        key = (self.key(start, end), submesh, label, in_flight)
+        if key in self._wholes:
+            return self._wholes[key], 0
+        return self._solve_whole_now(start, end, submesh, label, in_flight)
+
+    def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                         in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
         form = self._formulate(start, end, submesh, label.logical_shape)
         weighted = _in_flight_problem(form, self.stage(start, end),
