@@ -71,6 +71,9 @@ class StagePlan:
     ids, host-major) forming a ``submesh`` of (hosts, devices per host), viewed as the logical
     ``mesh_shape``; ``in_flight`` micro-batches kept at peak under the plan's schedule;
     ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device.
+    ``recompute``: in a pipeline each clustered layer of the stage is checkpointed on its own
+    (Megatron's full recomputation: per micro-batch only what each layer receives is kept, one
+    layer's activations at a time in backward); a single-stage plan reruns its whole forward.
     ``plan`` is the stage's intra-operator plan, or None for a single-stage plan, whose intra
     plan is the enclosing `Plan` itself."""
 
