@@ -12,8 +12,9 @@ micro-batch) + one update. A `StageOption` per plan found:
 - ``state_bytes``: parameters, gradients, optimizer state per device;
 - ``activation_bytes``: what one in-flight micro-batch keeps per device.
 
-Each shape gives the time-optimal plan ("free") and the fastest within 5 % of the smallest memory
-any plan of the stage needs ("lean": ZeRO, tensor parallelism). Each plan also comes recomputed,
+Each shape gives the time-optimal plan ("free"), the fastest within 5 % of the smallest memory
+any plan of the stage needs ("lean": ZeRO, tensor parallelism) and, with a tensor axis inside a
+host, Megatron's plan ("tp"; see `StageProfiler.variants`). Each plan also comes recomputed,
 layer by layer as Megatron-LM's full recomputation: per micro-batch only what each layer
 receives is kept, one layer's activations at a time in backward, and the forward runs twice.
 The DP uses these where memory demands it.
@@ -58,7 +59,7 @@ class StageLabel:
     under, whether it is recomputed."""
 
     logical_shape: tuple[int, int]
-    budget: str        # "free" (time-optimal) or "lean" (see `_price`)
+    budget: str        # "free", "lean" or "tp" (see `StageProfiler.variants`)
     recompute: bool
 
 
@@ -160,9 +161,19 @@ class StageProfiler:
         mesh = self._context(submesh, shape).mesh
         return mesh.alpha[0] == mesh.alpha[1] and mesh.beta[0] == mesh.beta[1]
 
-    @property
-    def budgets(self) -> tuple[str, ...]:
-        return ("free",) if self.memory_limit is None else ("free", "lean")
+    def variants(self, submesh: Submesh, shape: tuple[int, int]) -> tuple[str, ...]:
+        """The plans priced per logical shape: "free" (time-optimal), and under a memory limit
+        "lean" (within 5 % of the smallest memory) and, where the shape has a tensor axis inside
+        a host, "tp" (Megatron-style: batch on axis 0, tensors on axis 1, time-optimal). Long
+        stages are priced by parts, so the plans between the fastest and the leanest are only
+        those the parts offer: "tp" is the one a Megatron user would pick, whose memory usually
+        lies between, so every hand-tuned 3-D configuration is in the DP's space too."""
+        if self.memory_limit is None:
+            return ("free",)
+        o, per_host = self.options, min(submesh[1], self.cluster.devices_per_host)
+        tp = shape[1] > 1 and per_host % shape[1] == 0 and o.force_batch_axis is None \
+            and o.tensor_axis is None and not o.force_data_parallel
+        return ("free", "lean", "tp") if tp else ("free", "lean")
 
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
         out = []
@@ -170,7 +181,7 @@ class StageProfiler:
         # to build than the whole range).
         transfer = self.transfer_time(start)
         for shape in self.shapes(submesh):
-            for budget in self.budgets:
+            for budget in self.variants(submesh, shape):
                 if end - start <= self.exact_up_to:
                     c = self._exact(start, end, submesh, shape, budget)
                     priced = None if c is None else (
@@ -264,7 +275,7 @@ class StageProfiler:
                           enabled=self.show_progress)
         for (m, sub, shape), (costs, solves) in zip(tasks, priced):
             self.solves += solves
-            for budget, c in zip(self.budgets, costs):
+            for budget, c in zip(self.variants(sub, shape), costs):
                 self._costed[(self.key(m, m + 1), sub, shape, budget)] = c
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
@@ -293,7 +304,8 @@ class StageProfiler:
     def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
                    ) -> tuple[tuple[_Costed | None, ...], int]:
         before = self.solves
-        costs = tuple(self._exact(m, m + 1, submesh, shape, b) for b in self.budgets)
+        costs = tuple(self._exact(m, m + 1, submesh, shape, b)
+                      for b in self.variants(submesh, shape))
         return costs, self.solves - before
 
     def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
@@ -327,19 +339,21 @@ class StageProfiler:
         return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_bytes_per_param,
                            microbatches=self.microbatches)
 
-    def _form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
-              ) -> Formulation:
+    def _form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+              tp: bool = False) -> Formulation:
         """The stage's ILP with one live set of everything (budget unset), built once per
         structure, submesh and logical shape and shared by its variants (its node names are
         those of the first range of that structure)."""
-        key = (self.key(start, end), submesh, shape)
+        key = (self.key(start, end), submesh, shape, tp)
         if key not in self._forms:
-            self._forms[key] = self._formulate(start, end, submesh, shape)
+            self._forms[key] = self._formulate(start, end, submesh, shape, tp)
         return self._forms[key]
 
-    def _formulate(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
-                   ) -> Formulation:
-        form = formulate(resolve_choices(self.stage(start, end), shape, self.options),
+    def _formulate(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+                   tp: bool = False) -> Formulation:
+        options = replace(self.options, force_batch_axis=0, tensor_axis=1, full_split=True) \
+            if tp else self.options
+        form = formulate(resolve_choices(self.stage(start, end), shape, options),
                          self._context(submesh, shape), 0.0,
                          share_blocks=self.options.share_blocks)
         return replace(form, problem=replace(form.problem, memory_budget=None))
@@ -348,8 +362,8 @@ class StageProfiler:
                budget: str) -> _Costed | None:
         """The time-optimal plan of the stage, "free" (no memory bound) or "lean" (the fastest
         within 5 % of the smallest memory any plan of it needs: ZeRO, tensor parallelism)."""
-        form = self._form(start, end, submesh, shape)
-        problem = replace(form.problem, live_sets=()) if budget == "free" else replace(
+        form = self._form(start, end, submesh, shape, budget == "tp")
+        problem = replace(form.problem, live_sets=()) if budget != "lean" else replace(
             form.problem, memory_budget=min_memory(form.problem) * 1.05)
         s = self._solve(start, end, form, problem)
         if s is None:
@@ -381,7 +395,8 @@ class StageProfiler:
         for start, end, submesh, label, in_flight in chosen:
             # Formulated for this very range: the plan must name its own nodes. Ranges of one
             # structure list their choices in the same order.
-            form = self._formulate(start, end, submesh, label.logical_shape)
+            form = self._formulate(start, end, submesh, label.logical_shape,
+                                   label.budget == "tp")
             s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
                               self.stage(start, end))
             weighted = _in_flight_problem(form, s.graph, self._layer_of(start, end, submesh),
@@ -401,7 +416,7 @@ class StageProfiler:
     def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                          in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
-        form = self._formulate(start, end, submesh, label.logical_shape)
+        form = self._formulate(start, end, submesh, label.logical_shape, label.budget == "tp")
         weighted = _in_flight_problem(form, self.stage(start, end),
                                       self._layer_of(start, end, submesh), in_flight,
                                       label.recompute)
