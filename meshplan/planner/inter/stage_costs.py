@@ -395,8 +395,7 @@ class StageProfiler:
         for start, end, submesh, label, in_flight in chosen:
             # Formulated for this very range: the plan must name its own nodes. Ranges of one
             # structure list their choices in the same order.
-            form = self._formulate(start, end, submesh, label.logical_shape,
-                                   label.budget == "tp")
+            form = self._formulate(start, end, submesh, label.logical_shape)
             s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
                               self.stage(start, end))
             weighted = _in_flight_problem(form, s.graph, self._layer_of(start, end, submesh),
@@ -416,18 +415,17 @@ class StageProfiler:
     def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                          in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
-        form = self._formulate(start, end, submesh, label.logical_shape, label.budget == "tp")
+        # The unconstrained ILP, whatever variant priced the stage: its plans include every
+        # variant's, so under the same memory bound it is at least as fast.
+        form = self._formulate(start, end, submesh, label.logical_shape)
         weighted = _in_flight_problem(form, self.stage(start, end),
                                       self._layer_of(start, end, submesh), in_flight,
                                       label.recompute)
-        # A long stage's ILP under a memory bound can take seconds to prove optimal; the best
-        # plan found within the time limit is kept (its gap is recorded in the plan).
-        limit = WHOLE_STAGE_SECONDS
+        # Solved to optimality: a wall-clock limit would make the plan depend on the load.
         if self.memory_limit is None:
-            s = self._solve(start, end, form, replace(weighted, live_sets=()), limit)
+            s = self._solve(start, end, form, replace(weighted, live_sets=()))
         else:
-            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit),
-                            limit)
+            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit))
             if s is None:
                 s = self._solve(start, end, form, replace(
                     weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)))
@@ -436,13 +434,13 @@ class StageProfiler:
                                  f"{submesh} has no plan although the DP chose one")
         return s.solution, self.solves - before
 
-    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem,
-               time_limit_s: float | None = None) -> StageSolution | None:
-        """The ILP's answer, or None when nothing fits (or none was found in time)."""
+    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem
+               ) -> StageSolution | None:
+        """The ILP's answer, or None when nothing fits."""
         self.solves += 1
         try:
-            sol = solve(problem, time_limit_s=time_limit_s)
-        except (InfeasibleIlpError, TimeoutError):
+            sol = solve(problem)
+        except InfeasibleIlpError:
             return None
         return StageSolution(form, sol, self.stage(start, end))
 
@@ -460,8 +458,6 @@ class StageProfiler:
         return self._latency(s) + (twice - once) / self.microbatches
 
 
-# Seconds a chosen stage's whole ILP may search before its best plan so far is taken.
-WHOLE_STAGE_SECONDS = 1.0
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
 _FORKED: StageProfiler | None = None   # the profiler forked workers price for
