@@ -171,8 +171,11 @@ class StageProfiler:
         if self.memory_limit is None:
             return ("free",)
         o, per_host = self.options, min(submesh[1], self.cluster.devices_per_host)
+        # On a few hosts, only within one: a multi-host stage's own plans are data parallel
+        # across hosts already, and pricing it costs the most logical shapes.
         tp = shape[1] > 1 and per_host % shape[1] == 0 and o.force_batch_axis is None \
-            and o.tensor_axis is None and not o.force_data_parallel
+            and o.tensor_axis is None and not o.force_data_parallel \
+            and (submesh[0] == 1 or self.tensor_within_host)
         return ("free", "lean", "tp") if tp else ("free", "lean")
 
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
