@@ -197,7 +197,17 @@ def criterion_text(row: Row, auto: dict | None, base: dict | None) -> tuple[str,
         return "–", "yes (baseline has no plan)" if ok else "no"
     ratio = base["step_s"] / auto["step_s"]
     bound = BASELINES[row.suite][2]
-    return f"{ratio:.3g}", f"{'yes' if ratio >= bound else 'NO'} (≥ {bound:g})"
+    return f"{ratio:.3f}", f"{'yes' if ratio >= bound else 'NO'} (≥ {bound:g})"
+
+
+def plan_text(r: dict | None) -> str:
+    """A baseline's plan: Megatron's (dp, tp, pp, micro-batch size), else its stages."""
+    if r is None or r["status"] != "ok":
+        return "–"
+    m = r.get("megatron")
+    if m:
+        return f"dp={m['dp']} tp={m['tp']} pp={m['pp']} mb={m['mb']}, B={r['microbatches']}"
+    return f"{stages_text(r)}, B={r['microbatches']}"
 
 
 def row_cells(row: Row, results: dict[str, dict]) -> list[str]:
@@ -212,14 +222,14 @@ def row_cells(row: Row, results: dict[str, dict]) -> list[str]:
             f"{auto['wall_s']:.0f}" if auto else "–",
             stages_text(auto) if planned else "–",
             str(auto["microbatches"]) if planned else "–",
-            fits_text(auto), fits_text(base)]
+            fits_text(auto), plan_text(base), fits_text(base)]
 
 
 def print_table(results: dict[str, dict], names: list[str]) -> None:
     print("| row | GPUs | cluster | dtype | auto step s | baseline | baseline step s | "
           "baseline / auto | bound | auto search s | auto stages | B | auto fits (GiB) | "
-          "baseline fits (GiB) |")
-    print("|---|---:|---|---|---:|---|---:|---:|---|---:|---|---:|---|---|")
+          "baseline plan | baseline fits (GiB) |")
+    print("|---|---:|---|---|---:|---|---:|---:|---|---:|---|---:|---|---|---|")
     for name in names:
         print("| " + " | ".join(row_cells(ROWS[name], results)) + " |")
 
