@@ -192,9 +192,10 @@ def criterion_text(row: Row, auto: dict | None, base: dict | None) -> tuple[str,
     """(baseline / auto ratio, whether the acceptance's bound holds) for one row."""
     if row.suite not in BASELINES or base is None:
         return "–", "–"
-    if auto is None or auto["status"] != "ok" or base["status"] != "ok":
-        ok = auto is not None and auto["status"] == "ok"  # a plan where the baseline has none
-        return "–", "yes (baseline has no plan)" if ok else "no"
+    if auto is None or auto["status"] != "ok":
+        return "–", f"NO (auto: {auto['status'] if auto else 'not run'})"
+    if base["status"] != "ok":  # auto has a plan where the baseline has none
+        return "–", f"yes (baseline: {base['status']})"
     ratio = base["step_s"] / auto["step_s"]
     bound = BASELINES[row.suite][2]
     return f"{ratio:.3f}", f"{'yes' if ratio >= bound else 'NO'} (≥ {bound:g})"
