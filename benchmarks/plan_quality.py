@@ -8,7 +8,8 @@ the device's memory (plan()'s default).
 
 Usage:
   python benchmarks/plan_quality.py [--suite gpt|moe|wresnet|megatron ...] [--row NAME ...]
-                                    [--json PATH] [--timeout 900] [--table-only]
+                                    [--method NAME ...] [--json PATH] [--timeout 900]
+                                    [--table-only]
 Results are merged into the JSON file by (row, method), so suites can be run one at a time;
 ``--table-only`` prints the table from that file without planning.
 """
