@@ -269,8 +269,12 @@ def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,
     full = (cl.num_hosts, cl.devices_per_host)
     options = profiler(0, last, full)
     fits = {o.label: o.memory_bytes(1) <= (req.budget or float("inf")) for o in options}
+    free = {o.label: o.latency for o in options if o.label.budget == "free"}
+    # Only where even the fastest plan (free, ignoring memory) could beat the pipeline.
     gaps = [o for o in options if o.label.budget == "lean" and not o.label.recompute
-            and fits[o.label] and not fits.get(replace(o.label, budget="free"), False)]
+            and fits[o.label] and not fits.get(replace(o.label, budget="free"), False)
+            and free.get(replace(o.label, budget="free"), 0.0) * profiler.microbatches
+            < best.total_latency]
     for o in gaps:
         solved = profiler.solutions([(0, last, full, o.label, 1)])[0]
         if solved.memory_bytes > (req.budget or float("inf")):
