@@ -14,6 +14,7 @@ from torch import nn
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import Cluster, parse_cluster_spec
+from meshplan.cost.memory import param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
@@ -290,7 +291,8 @@ def _state_floor(model: nn.Module, num_devices: int, optimizer_bytes_per_param: 
     """Bytes per device of the parameters, gradients and optimizer state when every one of
     them is sharded over all devices: a lower bound of any plan's memory."""
     numel = sum(p.numel() for p in model.parameters())
-    return numel * (8.0 + optimizer_bytes_per_param) / num_devices
+    return param_memory_per_device(numel, "replicated", optimizer_bytes_per_param=(
+        optimizer_bytes_per_param)).total / num_devices
 
 
 @dataclass(frozen=True)

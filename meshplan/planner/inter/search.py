@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from meshplan.cost.cluster import Cluster
+from meshplan.cost.memory import param_memory_per_device
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
@@ -196,8 +197,10 @@ class _MemoryFloor:
     @staticmethod
     def of(traced: Graph, req: PipelineRequest) -> "_MemoryFloor":
         graph = with_compute_dtype(traced, req.dtype)
-        state = sum(n.out.numel for n in graph.nodes if n.role == "param") * (
-            8.0 + req.optimizer_bytes_per_param)
+        numel = sum(n.out.numel for n in graph.nodes if n.role == "param")
+        state = param_memory_per_device(numel, "replicated", 1, 1,
+                                        optimizer_bytes_per_param=req.optimizer_bytes_per_param
+                                        ).total
         act = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target") or (
             n.role == "op" and n.requires_grad))
         return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)

@@ -126,6 +126,7 @@ class StageProfiler:
         self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._transfers: dict[int, float] = {}
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
+        self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -142,7 +143,12 @@ class StageProfiler:
         ``logical_shapes``), less mirror images. (r, c) and (c, r) whose axes have the same
         links are one problem with its axes swapped when no option singles out an axis, so
         only the first is solved."""
-        out = []
+        if submesh not in self._shapes:
+            self._shapes[submesh] = self._list_shapes(submesh)
+        return self._shapes[submesh]
+
+    def _list_shapes(self, submesh: Submesh) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
         for s in factor_pairs(submesh[0] * submesh[1]):
             if self.logical_shapes is not None and s not in self.logical_shapes:
                 continue
@@ -183,6 +189,7 @@ class StageProfiler:
         # What a stage receives is what its first layer does (a one-layer program is cheaper
         # to build than the whole range).
         transfer = self.transfer_time(start)
+        whole_model = self._whole_model(start, end, submesh)
         for shape in self.shapes(submesh):
             for budget in self.variants(submesh, shape):
                 if end - start <= self.exact_up_to:
@@ -195,7 +202,7 @@ class StageProfiler:
                 if priced is None:
                     continue
                 (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-                if self._whole_model(start, end, submesh):  # recomputed as one piece
+                if whole_model:  # recomputed as one piece
                     first = self._exact(start, start + 1, submesh, shape, budget)
                     if first is None:
                         continue
