@@ -35,6 +35,15 @@ ALPA_SUITES = {
     "wresnet": [("250m", 1), ("500m", 2), ("1b", 4), ("2b", 8), ("4b", 16), ("6.8b", 32),
                 ("13b", 64)],
 }
+# The optimizer of each suite, as Alpa's benchmark scripts train them (benchmark/alpa/
+# benchmark_one_case_*.py): AdamW for GPT, Adafactor for MoE, SGD with Nesterov momentum 0.9 for
+# Wide-ResNet; Megatron-LM trains with Adam.
+OPTIMIZERS = {
+    "gpt": {"kind": "adamw", "lr": 1e-2},
+    "moe": {"kind": "adafactor", "lr": 1e-2},
+    "wresnet": {"kind": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+    "megatron": {"kind": "adam", "lr": 1e-4},
+}
 # Megatron-LM Table 1 (perf_tables.md §1): (preset, GPUs, global batch), on DGX A100 hosts.
 MEGATRON_ROWS = [("1.7b", 32, 512), ("7.5b", 128, 512), ("39.1b", 512, 1536),
                  ("145.6b", 1536, 2304), ("1t", 3072, 3072)]
@@ -58,6 +67,10 @@ class Row:
     cluster: str
     dtype: str
     methods: tuple[str, ...]
+
+    @property
+    def optimizer(self) -> dict:
+        return OPTIMIZERS[self.suite]
 
 
 def p3_cluster(gpus: int) -> str:
@@ -92,14 +105,16 @@ warnings.simplefilter("ignore")
 import meshplan.api as api
 from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
+from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.spec import build_workload
-spec, cluster, method, dtype = sys.argv[1:5]
+spec, cluster, method, dtype, optimizer = sys.argv[1:6]
 device_bytes = parse_cluster_spec(cluster).device.memory_bytes
 out = {"device_gib": device_bytes / 2**30}
 t0 = time.perf_counter()
 try:
     w = build_workload(spec)
-    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, cluster, method=method,
+    opt = OptimizerSpec.from_dict(json.loads(optimizer))
+    p = api.plan(w.model, w.loss_fn, opt, w.example_batch, cluster, method=method,
                  dtype=dtype, name=spec)
 except (InfeasiblePlanError, NoPipelineError) as e:
     out.update(status="infeasible", error=f"{type(e).__name__}: {e}")
@@ -125,7 +140,7 @@ def run_plan(row: Row, method: str, timeout_s: float) -> dict:
     planner's forked workers too); the child's JSON record, or a timeout / crash record."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _ONE_PLAN, row.spec, row.cluster, method,
-                             row.dtype], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             row.dtype, json.dumps(row.optimizer)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)

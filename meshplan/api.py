@@ -14,7 +14,7 @@ from torch import nn
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import Cluster, parse_cluster_spec
-from meshplan.cost.memory import param_memory_per_device
+from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
@@ -218,7 +218,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     # the budget: no plan fits, whatever the stages or micro-batches; the single-stage search
     # explains it (once, at the most micro-batches).
     state_too_large = budget is not None and _state_floor(
-        model, cl.num_devices, opt.state_bytes_per_param()) > budget
+        model, cl.num_devices, opt.state()) > budget
     if state_too_large:
         counts = counts[-1:]
     elif is_pipeline_method(method) and mesh_shape is None and not abstract \
@@ -271,7 +271,7 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
 
-    req = PipelineRequest(cl, opts, opt.to_dict(), opt.state_bytes_per_param(), budget,
+    req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
                           step.dtype, num_layers, name, method, recompute, schedule, progress)
     fixed = None if microbatches == "auto" else int(microbatches)
     if method == "megatron-grid":
@@ -286,13 +286,11 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
     return search_pipeline(graph_for, counts, req)
 
 
-def _state_floor(model: nn.Module, num_devices: int, optimizer_bytes_per_param: float
-                 ) -> float:
+def _state_floor(model: nn.Module, num_devices: int, state: OptimizerState) -> float:
     """Bytes per device of the parameters, gradients and optimizer state when every one of
     them is sharded over all devices: a lower bound of any plan's memory."""
-    numel = sum(p.numel() for p in model.parameters())
-    return param_memory_per_device(numel, "replicated", optimizer_bytes_per_param=(
-        optimizer_bytes_per_param)).total / num_devices
+    return unsharded_state_bytes((tuple(p.shape) for p in model.parameters()),
+                                 state) / num_devices
 
 
 @dataclass(frozen=True)
@@ -347,7 +345,7 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
     choices = resolve_choices(graph, tuple(mesh.shape), opts)
     abstract = mesh is not real_mesh
     # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
-    ctx = CostContext(mesh, None if abstract else cl.device, opt.state_bytes_per_param(),
+    ctx = CostContext(mesh, None if abstract else cl.device, opt.state(),
                       param_reshard=method == "heuristic", microbatches=step.microbatches,
                       recompute=step.recompute)
     if method == "heuristic":

@@ -23,7 +23,7 @@ def test_optimizer_state_bytes(optimizer: str, param_bytes: int, momentum: bool,
 
 
 def test_unknown_optimizer_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown optimizer 'lamb'; valid optimizers: \['sgd', 'adam', 'adamw'\]"):
+    with pytest.raises(ValueError, match=r"unknown optimizer 'lamb'; valid optimizers: \['sgd', 'adam', 'adamw', 'adafactor'\]"):
         optimizer_state_bytes_per_param("lamb")
 
 

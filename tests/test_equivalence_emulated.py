@@ -61,3 +61,11 @@ def test_uneven_split_really_is_uneven() -> None:
         x = [n for n in graph.nodes if n.role == "input"][0]
         sizes.append(prog.values[x.name].pieces[0])
     assert sizes[0] == (6, 2) and sizes[1] == (6, 2)
+
+
+def test_sgd_nesterov_momentum_matches_single_device() -> None:
+    # Alpa's Wide-ResNet optimizer: elementwise, so torch's own SGD steps each shard.
+    from meshplan.runtime.optim import OptimizerSpec
+    nesterov = OptimizerSpec("sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    run_case(GPT, (2, 2), "auto", nesterov, abstract=True)
+    run_case(MLP, (1, 4), "zero2", nesterov)

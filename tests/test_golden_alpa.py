@@ -187,7 +187,7 @@ def _m3_formulation() -> Formulation:
                         optimizer="adam")
     nc = resolve_choices(graph, (2, 2), opts)
     ctx = CostContext(LogicalMesh((2, 2), (1.0, 1.0), M3_BETA), None,
-                      optimizer_spec("adam").state_bytes_per_param())
+                      optimizer_spec("adam").state())
     return formulate(nc, ctx, None)
 
 

@@ -10,6 +10,7 @@ import meshplan.api as api
 import meshplan.planner.inter.stage_costs as stage_costs
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.cost.memory import OptimizerState
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor
@@ -32,7 +33,7 @@ def program():
 def _profiler(program, cluster: str = "p3.16xlarge:1x4", **kw) -> StageProfiler:
     graph, layering = program
     return StageProfiler(graph, layering, parse_cluster_spec(cluster),
-                         IntraOptions(optimizer="adamw", memory_budget=BUDGET), 8.0, 2, BUDGET,
+                         IntraOptions(optimizer="adamw", memory_budget=BUDGET), OptimizerState(), 2, BUDGET,
                          **kw)
 
 
@@ -104,7 +105,7 @@ def test_many_hosts_are_planned_host_granular() -> None:
 def test_memory_floor_bounds_every_plan_from_below(program) -> None:
     graph, _ = program
     cl = parse_cluster_spec("p3.16xlarge:1x4")
-    req = PipelineRequest(cl, IntraOptions(optimizer="adamw"), {}, 8.0, 1.0, "fp16")
+    req = PipelineRequest(cl, IntraOptions(optimizer="adamw"), {}, OptimizerState(), 1.0, "fp16")
     floor = _MemoryFloor.of(graph, req)
     w = build_workload(GPT, device="meta")
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",

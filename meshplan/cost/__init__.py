@@ -9,7 +9,8 @@ from meshplan.cost.collectives import (
 )
 from meshplan.cost.compute import op_time, train_op_time
 from meshplan.cost.devices import DeviceType, Link, device_type, link_preset
-from meshplan.cost.memory import ParamMemory, optimizer_state_bytes_per_param, param_memory_per_device
+from meshplan.cost.memory import (OptimizerState, ParamMemory, optimizer_state_bytes_per_param,
+                                  param_memory_per_device)
 from meshplan.cost.mesh import LogicalMesh, logical_mesh, parse_mesh_shape
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DeviceType",
     "Link",
     "LogicalMesh",
+    "OptimizerState",
     "ParamMemory",
     "collective_cost",
     "device_type",

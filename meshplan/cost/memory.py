@@ -18,17 +18,20 @@ Shards are padded to whole elements (ceil(numel / ways)), as sharded storage doe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from meshplan.cost.checks import check_count, check_nonnegative
 
 UPDATE_MODES: tuple[str, ...] = ("replicated", "zero2", "zero3")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor")
 
 
 def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int = 4, momentum: bool = False) -> float:
     """Optimizer-state bytes per parameter element: "sgd" 0 (or one `param_bytes` buffer with
-    `momentum`), "adam"/"adamw" 2 × `param_bytes` (first and second moments; `momentum` is ignored).
+    `momentum`), "adam"/"adamw" 2 × `param_bytes` (first and second moments; `momentum` is ignored),
+    "adafactor" 0 per element (its state is per row and column: `OptimizerState`).
 
     Raises ValueError naming the optimizer and the valid ones."""
     check_count(param_bytes, "param_bytes")
@@ -37,7 +40,34 @@ def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int = 4, moment
         return float(param_bytes) if momentum else 0.0
     if name in ("adam", "adamw"):
         return 2.0 * param_bytes
+    if name == "adafactor":
+        return 0.0
     raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {list(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps for a parameter, in bytes per element of the parameter.
+
+    ``per_element`` bytes for every element (Adam's two fp32 moments: 8; SGD's momentum: 4).
+    ``factored`` (Adafactor, as torch.optim.Adafactor keeps it): a parameter of two or more
+    dimensions keeps one fp32 second-moment statistic per row and one per column of its last two
+    dimensions, (R + C) per R × C matrix instead of R·C; a vector keeps one per element. Per
+    device the statistics shrink with the parameter's shard (a column statistic is in fact
+    replicated over the devices splitting rows; at (R + C)/(R·C) of the parameter the difference
+    is noise)."""
+
+    per_element: float = 8.0
+    factored: bool = False
+
+    def bytes_per_element(self, shape: tuple[int, ...]) -> float:
+        """Optimizer-state bytes per element of a parameter of ``shape``."""
+        if not self.factored:
+            return self.per_element
+        if len(shape) < 2 or not shape[-1] or not shape[-2]:
+            return self.per_element + 4.0
+        rows, cols = shape[-2], shape[-1]
+        return self.per_element + 4.0 * (rows + cols) / (rows * cols)
 
 
 def _shard_numel(numel: int, ways: int) -> int:
@@ -87,3 +117,11 @@ def param_memory_per_device(
     return ParamMemory(
         float(param_elems * param_bytes), float(state_elems * grad_bytes), float(state_elems * opt)
     )
+
+
+def unsharded_state_bytes(shapes: Iterable[tuple[int, ...]], state: OptimizerState) -> float:
+    """Values, gradients and optimizer state of parameters of ``shapes`` kept whole on one
+    device (fp32 masters): over N devices, /N is a lower bound of any plan's share."""
+    return sum(param_memory_per_device(math.prod(s), "replicated",
+                                       optimizer_bytes_per_param=state.bytes_per_element(s)).total
+               for s in shapes)

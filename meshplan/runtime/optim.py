@@ -1,8 +1,10 @@
 """Optimizers over local shards.
 
 SGD, Adam and AdamW are elementwise, so stepping each rank's shard of a parameter with torch's
-own optimizer gives exactly the shard of the single-device update. An `OptimizerSpec` is the plain
-description a plan carries; `make_optimizer` builds the torch optimizer on a rank.
+own optimizer gives exactly the shard of the single-device update. Adafactor is not (its second
+moments are per row and column, its step scales with the parameter's RMS): on shards it runs as
+`meshplan.runtime.adafactor.ShardedAdafactor`. An `OptimizerSpec` is the plain description a plan
+carries; `make_optimizer` builds the torch optimizer of one device's whole parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from typing import Any, Iterable
 
 import torch
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+from meshplan.cost.memory import OptimizerState
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+_DEFAULT_LR = {"adafactor": 1e-2}  # torch's defaults where they differ from 1e-3
 
 
 @dataclass(frozen=True)
@@ -25,16 +30,29 @@ class OptimizerSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    nesterov: bool = False   # SGD's (elementwise like momentum itself)
+    # Adafactor's (torch.optim.Adafactor's names and defaults; eps1 None: the dtype's epsilon)
+    beta2_decay: float = -0.8
+    eps1: float | None = None
+    eps2: float = 1e-3
+    d: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}")
 
     def state_bytes_per_param(self, param_bytes: int = 4) -> float:
-        """Optimizer state per parameter element: Adam keeps two moments, SGD a momentum."""
+        """Optimizer state per parameter element kept elementwise: Adam keeps two moments, SGD a
+        momentum, Adafactor none (`state`)."""
         if self.kind in ("adam", "adamw"):
             return 2.0 * param_bytes
-        return float(param_bytes) if self.momentum else 0.0
+        if self.kind == "sgd" and self.momentum:
+            return float(param_bytes)
+        return 0.0
+
+    def state(self) -> OptimizerState:
+        """The optimizer state the cost model charges per parameter (by shape)."""
+        return OptimizerState(self.state_bytes_per_param(), factored=self.kind == "adafactor")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-shaped (lists, not tuples), so a plan equals its own JSON round trip."""
@@ -53,18 +71,34 @@ def optimizer_spec(opt: Any) -> OptimizerSpec:
     if isinstance(opt, OptimizerSpec):
         return opt
     if isinstance(opt, str):
-        return OptimizerSpec(kind=opt.lower())
-    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+        kind = opt.lower()
+        return OptimizerSpec(kind=kind, lr=_DEFAULT_LR.get(kind, 1e-3))
+    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw",
+             torch.optim.Adafactor: "adafactor"}
     kind = kinds.get(type(opt))
     if kind is None:
         raise ValueError(f"unsupported optimizer {type(opt).__name__}; meshplan steps "
-                         "torch.optim.SGD, Adam and AdamW on local shards")
+                         "torch.optim.SGD, Adam, AdamW and Adafactor on local shards")
     g = opt.param_groups[0]
     if len(opt.param_groups) > 1:
         raise ValueError("optimizers with several parameter groups are not supported yet")
+    # Options the spec does not carry would be dropped silently by the ranks' optimizers.
+    unsupported = {"maximize": False, "amsgrad": False, "dampening": 0.0,
+                   "capturable": False, "differentiable": False, "decoupled_weight_decay": False}
+    for key, default in unsupported.items():
+        if key in g and g[key] not in (default, None) and not (
+                key == "decoupled_weight_decay" and kind == "adamw"):
+            raise ValueError(f"{type(opt).__name__}({key}={g[key]!r}) is not supported by "
+                             f"meshplan's sharded update; use {key}={default!r}")
+    if kind == "adafactor":
+        eps1, eps2 = g["eps"]
+        return OptimizerSpec(kind, float(g["lr"]), weight_decay=float(g["weight_decay"]),
+                             beta2_decay=float(g["beta2_decay"]),
+                             eps1=None if eps1 is None else float(eps1), eps2=float(eps2),
+                             d=float(g["d"]))
     return OptimizerSpec(kind, float(g["lr"]), float(g.get("momentum", 0.0)),
                          tuple(g.get("betas", (0.9, 0.999))), float(g.get("eps", 1e-8)),
-                         float(g.get("weight_decay", 0.0)))
+                         float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False)))
 
 
 def make_optimizer(spec: OptimizerSpec, tensors: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
@@ -72,7 +106,11 @@ def make_optimizer(spec: OptimizerSpec, tensors: Iterable[torch.Tensor]) -> torc
     tensors = list(tensors)
     if spec.kind == "sgd":
         return torch.optim.SGD(tensors, lr=spec.lr, momentum=spec.momentum,
-                               weight_decay=spec.weight_decay)
+                               weight_decay=spec.weight_decay, nesterov=spec.nesterov)
+    if spec.kind == "adafactor":
+        return torch.optim.Adafactor(tensors, lr=spec.lr, beta2_decay=spec.beta2_decay,
+                                     eps=(spec.eps1, spec.eps2), d=spec.d,
+                                     weight_decay=spec.weight_decay)
     cls = torch.optim.Adam if spec.kind == "adam" else torch.optim.AdamW
     return cls(tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                weight_decay=spec.weight_decay)

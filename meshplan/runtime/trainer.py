@@ -26,6 +26,8 @@ from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm
 from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads,
                                         reduce_scatter_grads)
+from meshplan.lower.factored_stats import update_dims
+from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
 from meshplan.runtime.step_modes import autocast_for, recomputed
 
@@ -85,11 +87,19 @@ class Trainer:
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
         self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
                         if n.role == "buffer"}
-        self.optimizer = make_optimizer(OptimizerSpec.from_dict(plan.optimizer),
-                                        [p.update for p in self.params])
+        self.optimizer = self._make_optimizer(OptimizerSpec.from_dict(plan.optimizer))
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
         self._steps = 0
+
+    def _make_optimizer(self, spec: OptimizerSpec) -> Any:
+        tensors = [p.update for p in self.params]
+        if spec.kind != "adafactor":
+            return make_optimizer(spec, tensors)
+        dims = [update_dims(self.program.values[p.node].layout.dims, p.mode, p.axes)
+                for p in self.params]
+        return ShardedAdafactor(spec, tensors, [self.program.values[p.node].shape
+                                                for p in self.params], dims, self.comm)
 
     def _make_param(self, name: str, node: str, state: dict[str, torch.Tensor]) -> _Param:
         dec = self.plan.param(name)

@@ -196,7 +196,7 @@ def _profiled(graph_for: GraphFor, b: int, req: PipelineRequest,
     graph = with_compute_dtype(traced, req.dtype)
     layering = cluster_layers(graph, layers_for(graph))
     profiler = StageProfiler(graph, layering, req.cluster, req.options,
-                             req.optimizer_bytes_per_param, b, req.budget, req.recompute,
+                             req.optimizer_state, b, req.budget, req.recompute,
                              logical_shapes=frozenset((s.dp, s.tp) for s in specs),
                              show_progress=req.progress)
     return _Profiled(profiler, fingerprint, traced.unsupported_ops)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from meshplan.cost.cluster import Cluster
-from meshplan.cost.memory import param_memory_per_device
+from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
@@ -87,7 +87,7 @@ class PipelineRequest:
     cluster: Cluster
     options: IntraOptions
     optimizer: dict
-    optimizer_bytes_per_param: float
+    optimizer_state: OptimizerState
     budget: float | None
     dtype: str
     num_layers: int | None = None
@@ -197,10 +197,8 @@ class _MemoryFloor:
     @staticmethod
     def of(traced: Graph, req: PipelineRequest) -> "_MemoryFloor":
         graph = with_compute_dtype(traced, req.dtype)
-        numel = sum(n.out.numel for n in graph.nodes if n.role == "param")
-        state = param_memory_per_device(numel, "replicated", 1, 1,
-                                        optimizer_bytes_per_param=req.optimizer_bytes_per_param
-                                        ).total
+        state = unsharded_state_bytes((n.out.shape for n in graph.nodes if n.role == "param"),
+                                      req.optimizer_state)
         act = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target") or (
             n.role == "op" and n.requires_grad))
         return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)
@@ -228,7 +226,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     layering = cluster_layers(graph, num_layers,
                               balance="ops" if req.method == "equal-operator" else "flops")
     by_hosts = cl.num_hosts > HOST_GRANULAR_ABOVE
-    profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_bytes_per_param, b,
+    profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_state, b,
                              req.budget, req.recompute, show_progress=req.progress,
                              tensor_within_host=by_hosts)
     # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a

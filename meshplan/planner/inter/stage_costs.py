@@ -39,6 +39,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from meshplan.cost.cluster import Cluster
+from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import factor_pairs, logical_mesh
 from meshplan.errors import InfeasibleIlpError
 from meshplan.ir.graph import Graph
@@ -108,7 +109,7 @@ class StageProfiler:
     layering: Layering
     cluster: Cluster
     options: IntraOptions
-    optimizer_bytes_per_param: float
+    optimizer_state: OptimizerState
     microbatches: int
     memory_limit: float | None = None   # bytes per device the DP checks against
     recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
@@ -346,7 +347,7 @@ class StageProfiler:
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
         sub = replace(self.cluster, name=f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]",
                       num_hosts=submesh[0], devices_per_host=submesh[1])
-        return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_bytes_per_param,
+        return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_state,
                            microbatches=self.microbatches)
 
     def _form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],

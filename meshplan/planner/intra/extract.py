@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.cost.collectives import collective_cost
+from meshplan.lower.factored_stats import factored_buckets, update_dims
 from meshplan.planner.intra.fanout import param_sync, use_charges
 from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.op_costs import CostContext, OpCosts, local_bytes, step_cost
@@ -121,6 +122,8 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
     # The runtime synchronizes one bucket per (update mode, axes) and collective kind.
     buckets: Counter[tuple[str, tuple[int, ...], str, str]] = Counter()
     out = []
+    shapes: list[tuple[int, ...]] = []
+    dims: list[tuple[tuple[int, ...], ...]] = []
     for n in g.params():
         choice = nc.choices[n.name][idx[n.name]]
         axes, backward = param_sync(sync.get(n.name, ()))
@@ -139,6 +142,11 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
                 counts[("all_gather", nbytes, axes, "forward")] += 1
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
+        shapes.append(n.out.shape)
+        dims.append(update_dims(spec.dims, mode, axes))
     for (kind, axes, phase, _), nbytes in buckets.items():
         counts[(kind, nbytes, axes, phase)] += 1
+    if form.ctx.optimizer.factored:  # its statistics completed over the shards (runtime's)
+        for b in factored_buckets(shapes, dims, shape):
+            counts[("all_reduce", 4 * b.numel, b.axes, "update")] += 1
     return tuple(out)

@@ -15,7 +15,7 @@ from functools import lru_cache
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.compute import forward_backward_times
 from meshplan.cost.devices import DeviceType
-from meshplan.cost.memory import param_memory_per_device
+from meshplan.cost.memory import OptimizerState, param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
@@ -33,7 +33,7 @@ class CostContext:
 
     mesh: LogicalMesh
     device: DeviceType | None
-    optimizer_bytes_per_param: float = 8.0
+    optimizer: OptimizerState = OptimizerState()
     param_reshard: bool = False  # may a parameter be resharded before a use (GSPMD-style)?
     microbatches: int = 1
     recompute: bool = False
@@ -171,7 +171,8 @@ class OpCosts:
                 dp *= self.shape[a]
             m = param_memory_per_device(node.out.numel, choice.mode or "replicated",
                                         lay.shard_factor(self.shape), dp,
-                                        optimizer_bytes_per_param=self.ctx.optimizer_bytes_per_param)
+                                        optimizer_bytes_per_param=self.ctx.optimizer.bytes_per_element(
+                                            node.out.shape))
             return m.total
         if node.role in ("input", "target") or (node.role == "op" and node.requires_grad):
             return float(local_bytes(node, lay, self.shape))
