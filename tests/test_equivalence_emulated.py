@@ -69,3 +69,14 @@ def test_sgd_nesterov_momentum_matches_single_device() -> None:
     nesterov = OptimizerSpec("sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
     run_case(GPT, (2, 2), "auto", nesterov, abstract=True)
     run_case(MLP, (1, 4), "zero2", nesterov)
+
+
+@pytest.mark.parametrize("experts,split", [(8, "S01"), (4, "S1"), (6, "S0")])
+def test_expert_parallelism_where_the_expert_count_divides_part_of_the_mesh(experts, split):
+    # DeepSpeed's expert-parallel degree divides the expert count: on a (2, 4) mesh 8 experts
+    # take every device, 4 the larger axis, 6 the smaller; the rest hold ZeRO-2 replicas.
+    spec = f"moe:hidden=16,layers=2,heads=2,experts={experts},seq=8,vocab=32,batch=8"
+    plan = make_plan(spec, (2, 4), "expert", SGD)
+    moe = [p for p in plan.params if ".moe." in p.name and not p.name.endswith(".wg")]  # gate: dense
+    assert moe and all(p.spec.startswith(split + ",") for p in moe), [p.spec for p in moe]
+    run_case(spec, (2, 4), "expert", SGD)

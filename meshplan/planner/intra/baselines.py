@@ -9,8 +9,9 @@ costed and is compared exactly like the ILP's own.
   given the layouts its operands already have (greedy, no look-ahead), and a parameter takes the
   layout its first consumer wants (a later use of it, e.g. a tied embedding, may reshard it).
 - ``expert`` (DeepSpeed-style MoE): expert parameters (an expert dim first, named like
-  ``*.moe.w_in``/``*.experts.*``) are split on that dim over all devices; every other parameter
-  is replicated and updated ZeRO-2; the batch is split over all devices.
+  ``*.moe.w_in``/``*.experts.*``) are split on that dim over all devices, or over the mesh axis
+  whose size divides the expert count (`_expert_choice`); every other parameter is replicated
+  and updated ZeRO-2; the batch is split over all devices.
 """
 
 from __future__ import annotations
@@ -46,6 +47,30 @@ def _pick(choices: list[Choice], layout: Layout, mode: str | None = None) -> lis
     hits = [i for i, c in enumerate(choices) if c.strategy.output == layout
             and (mode is None or c.mode == mode)]
     return hits[:1]
+
+
+def _expert_choice(options: list[Choice], shape: tuple[int, ...], mesh: tuple[int, int]
+                   ) -> list[int]:
+    """An expert parameter's choice: its expert dim split over every device when the expert
+    count allows, else over the larger mesh axis that divides it, else the smaller (DeepSpeed's
+    expert-parallel degree divides the expert count); the devices left over hold replicas,
+    updated ZeRO-2 like the other parameters."""
+    axes = active_axes(mesh)
+    candidates = [axes] + [(a,) for a in sorted(axes, key=lambda a: -mesh[a])] if len(axes) > 1 \
+        else [axes]
+    for group in candidates:
+        n = 1
+        for a in group:
+            n *= mesh[a]
+        if not shape or shape[0] % n:
+            continue
+        dims: list[tuple[int, ...]] = [()] * len(shape)
+        dims[0] = group
+        want = Layout(tuple(dims))
+        hit = _pick(options, want, "zero2") or _pick(options, want, "replicated")
+        if hit:
+            return hit
+    return []
 
 
 def _largest_dim_layout(shape: tuple[int, ...], mesh: tuple[int, int]) -> Layout:
@@ -124,8 +149,7 @@ def expert(nc: NodeChoices) -> NodeChoices:
         if node.role == "param":
             if EXPERT_PARAM.search(node.state_name or ""):
                 experts += 1
-                want = _all_axes_on(len(node.out.shape), 0, nc.mesh_shape)
-                keep[node.name] = _pick(options, want, "replicated")
+                keep[node.name] = _expert_choice(options, node.out.shape, nc.mesh_shape)
             else:
                 want = Layout.replicated(len(node.out.shape))
                 keep[node.name] = _pick(options, want, "zero2") or _pick(options, want)
