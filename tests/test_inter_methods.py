@@ -216,3 +216,22 @@ def test_cli_names_a_bad_megatron_spec(capsys: pytest.CaptureFixture[str]) -> No
     code = main(["plan", TINY, "--cluster", FOUR, "--method", "megatron:dp=2"])
     _, err = capsys.readouterr()
     assert code == EXIT_USAGE and "missing tp, pp" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- whole solves decide
+
+
+def test_candidates_solved_whole_never_lose_to_the_dps_own_pick(tiny, monkeypatch) -> None:
+    # By parts the DP misjudges long stages; its near-best pipelines (equal stages included),
+    # each stage on its best logical mesh, are solved whole and the fastest kept. With one
+    # candidate and a margin of zero that is the DP's own pick as it stood before.
+    import meshplan.planner.inter.search as search
+    kw = dict(microbatches=2, memory_budget_gb=0.004)
+    chosen = _plan(tiny, FOUR, **kw)
+    monkeypatch.setattr(search, "REFINE_MAX", 1)
+    monkeypatch.setattr(search, "REFINE_MARGIN", 0.0)
+    own = _plan(tiny, FOUR, **kw)
+    assert chosen.num_stages > 1
+    assert chosen.predicted["step_time_s"] <= own.predicted["step_time_s"] * (1 + 1e-12)
+    assert chosen.predicted["peak_memory_bytes"] <= 0.004 * 2**30
+    assert chosen.ilp["estimated_step_s"] == own.ilp["estimated_step_s"]

@@ -46,12 +46,12 @@ from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
-                                                  PipelineSolution, Profile, StagePlacement,
+                                                  PipelineSolution, Profile, StageOption,
+                                                  StagePlacement,
                                                   gpipe, make_solution, one_f_one_b,
                                                   submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
-from meshplan.planner.inter.to_plan import FoundPipeline as _Found
-from meshplan.planner.inter.to_plan import pipeline_plan as _to_plan
+from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
 from meshplan.planner.intra.choices import IntraOptions
 
 # Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
@@ -75,6 +75,10 @@ def resolve_schedule(schedule: str) -> str:
 
 # Clusters of more hosts are planned host-granular (module docstring).
 HOST_GRANULAR_ABOVE = 8
+# Pipelines whose estimate is within this fraction of the best one's are solved whole, at most
+# REFINE_MAX of them (`_solved_whole`).
+REFINE_MARGIN = 0.08
+REFINE_MAX = 4
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
 GraphFor = Callable[[int], tuple[Graph, str]]
@@ -118,7 +122,7 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     best = search.best()
     if best is None:
         raise _infeasible(search.errors, counts, req)
-    return _to_plan(best, req, time.perf_counter() - t0)
+    return pipeline_plan(best, req, time.perf_counter() - t0)
 
 
 class _CountSearch:
@@ -127,7 +131,7 @@ class _CountSearch:
 
     def __init__(self, graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> None:
         self.graph_for, self.counts, self.req = graph_for, counts, req
-        self.tried: dict[int, _Found | None] = {}
+        self.tried: dict[int, FoundPipeline | None] = {}
         self.errors: list[NoPipelineError] = []
         self._floors: dict[int, _MemoryFloor] = {}
 
@@ -179,7 +183,7 @@ class _CountSearch:
     def best_latency(self) -> float:
         return min((self.latency(i) for i in self.tried), default=math.inf)
 
-    def best(self) -> _Found | None:
+    def best(self) -> FoundPipeline | None:
         found = [f for f in self.tried.values() if f is not None]
         return min(found, key=lambda f: f.solution.total_latency, default=None)
 
@@ -218,7 +222,7 @@ def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineR
         "a smaller global batch or a larger budget.")
 
 
-def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
+def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> FoundPipeline:
     traced, fingerprint = graph_for(b)
     graph = with_compute_dtype(traced, req.dtype)
     cl = req.cluster
@@ -236,9 +240,11 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
     real = (lambda sub: (sub[1], cl.devices_per_host)) if by_hosts else (lambda sub: sub)
     profiler.prefetch(tuple(real(sub) for sub in submesh_shapes(shape)))
     whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
-    profiles = [whole] if req.method != "equal-layer" else \
-        [_equal_layers(whole, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
-    best, errors = None, []
+    # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
+    # method: by parts their long stages may look slower than they solve.
+    equal = [_equal_layers(whole, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
+    profiles = equal if req.method == "equal-layer" else [whole, *equal]
+    found, errors = [], []
     for profile in profiles:
         problem = PipelineProblem(shape, num_layers, profile, b, device_memory=req.budget,
                                   in_flight=SCHEDULES[req.schedule])
@@ -247,14 +253,63 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Found:
         except NoPipelineError as e:
             errors.append(e)
             continue
-        if best is None or sol.total_latency < best.total_latency:
-            best = sol
-    if best is None:
+        found.append(replace(sol, stages=tuple(replace(s, submesh=real(s.submesh))
+                                               for s in sol.stages)))
+    if not found:
         raise min(errors, key=lambda e: e.min_memory_bytes)
-    best = replace(best, stages=tuple(replace(s, submesh=real(s.submesh)) for s in best.stages))
+    estimate = min(s.total_latency for s in found)
+    best = _solved_whole(profiler, found, req)
     if req.method in ("auto", "inter-only", "equal-operator"):
         best = _one_stage_if_faster(profiler, best, req)
-    return _Found(best, profiler, fingerprint, traced.unsupported_ops)
+    return FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops, estimate)
+
+
+def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
+                  req: PipelineRequest) -> PipelineSolution:
+    """Of the pipelines the DPs found, those within `REFINE_MARGIN` of the best estimate (at
+    most `REFINE_MAX`) with their stages solved whole, the fastest that fits. The estimates
+    price long stages by parts (`StageProfiler._telescoped`), which misjudges them by several
+    per cent either way, often more than the candidates differ; solved whole, the stages'
+    latencies are the ones the plan reports. The DP's best is kept even if it does not fit
+    solved whole (the plan then says so)."""
+    ranked = sorted({c.stages: c for c in candidates}.values(), key=lambda c: c.total_latency)
+    near = [c for c in ranked if c.total_latency <= (1 + REFINE_MARGIN) * ranked[0].total_latency]
+    budget = req.budget if req.budget is not None else math.inf
+    best = None
+    for k, c in enumerate(near[:REFINE_MAX]):
+        chosen = [_stage_solved_whole(profiler, s, budget) for s in c.stages]
+        solved = profiler.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
+                                     for s in chosen])
+        if k and any(x.memory_bytes > budget for x in solved):
+            continue
+        stages = tuple(replace(s, option=replace(s.option, latency=x.latency))
+                       for s, x in zip(chosen, solved))
+        whole = make_solution(stages, profiler.microbatches, c.stats)
+        if best is None or whole.total_latency < best.total_latency:
+            best = whole
+    assert best is not None
+    return best
+
+
+def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float
+                        ) -> StagePlacement:
+    """``stage`` with the logical mesh and recomputation whose whole solve is fastest within
+    the budget, of those whose estimate is within `REFINE_MARGIN` of the chosen one's (a whole
+    solve is the unconstrained ILP under the pipeline's memory, whatever variant priced it)."""
+    options = profiler(stage.start, stage.end, stage.submesh)
+    limit = (1 + REFINE_MARGIN) * stage.option.latency
+    kinds: dict[tuple, StageOption] = {}
+    for o in options:
+        kind = (o.label.logical_shape, o.label.recompute)
+        if o.latency <= limit and (kind not in kinds or o.latency < kinds[kind].latency):
+            kinds[kind] = o
+    best, best_latency = stage, math.inf
+    for o in sorted(kinds.values(), key=lambda o: o.latency):
+        x = profiler.solutions([(stage.start, stage.end, stage.submesh, o.label,
+                                 stage.in_flight)])[0]
+        if x.memory_bytes <= budget and x.latency < best_latency:
+            best, best_latency = replace(stage, option=o), x.latency
+    return best
 
 
 def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,

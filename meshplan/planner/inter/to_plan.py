@@ -25,12 +25,14 @@ if TYPE_CHECKING:  # search.py imports this module
 @dataclass
 class FoundPipeline:
     """A pipeline a method chose, with the profiler that priced it (it holds the stages'
-    solves) and the traced program's fingerprint and unsupported ops."""
+    solves) and the traced program's fingerprint and unsupported ops; ``estimated_s`` the
+    DP's step time by parts when the solution's latencies are already the whole solves'."""
 
     solution: PipelineSolution
     profiler: StageProfiler
     fingerprint: str
     unsupported: tuple[str, ...]
+    estimated_s: float | None = None
 
 
 def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:
@@ -58,7 +60,8 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
     # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
     # estimates by parts.
     step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches)
-    stats = {"estimated_step_s": sol.total_latency, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
+    estimate = sol.total_latency if found.estimated_s is None else found.estimated_s
+    stats = {"estimated_step_s": estimate, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
              "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
     if len(stages) == 1:
         only = stages[0].plan
