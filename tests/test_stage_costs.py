@@ -117,16 +117,18 @@ def test_memory_floor_bounds_every_plan_from_below(program) -> None:
 def test_a_budget_that_only_recomputation_meets(program) -> None:
     """The budget of the leanest plan without recomputation, less a little: some pipeline
     with recomputed stages still fits, and every stage keeps within it."""
-    w = build_workload(GPT, device="meta")
+    # Long sequences, narrow layers: activations dominate, as where recomputation pays.
+    w = build_workload(GPT.replace("seq=16", "seq=64").replace("hidden=64", "hidden=32"),
+                       device="meta")
     plain = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
                      microbatches=2, recompute="none", memory_budget_gb=0.004, num_layers=6)
     need = max(s.memory_bytes for s in plain.stages)
     with pytest.raises(api.InfeasiblePlanError):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
-                 microbatches=2, recompute="none", memory_budget_gb=need * 0.6 / 2**30,
+                 microbatches=2, recompute="none", memory_budget_gb=need * 0.35 / 2**30,
                  num_layers=6, method="inter-only")
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
-                 microbatches=2, memory_budget_gb=need * 0.6 / 2**30, num_layers=6,
+                 microbatches=2, memory_budget_gb=need * 0.35 / 2**30, num_layers=6,
                  method="inter-only")
     assert any(s.recompute for s in p.stages)
-    assert all(s.memory_bytes <= need * 0.6 for s in p.stages)
+    assert all(s.memory_bytes <= need * 0.35 for s in p.stages)

@@ -53,6 +53,7 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
 from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
 from meshplan.planner.intra.choices import IntraOptions
+from meshplan.planner.intra.op_costs import is_kept
 
 # Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
 # same latency (Alpa eq. 2); 1F1B keeps fewer, so "auto" is 1F1B.
@@ -203,8 +204,7 @@ class _MemoryFloor:
         graph = with_compute_dtype(traced, req.dtype)
         state = unsharded_state_bytes((n.out.shape for n in graph.nodes if n.role == "param"),
                                       req.optimizer_state)
-        act = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target") or (
-            n.role == "op" and n.requires_grad))
+        act = sum(n.out.nbytes for n in graph.nodes if is_kept(n))
         return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)
 
     def may_fit(self) -> bool:

@@ -74,6 +74,16 @@ def param_roots(graph: Graph) -> dict[str, str]:
     return out
 
 
+def is_kept(node: Node) -> bool:
+    """Whether a value takes memory of its own for the step: batch tensors, and op outputs
+    autograd may keep for backward. A view (reshape, permute, slice) shares its base's storage,
+    which is charged where the base is."""
+    if node.role in ("input", "target"):
+        return True
+    return node.role == "op" and node.requires_grad and not (
+        node.sig is not None and node.sig.kind == "view")
+
+
 def dp_axes(layout: Layout, mesh_shape: tuple[int, ...]) -> Axes:
     """Active axes a parameter is replicated over: where ZeRO shards it."""
     return tuple(a for a in active_axes(mesh_shape) if a not in layout.split_axes)
@@ -174,6 +184,6 @@ class OpCosts:
                                         optimizer_bytes_per_param=self.ctx.optimizer.bytes_per_element(
                                             node.out.shape))
             return m.total
-        if node.role in ("input", "target") or (node.role == "op" and node.requires_grad):
+        if is_kept(node):
             return float(local_bytes(node, lay, self.shape))
         return 0.0
