@@ -79,7 +79,7 @@ HOST_GRANULAR_ABOVE = 8
 # Pipelines whose estimate is within this fraction of the best one's are solved whole, at most
 # REFINE_MAX of them (`_solved_whole`).
 REFINE_MARGIN = 0.08
-REFINE_MAX = 4
+REFINE_MAX = 3
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
 GraphFor = Callable[[int], tuple[Graph, str]]
@@ -120,10 +120,44 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
         if search.latency(probe) < before:
             search.walk(probe - 1, -1, search.latency(probe))
             search.walk(probe + 1, +1, search.latency(probe))
-    best = search.best()
+    best = _solved_best(search, req)
     if best is None:
         raise _infeasible(search.errors, counts, req)
     return pipeline_plan(best, req, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """One micro-batch count's search: the pipelines its DPs found, estimated by parts, and the
+    best of them by that estimate."""
+
+    found: FoundPipeline
+    candidates: tuple[PipelineSolution, ...]
+
+    @property
+    def estimate(self) -> float:
+        return self.found.solution.total_latency
+
+
+def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline | None:
+    """The fastest pipeline solved whole (`_solved_whole`) over the counts whose best estimate
+    is within `REFINE_MARGIN` of the best one's: the walk compares estimates, the plan the
+    stages as they solve."""
+    tried = [t for t in search.tried.values() if t is not None]
+    if not tried:
+        return None
+    top = min(t.estimate for t in tried)
+    best: FoundPipeline | None = None
+    for t in sorted(tried, key=lambda t: t.estimate):
+        if t.estimate > (1 + REFINE_MARGIN) * top:
+            break
+        profiler = t.found.profiler
+        sol = _solved_whole(profiler, list(t.candidates), req)
+        if req.method in ("auto", "inter-only", "equal-operator"):
+            sol = _one_stage_if_faster(profiler, sol, req)
+        if best is None or sol.total_latency < best.solution.total_latency:
+            best = replace(t.found, solution=sol, estimated_s=t.estimate)
+    return best
 
 
 class _CountSearch:
@@ -132,7 +166,7 @@ class _CountSearch:
 
     def __init__(self, graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> None:
         self.graph_for, self.counts, self.req = graph_for, counts, req
-        self.tried: dict[int, FoundPipeline | None] = {}
+        self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
         self._floors: dict[int, _MemoryFloor] = {}
 
@@ -169,8 +203,8 @@ class _CountSearch:
             except NoPipelineError as e:
                 self.errors.append(e)
                 self.tried[i] = None
-        found = self.tried[i]
-        return math.inf if found is None else found.solution.total_latency
+        searched = self.tried[i]
+        return math.inf if searched is None else searched.estimate
 
     def walk(self, i: int, step: int, previous: float = math.inf) -> None:
         """Counts ``i``, ``i + step``, ... while each is faster than the one before. Going
@@ -183,10 +217,6 @@ class _CountSearch:
 
     def best_latency(self) -> float:
         return min((self.latency(i) for i in self.tried), default=math.inf)
-
-    def best(self) -> FoundPipeline | None:
-        found = [f for f in self.tried.values() if f is not None]
-        return min(found, key=lambda f: f.solution.total_latency, default=None)
 
 
 @dataclass(frozen=True)
@@ -222,7 +252,7 @@ def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineR
         "a smaller global batch or a larger budget.")
 
 
-def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> FoundPipeline:
+def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     traced, fingerprint = graph_for(b)
     graph = with_compute_dtype(traced, req.dtype)
     cl = req.cluster
@@ -257,11 +287,9 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> FoundPipel
                                                for s in sol.stages)))
     if not found:
         raise min(errors, key=lambda e: e.min_memory_bytes)
-    estimate = min(s.total_latency for s in found)
-    best = _solved_whole(profiler, found, req)
-    if req.method in ("auto", "inter-only", "equal-operator"):
-        best = _one_stage_if_faster(profiler, best, req)
-    return FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops, estimate)
+    best = min(found, key=lambda s: s.total_latency)
+    return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
+                     tuple(found))
 
 
 def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
@@ -275,15 +303,26 @@ def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
     ranked = sorted({c.stages: c for c in candidates}.values(), key=lambda c: c.total_latency)
     near = [c for c in ranked if c.total_latency <= (1 + REFINE_MARGIN) * ranked[0].total_latency]
     budget = req.budget if req.budget is not None else math.inf
+    near = near[:REFINE_MAX]
+    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, s.in_flight)
+                                   for c in near for s in c.stages
+                                   for o in _relabels(profiler, s, budget)])
     best = None
-    for k, c in enumerate(near[:REFINE_MAX]):
+    for k, c in enumerate(near):
         chosen = [_stage_solved_whole(profiler, s, budget) for s in c.stages]
-        solved = profiler.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
-                                     for s in chosen])
-        if k and any(x.memory_bytes > budget for x in solved):
+        # `solutions` solves the stages of one structure and plan once, at the most
+        # micro-batches any of them keeps: price them so (memory: conservatively, at that).
+        most: dict[tuple, int] = {}
+        for s in chosen:
+            group = (profiler.key(s.start, s.end), s.submesh, s.option.label)
+            most[group] = max(most.get(group, 0), s.in_flight)
+        solved = [profiler.whole_cost(s.start, s.end, s.submesh, s.option.label,
+                                      most[(profiler.key(s.start, s.end), s.submesh,
+                                            s.option.label)]) for s in chosen]
+        if k and any(memory > budget for _, memory in solved):
             continue
-        stages = tuple(replace(s, option=replace(s.option, latency=x.latency))
-                       for s, x in zip(chosen, solved))
+        stages = tuple(replace(s, option=replace(s.option, latency=latency))
+                       for s, (latency, _) in zip(chosen, solved))
         whole = make_solution(stages, profiler.microbatches, c.stats)
         if best is None or whole.total_latency < best.total_latency:
             best = whole
@@ -294,22 +333,35 @@ def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
 def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float
                         ) -> StagePlacement:
     """``stage`` with the logical mesh and recomputation whose whole solve is fastest within
-    the budget, of those whose estimate is within `REFINE_MARGIN` of the chosen one's (a whole
-    solve is the unconstrained ILP under the pipeline's memory, whatever variant priced it)."""
+    the budget, of those `_relabels` offers."""
+    best, best_latency = stage, math.inf
+    for o in _relabels(profiler, stage, budget):
+        latency, memory = profiler.whole_cost(stage.start, stage.end, stage.submesh, o.label,
+                                              stage.in_flight)
+        if memory <= budget and latency < best_latency:
+            best, best_latency = replace(stage, option=o), latency
+    return best
+
+
+def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float
+              ) -> list[StageOption]:
+    """Per logical mesh and recomputation, the fastest option of ``stage``'s layers and
+    submesh, for those within `REFINE_MARGIN` of the chosen option's estimate whose leanest
+    plan fits by parts (a whole solve is the unconstrained ILP under the pipeline's memory,
+    whatever variant priced the option, so one per kind)."""
     options = profiler(stage.start, stage.end, stage.submesh)
     limit = (1 + REFINE_MARGIN) * stage.option.latency
     kinds: dict[tuple, StageOption] = {}
+    leanest: dict[tuple, float] = {}
     for o in options:
         kind = (o.label.logical_shape, o.label.recompute)
+        leanest[kind] = min(leanest.get(kind, math.inf), o.memory_bytes(stage.in_flight))
         if o.latency <= limit and (kind not in kinds or o.latency < kinds[kind].latency):
             kinds[kind] = o
-    best, best_latency = stage, math.inf
-    for o in sorted(kinds.values(), key=lambda o: o.latency):
-        x = profiler.solutions([(stage.start, stage.end, stage.submesh, o.label,
-                                 stage.in_flight)])[0]
-        if x.memory_bytes <= budget and x.latency < best_latency:
-            best, best_latency = replace(stage, option=o), x.latency
-    return best
+    # Kinds whose leanest plan is well over the budget by parts will not fit solved whole.
+    return sorted((o for k, o in kinds.items()
+                   if o is stage.option or leanest[k] <= (1 + REFINE_MARGIN) * budget),
+                  key=lambda o: o.latency)
 
 
 def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,

@@ -127,6 +127,8 @@ class StageProfiler:
         self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._transfers: dict[int, float] = {}
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
+        self._whole_costs: dict[tuple, tuple[float, float]] = {}   # `whole_cost`
+        self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
 
     def stage(self, start: int, end: int) -> Graph:
@@ -358,7 +360,14 @@ class StageProfiler:
         key = (self.key(start, end), submesh, shape, tp)
         if key not in self._forms:
             self._forms[key] = self._formulate(start, end, submesh, shape, tp)
+            self._form_ranges[key] = (start, end)
         return self._forms[key]
+
+    def _form_range(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
+                    ) -> tuple[int, int]:
+        """The range whose node names the shared formulation of ``[start, end)`` uses."""
+        self._form(start, end, submesh, shape)
+        return self._form_ranges[(self.key(start, end), submesh, shape, False)]
 
     def _formulate(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                    tp: bool = False) -> Formulation:
@@ -409,12 +418,59 @@ class StageProfiler:
             form = self._formulate(start, end, submesh, label.logical_shape)
             s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
                               self.stage(start, end))
-            weighted = _in_flight_problem(form, s.graph, self._layer_of(start, end, submesh),
-                                          in_flight, label.recompute)
-            latency = self._recompute_latency(s) if label.recompute else self._latency(s)
+            latency, memory = self._as_run(s, start, end, submesh, label, in_flight)
             out.append(replace(s, latency=latency + self.transfer_time(start),
-                               memory_bytes=peak_memory(weighted, s.solution.choices)))
+                               memory_bytes=memory))
         return out
+
+    def _as_run(self, s: StageSolution, start: int, end: int, submesh: Submesh,
+                label: StageLabel, in_flight: int) -> tuple[float, float]:
+        """(seconds per micro-batch without the inbound transfer, peak bytes per device) of
+        the solved stage ``s`` of ``[start, end)`` (the range its names are of) in the
+        pipeline, recomputed or not, ``in_flight`` micro-batches kept."""
+        weighted = _in_flight_problem(s.form, s.graph, self._layer_of(start, end, submesh),
+                                      in_flight, label.recompute)
+        latency = self._recompute_latency(s) if label.recompute else self._latency(s)
+        return latency, peak_memory(weighted, s.solution.choices)
+
+    def prefetch_whole_costs(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
+                             workers: int | None = None) -> None:
+        """`whole_cost` of each ``(start, end, submesh, label, in_flight)`` ahead of time, the
+        distinct uncached ones on forked workers (`_map`)."""
+        tasks: dict[tuple, tuple] = {}
+        for start, end, submesh, label, in_flight in stages:
+            key = (self.key(start, end), submesh, label, in_flight)
+            if key not in self._whole_costs:
+                tasks.setdefault(key, (start, end, submesh, label, in_flight))
+        done = self._map("_whole_cost_task", list(tasks.values()), workers, parallel_from=3)
+        for key, (sol, cost, solves) in zip(tasks, done):
+            self._wholes[key], self._whole_costs[key] = sol, cost
+            self.solves += solves
+
+    def _whole_cost_task(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                         in_flight: int) -> tuple[IlpSolution, tuple[float, float], int]:
+        before = self.solves
+        self.whole_cost(start, end, submesh, label, in_flight)
+        key = (self.key(start, end), submesh, label, in_flight)
+        return self._wholes[key], self._whole_costs[key], self.solves - before
+
+    def whole_cost(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                   in_flight: int) -> tuple[float, float]:
+        """(seconds per micro-batch, peak bytes per device) of the stage solved whole with
+        ``in_flight`` micro-batches kept, as `solutions` gives them; cached by structure, so
+        comparing candidate pipelines of repeated blocks costs a solve per distinct stage."""
+        key = (self.key(start, end), submesh, label, in_flight)
+        if key not in self._whole_costs:
+            sol, solves = self._solve_whole(start, end, submesh, label, in_flight)
+            self._wholes[key] = sol
+            self.solves += solves
+            # The structure's shared formulation (no new one for this range's names).
+            first = self._form_range(start, end, submesh, label.logical_shape)
+            s = StageSolution(self._form(start, end, submesh, label.logical_shape), sol,
+                              self.stage(*first))
+            self._whole_costs[key] = self._as_run(s, *first, submesh, label, in_flight)
+        latency, memory = self._whole_costs[key]
+        return latency + self.transfer_time(start), memory
 
     def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                      in_flight: int) -> tuple[IlpSolution, int]:
@@ -427,10 +483,12 @@ class StageProfiler:
                          in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
         # The unconstrained ILP, whatever variant priced the stage: its plans include every
-        # variant's, so under the same memory bound it is at least as fast.
-        form = self._formulate(start, end, submesh, label.logical_shape)
-        weighted = _in_flight_problem(form, self.stage(start, end),
-                                      self._layer_of(start, end, submesh), in_flight,
+        # variant's, so under the same memory bound it is at least as fast. The structure's
+        # shared formulation: ranges of one structure list their choices in the same order.
+        form = self._form(start, end, submesh, label.logical_shape)
+        first = self._form_range(start, end, submesh, label.logical_shape)
+        weighted = _in_flight_problem(form, self.stage(*first),
+                                      self._layer_of(*first, submesh), in_flight,
                                       label.recompute)
         # Solved to optimality: a wall-clock limit would make the plan depend on the load.
         if self.memory_limit is None:
