@@ -14,6 +14,7 @@ from meshplan.cli import EXIT_USAGE, main
 from meshplan.plan.plan import plan_from_json
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.manual import megatron_grid
+from meshplan.planner.inter.search import REFINE_MARGIN
 from meshplan.planner.inter.megatron_spec import (MegatronSpec, factorizations,
                                                   parse_megatron_spec, stage_submesh)
 from meshplan.planner.inter.stage_problem import pipeline_latency
@@ -147,8 +148,10 @@ def test_grid_is_the_fastest_configuration_that_fits(tiny, grid: api.Plan) -> No
     assert grid.method == "megatron-grid" and grid.predicted["peak_memory_bytes"] <= V100_BYTES
     table = grid.options["megatron_grid"]
     assert len(table) == grid.ilp["configs_priced"] == len(megatron_grid(1, 4, 16))
-    assert grid.ilp["estimated_step_s"] == pytest.approx(
-        min(r["step_time_s"] for r in table if r["step_time_s"]))
+    # Ranked by the DP's estimate; the near-best (within REFINE_MARGIN) are solved whole and
+    # the fastest of those is the grid's choice.
+    best_estimate = min(r["step_time_s"] for r in table if r["step_time_s"])
+    assert best_estimate <= grid.ilp["estimated_step_s"] <= (1 + REFINE_MARGIN) * best_estimate
     chosen = grid.options["megatron"]
     assert grid.microbatches == 16 // (chosen["dp"] * chosen["mb"])
     for dp, tp, pp, mb in [(1, 2, 2, 4), (2, 2, 1, 2), (4, 1, 1, 4), (2, 1, 2, 1)]:
@@ -157,7 +160,7 @@ def test_grid_is_the_fastest_configuration_that_fits(tiny, grid: api.Plan) -> No
         row = next(r for r in table if (r["dp"], r["tp"], r["pp"], r["mb"]) == (dp, tp, pp, mb))
         # The grid ranks configurations by the DP's estimate (stages priced by parts)
         assert row["step_time_s"] == pytest.approx(one.ilp["estimated_step_s"])
-        assert grid.ilp["estimated_step_s"] <= one.ilp["estimated_step_s"]
+        assert best_estimate <= one.ilp["estimated_step_s"]
 
 
 def test_grid_round_trips_and_explains_its_choice(grid: api.Plan) -> None:

@@ -43,7 +43,8 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers, repeat_count
 from meshplan.planner.inter.megatron_spec import (MegatronSpec, check_on_cluster,
                                                   stage_submesh)
-from meshplan.planner.inter.search import SCHEDULES, GraphFor, PipelineRequest
+from meshplan.planner.inter.search import (REFINE_MARGIN, REFINE_MAX, SCHEDULES, GraphFor,
+                                          PipelineRequest, solved_as_whole)
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_problem import DpStats, StagePlacement, make_solution
 from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
@@ -85,7 +86,7 @@ def plan_megatron_grid(graph_for: GraphFor, batch: int, microbatches: int | None
     by_count: dict[int, list[MegatronSpec]] = defaultdict(list)
     for spec in megatron_grid(cl.num_hosts, cl.devices_per_host, batch, microbatches):
         by_count[batch // (spec.dp * spec.mb)].append(spec)
-    best: tuple[FoundPipeline, MegatronSpec] | None = None
+    priced: list[tuple[FoundPipeline, MegatronSpec]] = []
     table, num_layers, solves = [], None, 0
     for b in sorted(by_count):
         specs = [s for s in by_count[b] if num_layers is None or num_layers % s.pp == 0]
@@ -96,23 +97,44 @@ def plan_megatron_grid(graph_for: GraphFor, batch: int, microbatches: int | None
         for spec in (s for s in specs if num_layers % s.pp == 0):
             found = _price(profiled, spec.dp, spec.tp, spec.pp, req)
             table.append(_row(spec, found))
-            if not isinstance(found, NoPipelineError) and (
-                    best is None or found.solution.total_latency
-                    < best[0].solution.total_latency):
-                best = (found, spec)
+            if not isinstance(found, NoPipelineError):
+                priced.append((found, spec))
         solves += profiled.profiler.solves
     if not table:
         fixed = "" if microbatches is None else f" in {microbatches} micro-batches"
         raise ValueError(f"no Megatron configuration of {cl.num_devices} devices splits a "
                          f"batch of {batch}{fixed} into micro-batches of at most "
                          f"{MAX_MICRO_BATCH} per replica")
-    if best is None:
+    if not priced:
         raise _infeasible(min(r["memory_need_bytes"] for r in table), req,
                           f"{len(table)} Megatron configurations")
+    best = _solved_best(priced, req)
     fit = sum(r["step_time_s"] is not None for r in table)
     plan = pipeline_plan(best[0], req, time.perf_counter() - t0)
     return _with_config(plan, best[1], {"stage_solves": solves, "configs_priced": len(table),
                                         "configs_fit": fit}, table)
+
+
+def _solved_best(priced: list[tuple[FoundPipeline, MegatronSpec]], req: PipelineRequest
+                 ) -> tuple[FoundPipeline, MegatronSpec]:
+    """Of the configurations within `REFINE_MARGIN` of the best estimate (at most
+    `REFINE_MAX`), the fastest with its stages solved whole that fits: the same judgement the
+    search's own candidates get (`search._solved_whole`), so the grid is not handicapped by
+    the by-parts estimate."""
+    ranked = sorted(priced, key=lambda p: p[0].solution.total_latency)
+    top = ranked[0][0].solution.total_latency
+    budget = req.budget if req.budget is not None else math.inf
+    best: tuple[FoundPipeline, MegatronSpec] | None = None
+    for k, (found, spec) in enumerate(ranked[:REFINE_MAX]):
+        if found.solution.total_latency > (1 + REFINE_MARGIN) * top:
+            break
+        whole, fits = solved_as_whole(found.profiler, found.solution, budget)
+        if (fits or not k) and (best is None or whole.total_latency
+                                < best[0].solution.total_latency):
+            best = (replace(found, solution=whole,
+                            estimated_s=found.solution.total_latency), spec)
+    assert best is not None
+    return best
 
 
 def megatron_grid(num_hosts: int, devices_per_host: int, batch: int,

@@ -309,25 +309,32 @@ def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
                                    for o in _relabels(profiler, s, budget)])
     best = None
     for k, c in enumerate(near):
-        chosen = [_stage_solved_whole(profiler, s, budget) for s in c.stages]
-        # `solutions` solves the stages of one structure and plan once, at the most
-        # micro-batches any of them keeps: price them so (memory: conservatively, at that).
-        most: dict[tuple, int] = {}
-        for s in chosen:
-            group = (profiler.key(s.start, s.end), s.submesh, s.option.label)
-            most[group] = max(most.get(group, 0), s.in_flight)
-        solved = [profiler.whole_cost(s.start, s.end, s.submesh, s.option.label,
-                                      most[(profiler.key(s.start, s.end), s.submesh,
-                                            s.option.label)]) for s in chosen]
-        if k and any(memory > budget for _, memory in solved):
-            continue
-        stages = tuple(replace(s, option=replace(s.option, latency=latency))
-                       for s, (latency, _) in zip(chosen, solved))
-        whole = make_solution(stages, profiler.microbatches, c.stats)
-        if best is None or whole.total_latency < best.total_latency:
+        chosen = replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget)
+                                         for s in c.stages))
+        whole, fits = solved_as_whole(profiler, chosen, budget)
+        if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
             best = whole
     assert best is not None
     return best
+
+
+def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget: float
+                    ) -> tuple[PipelineSolution, bool]:
+    """``pipeline`` with each stage's latency from its whole solve, and whether every stage
+    fits ``budget`` so. `StageProfiler.solutions` solves the stages of one structure and plan
+    once, at the most micro-batches any of them keeps: priced so here (memory conservatively
+    at that count), the figures are the plan's."""
+    most: dict[tuple, int] = {}
+    for s in pipeline.stages:
+        group = (profiler.key(s.start, s.end), s.submesh, s.option.label)
+        most[group] = max(most.get(group, 0), s.in_flight)
+    solved = [profiler.whole_cost(s.start, s.end, s.submesh, s.option.label,
+                                  most[(profiler.key(s.start, s.end), s.submesh,
+                                        s.option.label)]) for s in pipeline.stages]
+    stages = tuple(replace(s, option=replace(s.option, latency=latency))
+                   for s, (latency, _) in zip(pipeline.stages, solved))
+    return (make_solution(stages, profiler.microbatches, pipeline.stats),
+            all(memory <= budget for _, memory in solved))
 
 
 def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float
