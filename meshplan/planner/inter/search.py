@@ -12,7 +12,15 @@ micro-batches down, stopping at the first that is no faster (beyond Alpa, which 
 user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
 profiled. Once a micro-batch is smaller than the devices it is spread over, c grows (one sample
 cannot be split), so the walk also starts from the most micro-batches that still give each
-device a sample, and goes both ways from there while it gains. A pipeline of one stage is returned as that stage's own intra-op plan.
+device a sample, and goes both ways from there while it gains. A pipeline of one stage is
+returned as that stage's own intra-op plan.
+
+Estimates and whole solves. The DP prices a long stage as the sum of its one-layer plans, which
+misjudges it by a few per cent either way (a whole solve shares layouts across layer boundaries
+and balances memory against time across the stage). So the walk compares estimates, and at the
+end the counts within `REFINE_MARGIN` of the best estimate have their near-best pipelines (the
+DP's own and the best of equal stages per stage count) solved whole, each stage on the logical
+mesh that solves fastest, and the fastest that fits is the plan (`_solved_best`).
 
 Scale. On up to `HOST_GRANULAR_ABOVE` hosts (Alpa's testbed has 8) the submeshes are Alpa's:
 (1, 2^k) within a host and (k, M) for every k, each with every logical shape. Beyond that the
@@ -34,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 from meshplan.cost.cluster import Cluster
@@ -45,7 +54,7 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
-from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem,
+from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
                                                   StagePlacement,
                                                   gpipe, make_solution, one_f_one_b,
@@ -272,14 +281,17 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
     # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
     # method: by parts their long stages may look slower than they solve.
-    equal = [_equal_layers(whole, num_layers, n, shape) for n in _stage_counts(num_layers, shape)]
-    profiles = equal if req.method == "equal-layer" else [whole, *equal]
+    searches: list[Callable[[], PipelineSolution]] = [
+        partial(_equal_stages, whole, num_layers, n, shape, b, req)
+        for n in _stage_counts(num_layers, shape)]
+    if req.method != "equal-layer":
+        searches.insert(0, partial(solve_stage_dp, PipelineProblem(
+            shape, num_layers, whole, b, device_memory=req.budget,
+            in_flight=SCHEDULES[req.schedule])))
     found, errors = [], []
-    for profile in profiles:
-        problem = PipelineProblem(shape, num_layers, profile, b, device_memory=req.budget,
-                                  in_flight=SCHEDULES[req.schedule])
+    for search in searches:
         try:
-            sol = solve_stage_dp(problem)
+            sol = search()
         except NoPipelineError as e:
             errors.append(e)
             continue
@@ -410,14 +422,35 @@ def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:
             and shape.num_devices % n == 0 and shape.num_devices // n in sizes]
 
 
-def _equal_layers(profile: Profile, num_layers: int, num_stages: int,
-                  shape: ClusterShape) -> Profile:
-    """``profile`` restricted to S stages of L/S layers on N/S devices each (Alpa's
-    "equal layer" ablation: no DP over uneven stages; each stage's intra plan still searched)."""
+def _equal_stages(profile: Profile, num_layers: int, num_stages: int, shape: ClusterShape,
+                  b: int, req: PipelineRequest) -> PipelineSolution:
+    """The best pipeline of S stages of L/S layers on N/S devices each (Alpa's "equal layer"
+    ablation: no DP over uneven stages; each stage's intra plan still searched). With the
+    stages fixed, each independently takes its fastest option that fits with its in-flight
+    micro-batches, which minimizes eq. 2's sum and max at once: no DP needed. Raises
+    NoPipelineError when no submesh of N/S devices fits every stage."""
+    t0 = time.perf_counter()
     per, devices = num_layers // num_stages, shape.num_devices // num_stages
-
-    def restricted(start: int, end: int, submesh: tuple[int, int]) -> tuple:
-        if end - start != per or start % per or submesh[0] * submesh[1] != devices:
-            return ()
-        return profile(start, end, submesh)
-    return restricted
+    budget = req.budget if req.budget is not None else math.inf
+    best, need, calls = None, math.inf, 0
+    for submesh in (s for s in submesh_shapes(shape) if s[0] * s[1] == devices):
+        stages, worst = [], 0.0
+        for i in range(num_stages):
+            in_flight = SCHEDULES[req.schedule](i, num_stages, b)
+            options = profile(i * per, (i + 1) * per, submesh)
+            calls += 1
+            worst = max(worst, min((o.memory_bytes(in_flight) for o in options),
+                                   default=math.inf))
+            fitting = [o for o in options if o.memory_bytes(in_flight) <= budget]
+            if fitting:
+                stages.append(StagePlacement(i * per, (i + 1) * per, submesh,
+                                             min(fitting, key=lambda o: o.latency), in_flight))
+        need = min(need, worst)
+        if len(stages) == num_stages:
+            sol = make_solution(tuple(stages), b,
+                                DpStats(0, calls, time.perf_counter() - t0))
+            if best is None or sol.total_latency < best.total_latency:
+                best = sol
+    if best is None:
+        raise NoPipelineError(f"{num_stages} equal stages do not fit", req.budget, need)
+    return best
