@@ -5,6 +5,8 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 
 from __future__ import annotations
 
+import functools
+
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
@@ -267,6 +269,7 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
                    method: str, schedule: str, microbatches: int | str, progress: bool) -> Plan:
+    @functools.lru_cache(maxsize=None)  # the count search asks for a count more than once
     def graph_for(num: int) -> tuple[Any, str]:
         _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
         return graph, graph.fingerprint()
