@@ -43,10 +43,10 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers, repeat_count
 from meshplan.planner.inter.megatron_spec import (MegatronSpec, check_on_cluster,
                                                   stage_submesh)
-from meshplan.planner.inter.search import (REFINE_MARGIN, REFINE_MAX, SCHEDULES, GraphFor,
-                                          PipelineRequest, solved_as_whole)
+from meshplan.planner.inter.search import (REFINE_MARGIN, REFINE_MAX, GraphFor,
+                                          PipelineRequest, equal_stages, solved_as_whole)
 from meshplan.planner.inter.stage_costs import StageProfiler
-from meshplan.planner.inter.stage_problem import DpStats, StagePlacement, make_solution
+from meshplan.planner.inter.stage_problem import DpStats, make_solution
 from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
 
 MAX_MICRO_BATCH = 8  # Megatron's GPT recipes use micro-batches of 1-8 sequences per replica
@@ -232,21 +232,12 @@ def _price(profiled: _Profiled, dp: int, tp: int, pp: int, req: PipelineRequest
     prof, b = profiled.profiler, profiled.profiler.microbatches
     per = prof.layering.num_layers // pp
     submesh = stage_submesh(dp * tp, req.cluster.devices_per_host)
-    stages, need = [], 0.0
-    for i in range(pp):
-        in_flight = SCHEDULES[req.schedule](i, pp, b)
-        options = [o for o in prof(i * per, (i + 1) * per, submesh)
-                   if o.label.logical_shape == (dp, tp)]
-        need = max(need, min((o.memory_bytes(in_flight) for o in options), default=math.inf))
-        fitting = [o for o in options
-                   if req.budget is None or o.memory_bytes(in_flight) <= req.budget]
-        if fitting:
-            best = min(fitting, key=lambda o: o.latency)
-            stages.append(StagePlacement(i * per, (i + 1) * per, submesh, best, in_flight))
-    if len(stages) < pp:
+    stages, need = equal_stages(prof, pp, per, submesh, b, req,
+                                keep=lambda o: o.label.logical_shape == (dp, tp))
+    if stages is None:
         return NoPipelineError(f"dp={dp},tp={tp},pp={pp} with {b} micro-batches does not fit",
                                req.budget, need)
-    sol = make_solution(tuple(stages), b, DpStats(0, pp, time.perf_counter() - t0))
+    sol = make_solution(stages, b, DpStats(0, pp, time.perf_counter() - t0))
     return FoundPipeline(sol, prof, profiled.fingerprint, profiled.unsupported)
 
 

@@ -56,7 +56,7 @@ from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
-                                                  StagePlacement,
+                                                  StagePlacement, Submesh,
                                                   gpipe, make_solution, one_f_one_b,
                                                   submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
@@ -422,33 +422,39 @@ def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:
             and shape.num_devices % n == 0 and shape.num_devices // n in sizes]
 
 
+def equal_stages(profile: Profile, num_stages: int, per: int, submesh: Submesh, b: int,
+                 req: PipelineRequest, keep: Callable[[StageOption], bool] = lambda o: True
+                 ) -> tuple[tuple[StagePlacement, ...] | None, float]:
+    """``num_stages`` stages of ``per`` layers each on ``submesh``, each taking its fastest
+    option (of those ``keep`` allows) that fits with its in-flight micro-batches: with the
+    stages fixed this minimizes eq. 2's sum and max at once, no DP needed. Returns the stages
+    (None when one has no fitting option) and the memory the leanest options need."""
+    stages, need = [], 0.0
+    for i in range(num_stages):
+        in_flight = SCHEDULES[req.schedule](i, num_stages, b)
+        options = [o for o in profile(i * per, (i + 1) * per, submesh) if keep(o)]
+        need = max(need, min((o.memory_bytes(in_flight) for o in options), default=math.inf))
+        fitting = [o for o in options
+                   if req.budget is None or o.memory_bytes(in_flight) <= req.budget]
+        if fitting:
+            stages.append(StagePlacement(i * per, (i + 1) * per, submesh,
+                                         min(fitting, key=lambda o: o.latency), in_flight))
+    return (tuple(stages) if len(stages) == num_stages else None), need
+
+
 def _equal_stages(profile: Profile, num_layers: int, num_stages: int, shape: ClusterShape,
                   b: int, req: PipelineRequest) -> PipelineSolution:
     """The best pipeline of S stages of L/S layers on N/S devices each (Alpa's "equal layer"
-    ablation: no DP over uneven stages; each stage's intra plan still searched). With the
-    stages fixed, each independently takes its fastest option that fits with its in-flight
-    micro-batches, which minimizes eq. 2's sum and max at once: no DP needed. Raises
-    NoPipelineError when no submesh of N/S devices fits every stage."""
+    ablation: no DP over uneven stages; each stage's intra plan still searched), over the
+    submeshes of N/S devices (`equal_stages`). Raises NoPipelineError when none fits."""
     t0 = time.perf_counter()
     per, devices = num_layers // num_stages, shape.num_devices // num_stages
-    budget = req.budget if req.budget is not None else math.inf
-    best, need, calls = None, math.inf, 0
+    best, need = None, math.inf
     for submesh in (s for s in submesh_shapes(shape) if s[0] * s[1] == devices):
-        stages, worst = [], 0.0
-        for i in range(num_stages):
-            in_flight = SCHEDULES[req.schedule](i, num_stages, b)
-            options = profile(i * per, (i + 1) * per, submesh)
-            calls += 1
-            worst = max(worst, min((o.memory_bytes(in_flight) for o in options),
-                                   default=math.inf))
-            fitting = [o for o in options if o.memory_bytes(in_flight) <= budget]
-            if fitting:
-                stages.append(StagePlacement(i * per, (i + 1) * per, submesh,
-                                             min(fitting, key=lambda o: o.latency), in_flight))
-        need = min(need, worst)
-        if len(stages) == num_stages:
-            sol = make_solution(tuple(stages), b,
-                                DpStats(0, calls, time.perf_counter() - t0))
+        stages, needs = equal_stages(profile, num_stages, per, submesh, b, req)
+        need = min(need, needs)
+        if stages is not None:
+            sol = make_solution(stages, b, DpStats(0, num_stages, time.perf_counter() - t0))
             if best is None or sol.total_latency < best.total_latency:
                 best = sol
     if best is None:
