@@ -9,7 +9,7 @@ ZeRO-3: reduce-scatter, with each parameter all-gathered before the forward pass
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
 from meshplan.lower.factored_stats import factored_buckets, update_dims
@@ -100,6 +100,23 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory,
                        compute + comm_time)
+
+
+def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostContext) -> float:
+    """Seconds recomputation adds to the step of the plan ``choices``: every op's forward and
+    every forward-phase collective once more per micro-batch (as `extract` prices the plan under
+    ``replace(real, recompute=True)``, at the cost of one `extract` without it)."""
+    assert not real.recompute, "the extra of recomputation is priced from the plain step"
+    plain = extract(form, choices, real)
+    comm = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
+               for c in plain.collectives if c.phase == "forward")
+    nc, idx = form.choices, node_indices(form, choices)
+    once, twice = OpCosts(nc, real), OpCosts(nc, replace(real, recompute=True))
+    compute = 0.0
+    for node in nc.graph.nodes:
+        choice = nc.choices[node.name][idx[node.name]]
+        compute += twice.compute_cost(node, choice) - once.compute_cost(node, choice)
+    return comm + compute
 
 
 def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Counter,
