@@ -4,6 +4,9 @@ host-granular search, and the micro-batch memory floor."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 import meshplan.api as api
@@ -15,6 +18,9 @@ from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor
 from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
+from meshplan.planner.inter.stage_dp import solve_stage_dp
+from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
+from meshplan.planner.inter.stage_tables import _flatten, profile_all
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.zoo.spec import build_workload
 
@@ -132,3 +138,28 @@ def test_a_budget_that_only_recomputation_meets(program) -> None:
                  method="inter-only")
     assert any(s.recompute for s in p.stages)
     assert all(s.memory_bytes <= need * 0.35 for s in p.stages)
+
+
+@pytest.mark.parametrize("recompute", ["auto", "none", "full"])
+@pytest.mark.parametrize("cluster", ["p3.16xlarge:1x4", "p3.16xlarge:2x2"])
+@pytest.mark.parametrize("exact_up_to", [1, 2])
+def test_option_table_is_the_profile_in_bulk(program, recompute: str, cluster: str,
+                                             exact_up_to: int) -> None:
+    """The DP's bulk table lists, bit for bit and in the same order per range, what asking the
+    profile range by range gives (whole-model range and exact short ranges included), and the
+    DP finds the same pipeline either way."""
+    prof = _profiler(program, cluster, recompute=recompute, exact_up_to=exact_up_to)
+    c = prof.cluster
+    shape = ClusterShape(c.num_hosts, c.devices_per_host)
+    shapes = submesh_shapes(shape)
+    plain = PipelineProblem(shape, prof.layering.num_layers, prof, 4, device_memory=BUDGET)
+    bulk = replace(plain, table=prof.option_table)
+    by_range = _flatten(profile_all(plain, shapes), plain.num_layers, len(shapes))
+    table = prof.option_table(shapes)
+    a = np.lexsort((by_range["position"], by_range["triple"]))
+    b = np.lexsort((table.position, table.triple))
+    assert a.size == b.size > 0
+    for name in ("latency", "state", "activation", "triple", "position"):
+        assert np.array_equal(by_range[name][a], getattr(table, name)[b]), name
+    one, two = solve_stage_dp(plain), solve_stage_dp(bulk)
+    assert one.stages == two.stages and one.total_latency == two.total_latency

@@ -287,7 +287,8 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     if req.method != "equal-layer":
         searches.insert(0, partial(solve_stage_dp, PipelineProblem(
             shape, num_layers, whole, b, device_memory=req.budget,
-            in_flight=SCHEDULES[req.schedule])))
+            in_flight=SCHEDULES[req.schedule],
+            table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))))
     found, errors = [], []
     for search in searches:
         try:

@@ -45,7 +45,8 @@ from meshplan.errors import InfeasibleIlpError
 from meshplan.ir.graph import Graph
 from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
-from meshplan.planner.inter.stage_problem import StageOption, Submesh
+from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Submesh,
+                                                  triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
@@ -197,28 +198,89 @@ class StageProfiler:
         whole_model = self._whole_model(start, end, submesh)
         for shape in self.shapes(submesh):
             for budget in self.variants(submesh, shape):
-                if end - start <= self.exact_up_to:
-                    c = self._exact(start, end, submesh, shape, budget)
-                    priced = None if c is None else (
-                        (c.latency, c.state, c.act + c.inputs),
-                        (c.recompute_latency, c.state + c.act, c.inputs))
-                else:
-                    priced = self._telescoped(start, end, submesh, shape, budget)
-                if priced is None:
-                    continue
-                (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-                if whole_model:  # recomputed as one piece
-                    first = self._exact(start, start + 1, submesh, shape, budget)
-                    if first is None:
-                        continue
-                    rc_state, rc_act = state + act - first.inputs, first.inputs
-                if self.recompute != "full":
-                    out.append(StageOption(lat + transfer, state, act,
-                                           _label(shape, budget, False)))
-                if self.recompute != "none":
-                    out.append(StageOption(rc_lat + transfer, rc_state, rc_act,
-                                           _label(shape, budget, True)))
+                out += self._slot(start, end, submesh, shape, budget, transfer, whole_model)
         return tuple(out)
+
+    def _kinds(self) -> tuple[bool, ...]:
+        """Recomputed or not, the options listed per plan, in order."""
+        return tuple(rc for rc in (False, True)
+                     if self.recompute != ("full" if not rc else "none"))
+
+    def _slot(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
+              budget: str, transfer: float, whole_model: bool) -> list[StageOption]:
+        """The options of one plan (logical shape and variant) of a stage, one per `_kinds`,
+        or none when the plan does not exist."""
+        if end - start <= self.exact_up_to:
+            c = self._exact(start, end, submesh, shape, budget)
+            priced = None if c is None else (
+                (c.latency, c.state, c.act + c.inputs),
+                (c.recompute_latency, c.state + c.act, c.inputs))
+        else:
+            priced = self._telescoped(start, end, submesh, shape, budget)
+        if priced is None:
+            return []
+        (lat, state, act), (rc_lat, rc_state, rc_act) = priced
+        if whole_model:  # recomputed as one piece
+            first = self._exact(start, start + 1, submesh, shape, budget)
+            if first is None:
+                return []
+            rc_state, rc_act = state + act - first.inputs, first.inputs
+        return [StageOption(rc_lat + transfer, rc_state, rc_act, _label(shape, budget, True))
+                if rc else StageOption(lat + transfer, state, act, _label(shape, budget, False))
+                for rc in self._kinds()]
+
+    def option_table(self, submeshes: tuple[Submesh, ...]) -> OptionTable:
+        """Every range's options on every one of ``submeshes`` as columns, exactly as
+        ``self(start, end, submeshes[m])`` lists them (`PipelineProblem.table`): the DP asks
+        for all L(L+1)/2 ranges, which one by one cost more than the pricing they sum.
+        Telescoped ranges come from vectorized prefix-sum differences (the same float
+        operations as `_telescoped`); one-layer and whole-model ranges from `_slot`."""
+        n = self.layering.num_layers
+        k, i = np.triu_indices(n + 1, 1)   # every range [k, i), 0 <= k < i <= n
+        keep = k < n
+        k, i = k[keep], i[keep]
+        transfer = np.array([self.transfer_time(s) for s in range(n)])[k]
+        kinds = self._kinds()
+        cols: list[list[np.ndarray]] = [[], [], [], [], []]
+        for m, sub in enumerate(submeshes):
+            whole = self._whole_model(0, n, sub)
+            special = np.flatnonzero((i - k <= self.exact_up_to) | (whole & (k == 0) & (i == n)))
+            listed = np.zeros(k.size, dtype=np.int64)   # options so far per range
+            triple = triple_index(k, i, m, n, len(submeshes))
+            for shape in self.shapes(sub):
+                for budget in self.variants(sub, shape):
+                    valid, columns = self._slot_columns(k, i, sub, shape, budget, transfer)
+                    for j in special.tolist():
+                        opts = self._slot(int(k[j]), int(i[j]), sub, shape, budget,
+                                          float(transfer[j]), bool(whole and i[j] - k[j] == n))
+                        valid[j] = bool(opts)
+                        for q, o in enumerate(opts):
+                            columns[q][0][j], columns[q][1][j], columns[q][2][j] = \
+                                o.latency, o.state_bytes, o.activation_bytes
+                    rows = np.flatnonzero(valid)
+                    for q, kind_columns in enumerate(columns):
+                        for c, values in zip(cols, kind_columns):
+                            c.append(values[rows])
+                        cols[3].append(triple[rows])
+                        cols[4].append(listed[rows] + q)
+                    listed += valid * len(kinds)
+        cat = [np.concatenate(c) if c else np.zeros(0) for c in cols]
+        return OptionTable(cat[0].astype(np.float64), cat[1].astype(np.float64),
+                           cat[2].astype(np.float64), cat[3].astype(np.int64),
+                           cat[4].astype(np.int64))
+
+    def _slot_columns(self, k: np.ndarray, i: np.ndarray, submesh: Submesh,
+                      shape: tuple[int, int], budget: str, transfer: np.ndarray
+                      ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+        """`_telescoped` of every range ``[k, i)`` of one plan at once, plus ``transfer``:
+        (whether the plan exists, per kind of `_kinds` its (latency, state, kept) columns)."""
+        sums, missing, act_max = self._layer_sums(submesh, shape, budget)
+        valid = missing[i] == missing[k]
+        d = sums[i] - sums[k]
+        state, kept, inputs = (np.maximum(d[:, c], 0.0) for c in (2, 3, 4))
+        plain = [d[:, 0] + transfer, state, kept]
+        again = [d[:, 1] + transfer, state + act_max[k, i - 1], inputs]
+        return valid, [again if rc else plain for rc in self._kinds()]
 
     def _whole_model(self, start: int, end: int, submesh: Submesh) -> bool:
         """A stage of every layer on every device: the program a single-stage plan runs, whose

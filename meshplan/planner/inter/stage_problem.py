@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from meshplan.cost.checks import check_count, check_nonnegative, check_positive
 
 Submesh = tuple[int, int]  # (hosts, devices per host)
@@ -73,6 +75,26 @@ class StageOption:
 
 
 Profile = Callable[[int, int, Submesh], tuple[StageOption, ...]]
+
+
+@dataclass(frozen=True, eq=False)
+class OptionTable:
+    """Every option of every triple ``(start, end, submesh index)`` as columns, for a profile
+    that prices all ranges at once (`PipelineProblem.table`). Row j is the option
+    ``profile(start, end, submeshes[m])[position[j]]`` with ``triple[j] = (start * (L + 1) +
+    end) * len(submeshes) + m``; the rows of one triple appear in position order."""
+
+    latency: np.ndarray
+    state: np.ndarray
+    activation: np.ndarray
+    triple: np.ndarray
+    position: np.ndarray
+
+
+def triple_index(start: int | np.ndarray, end: int | np.ndarray, m: int | np.ndarray,
+                 num_layers: int, num_submeshes: int) -> int | np.ndarray:
+    """The flat index of triple ``(start, end, m)`` (`OptionTable.triple`)."""
+    return (start * (num_layers + 1) + end) * num_submeshes + m
 InFlight = Callable[[int, int, int], int]
 
 
@@ -121,6 +143,10 @@ class PipelineProblem:
     num_microbatches: int = 1
     device_memory: float | None = None
     in_flight: InFlight = one_f_one_b
+    # Optional: ``table(submeshes)`` gives every triple's options at once, exactly as
+    # ``profile`` would (a profiler that prices all ranges by vectorized sums); the DP then
+    # asks ``profile`` only for the stages it picks.
+    table: Callable[[tuple[Submesh, ...]], OptionTable] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterShape):
@@ -133,6 +159,9 @@ class PipelineProblem:
             if not callable(getattr(self, name)):
                 raise TypeError(f"PipelineProblem.{name} must be callable, got "
                                 f"{getattr(self, name)!r}")
+        if self.table is not None and not callable(self.table):
+            raise TypeError(f"PipelineProblem.table must be callable or None, got "
+                            f"{self.table!r}")
 
     @property
     def max_stages(self) -> int:

@@ -21,7 +21,9 @@ for memory), the sweep computes for ``k = L-1 .. 0`` (eq. 3, with its threshold 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from meshplan.planner.inter.stage_problem import (
     Submesh,
     resolve_in_flight_counts,
     submesh_shapes,
+    triple_index,
 )
 
 
@@ -49,7 +52,7 @@ class StageTables:
     shapes: tuple[Submesh, ...]
     sizes: np.ndarray
     counts: tuple[int, ...]
-    options: dict[tuple[int, int, int], tuple[StageOption, ...]]
+    options: Mapping[tuple[int, int, int], tuple[StageOption, ...]]
     flat: dict[str, np.ndarray]
     latency: np.ndarray
     choice: np.ndarray
@@ -78,11 +81,37 @@ def profile_all(problem: PipelineProblem, shapes: tuple[Submesh, ...]
     return options
 
 
+class _AskedOnUse(Mapping):
+    """``options`` of a bulk-priced problem (`PipelineProblem.table`): every triple, each asked
+    of the profile only when read (the DP reads the stages it picks)."""
+
+    def __init__(self, problem: PipelineProblem, shapes: tuple[Submesh, ...]) -> None:
+        self._problem, self._shapes, self._asked = problem, shapes, {}
+        n = problem.num_layers
+        self._len = n * (n + 1) // 2 * len(shapes)
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple[StageOption, ...]:
+        if key not in self._asked:
+            k, i, m = key
+            if not (0 <= k < i <= self._problem.num_layers and 0 <= m < len(self._shapes)):
+                raise KeyError(key)
+            self._asked[key] = tuple(self._problem.profile(k, i, self._shapes[m]))
+        return self._asked[key]
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        n = self._problem.num_layers
+        return ((k, i, m) for k in range(n) for i in range(k + 1, n + 1)
+                for m in range(len(self._shapes)))
+
+    def __len__(self) -> int:
+        return self._len
+
+
 def _flatten(options: dict[tuple[int, int, int], tuple[StageOption, ...]], num_layers: int,
              num_shapes: int) -> dict[str, np.ndarray]:
     """Every option as a row: latency, state, activation bytes, flat triple index, position."""
     rows = [(o.latency, o.state_bytes, o.activation_bytes,
-             (k * (num_layers + 1) + i) * num_shapes + m, pos)
+             triple_index(k, i, m, num_layers, num_shapes), pos)
             for (k, i, m), opts in options.items() for pos, o in enumerate(opts)]
     cols = np.array(rows, dtype=np.float64).reshape(-1, 5).T
     return {"latency": cols[0], "state": cols[1], "activation": cols[2],
@@ -115,9 +144,16 @@ def build_tables(problem: PipelineProblem) -> StageTables:
     """Profile every triple once and build the per-bucket tables (see module docstring)."""
     shapes = submesh_shapes(problem.cluster)
     counts = resolve_in_flight_counts(problem)
-    options = profile_all(problem, shapes)
     shape = (problem.num_layers, problem.num_layers + 1, len(shapes))
-    flat = _flatten(options, problem.num_layers, len(shapes))
+    options: Mapping[tuple[int, int, int], tuple[StageOption, ...]]
+    if problem.table is not None:
+        t = problem.table(shapes)
+        options = _AskedOnUse(problem, shapes)
+        flat = {"latency": t.latency, "state": t.state, "activation": t.activation,
+                "triple": t.triple, "position": t.position}
+    else:
+        options = profile_all(problem, shapes)
+        flat = _flatten(options, problem.num_layers, len(shapes))
     order = np.lexsort((flat["latency"], flat["triple"]))
     by_count = {c: _best_fitting(flat, order, c, problem.device_memory, shape)
                 for c in set(counts[1:])}
