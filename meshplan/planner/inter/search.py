@@ -317,13 +317,14 @@ def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
     near = [c for c in ranked if c.total_latency <= (1 + REFINE_MARGIN) * ranked[0].total_latency]
     budget = req.budget if req.budget is not None else math.inf
     near = near[:REFINE_MAX]
-    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, s.in_flight)
-                                   for c in near for s in c.stages
-                                   for o in _relabels(profiler, s, budget)])
+    most = [_most_in_flight(profiler, c) for c in near]
+    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, n)
+                                   for c, m in zip(near, most) for s, n in zip(c.stages, m)
+                                   for o in _relabels(profiler, s, budget, n)])
     best = None
-    for k, c in enumerate(near):
-        chosen = replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget)
-                                         for s in c.stages))
+    for k, (c, m) in enumerate(zip(near, most)):
+        chosen = replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
+                                         for s, n in zip(c.stages, m)))
         whole, fits = solved_as_whole(profiler, chosen, budget)
         if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
             best = whole
@@ -350,20 +351,31 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
             all(memory <= budget for _, memory in solved))
 
 
-def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float
-                        ) -> StagePlacement:
-    """``stage`` with the logical mesh and recomputation whose whole solve is fastest within
-    the budget, of those `_relabels` offers."""
+def _most_in_flight(profiler: StageProfiler, pipeline: PipelineSolution) -> list[int]:
+    """Per stage, the most micro-batches any stage of its structure and submesh keeps: the
+    count `solved_as_whole` prices such stages at (a plan fitting it fits them all), so their
+    plans are chosen at it too, one whole solve per structure instead of one per stage."""
+    most: dict[tuple, int] = {}
+    for s in pipeline.stages:
+        group = (profiler.key(s.start, s.end), s.submesh)
+        most[group] = max(most.get(group, 0), s.in_flight)
+    return [most[(profiler.key(s.start, s.end), s.submesh)] for s in pipeline.stages]
+
+
+def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float,
+                        in_flight: int) -> StagePlacement:
+    """``stage`` with the logical mesh and recomputation whose whole solve with ``in_flight``
+    micro-batches kept is fastest within the budget, of those `_relabels` offers."""
     best, best_latency = stage, math.inf
-    for o in _relabels(profiler, stage, budget):
+    for o in _relabels(profiler, stage, budget, in_flight):
         latency, memory = profiler.whole_cost(stage.start, stage.end, stage.submesh, o.label,
-                                              stage.in_flight)
+                                              in_flight)
         if memory <= budget and latency < best_latency:
             best, best_latency = replace(stage, option=o), latency
     return best
 
 
-def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float
+def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float, in_flight: int
               ) -> list[StageOption]:
     """Per logical mesh and recomputation, the fastest option of ``stage``'s layers and
     submesh, for those within `REFINE_MARGIN` of the chosen option's estimate whose leanest
@@ -375,7 +387,7 @@ def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float
     leanest: dict[tuple, float] = {}
     for o in options:
         kind = (o.label.logical_shape, o.label.recompute)
-        leanest[kind] = min(leanest.get(kind, math.inf), o.memory_bytes(stage.in_flight))
+        leanest[kind] = min(leanest.get(kind, math.inf), o.memory_bytes(in_flight))
         if o.latency <= limit and (kind not in kinds or o.latency < kinds[kind].latency):
             kinds[kind] = o
     # Kinds whose leanest plan is well over the budget by parts will not fit solved whole.
