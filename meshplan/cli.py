@@ -168,7 +168,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Automatic parallelization of PyTorch training.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan_parser(subparsers)
+    _add_show_program_parser(subparsers)
     return parser
+
+
+def _add_show_program_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "show-program", help="print one rank's static instruction list of a saved plan",
+        description="Print the instructions RANK runs in one training step of the plan in "
+                    "PLAN_JSON (saved with 'meshplan plan ... -o PLAN_JSON'): RUN forward / "
+                    "backward of a micro-batch, SEND / RECV of activations and gradients "
+                    "between stages (with the values and layouts moved), FREE, APPLY_GRAD, "
+                    "clock by clock of the plan's pipeline schedule.")
+    p.add_argument("plan_json", metavar="PLAN_JSON", help="a plan file")
+    p.add_argument("--rank", type=int, required=True, help="global rank (0 .. devices - 1)")
+    p.set_defaults(run=_run_show_program)
+
+
+def _run_show_program(args: argparse.Namespace) -> int:
+    from meshplan.lower.pipeline_program import format_rank_program, pipeline_program
+    from meshplan.plan.plan import load_plan
+    try:
+        program = pipeline_program(load_plan(args.plan_json))
+        text = format_rank_program(program, args.rank)
+    except ValueError as err:
+        return _fail(str(err))
+    return _emit(text)
 
 
 # ---------------------------------------------------------------- plan command

@@ -154,3 +154,32 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_interleaved_is_refused() ->
     with pytest.raises(NotImplementedError, match="interleaved"):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  schedule="interleaved")
+
+
+def test_show_program_prints_each_ranks_instructions(two_stage_plan: api.Plan, tmp_path,
+                                                      capsys) -> None:
+    """`meshplan show-program` on a saved 2-stage plan: each rank's static list follows the
+    plan's 1F1B schedule, and the boundary value moves in the layouts the stage plans give."""
+    from meshplan.cli import main
+    from meshplan.lower.pipeline_program import pipeline_program
+    path = tmp_path / "plan.json"
+    two_stage_plan.save(path)
+    program = pipeline_program(two_stage_plan)
+    (ex,) = program.exchanges   # one residual stream crosses the cut
+    consumer = two_stage_plan.stages[1].plan
+    assert ex.src == 0 and ex.dst == 1
+    assert ex.dst_spec == next(s.spec for s in consumer.sources if s.node == ex.value)
+    for rank in range(4):
+        assert main(["show-program", str(path), "--rank", str(rank)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        stage = 0 if rank in two_stage_plan.stages[0].devices else 1
+        assert out[0].startswith(f"rank {rank}: stage {stage} of 2") and "1f1b" in out[0]
+        body = out[1:]
+        runs = [line for line in body if " RUN " in line]
+        assert len(runs) == 2 * 8
+        word = "SEND" if stage == 0 else "RECV"
+        assert sum(f"{word}       stage {stage}  activation" in line for line in body) == 8
+        assert body[-1].split()[1] == "APPLY_GRAD"
+        assert all(ex.value in line for line in body if "SEND" in line or "RECV" in line)
+    assert main(["show-program", str(path), "--rank", "4"]) == 2
+    assert "not in this plan's 4 ranks" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""A plan's pipeline as static per-rank instructions: the schedule's clock table, which values
+each stage sends to which, and every rank's instruction list (`instructions.py`).
+
+Each stage of a plan runs on its own devices (global ranks, row-major over the stage's logical
+mesh) with its own intra-operator plan. A value crosses stages when a stage's plan receives it
+as an ``"input"`` source named after an op of an earlier stage (`stage_graph`): it leaves the
+producer in the layout of its ``stage_output`` sink's operand and arrives in the layout the
+consumer's plan gives that source. `Exchange` records that move; the runtime turns it into a
+cross-mesh resharding plan (`cross_mesh.py`) once it knows the value's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.lower.instructions import Instruction, mesh_programs
+from meshplan.lower.schedules import Schedule, make_schedule
+from meshplan.plan.plan import Plan, StagePlan
+
+SINK_SUFFIX = "__stage_output"   # `planner.inter.stage_graph`'s sink naming
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Value ``value`` moves from stage ``src`` (laid out ``src_spec``) to stage ``dst``
+    (``dst_spec``), every micro-batch; its gradient goes back the same way."""
+
+    value: str
+    src: int
+    dst: int
+    src_spec: str
+    dst_spec: str
+
+
+@dataclass(frozen=True)
+class PipelineProgram:
+    """Everything each rank runs in one step, as plain data."""
+
+    schedule: Schedule
+    meshes: tuple[tuple[int, ...], ...]        # per stage: its global ranks
+    mesh_shapes: tuple[tuple[int, int], ...]   # per stage: its logical mesh
+    exchanges: tuple[Exchange, ...]
+    programs: tuple[tuple[Instruction, ...], ...]   # per stage's mesh
+
+    def stage_of(self, rank: int) -> int:
+        """The stage (mesh) rank ``rank`` belongs to. Raises ValueError if none."""
+        for s, ranks in enumerate(self.meshes):
+            if rank in ranks:
+                return s
+        total = sum(len(m) for m in self.meshes)
+        raise ValueError(f"rank {rank} is not in this plan's {total} ranks (0..{total - 1})")
+
+    def for_rank(self, rank: int) -> tuple[Instruction, ...]:
+        return self.programs[self.stage_of(rank)]
+
+    def exchanges_of(self, ins: Instruction) -> list[Exchange]:
+        """The values a SEND or RECV moves."""
+        if ins.op == "SEND" and ins.kind == "activation" or \
+                ins.op == "RECV" and ins.kind == "gradient":
+            src, dst = ins.stage, ins.peer
+        else:
+            src, dst = ins.peer, ins.stage
+        return [e for e in self.exchanges if e.src == src and e.dst == dst]
+
+
+def pipeline_program(plan: Plan) -> PipelineProgram:
+    """The per-rank instructions of ``plan`` (module docstring). Raises ValueError for a
+    schedule the runtime cannot run."""
+    stages = plan.stages
+    schedule = make_schedule(plan.schedule, len(stages), plan.microbatches)
+    exchanges = _exchanges(stages) if len(stages) > 1 else ()
+    sends: dict[int, list[int]] = {}
+    for e in exchanges:
+        if e.dst not in sends.setdefault(e.src, []):
+            sends[e.src].append(e.dst)
+    programs = mesh_programs(schedule, sends)
+    return PipelineProgram(schedule, tuple(tuple(s.devices) for s in stages),
+                           tuple(tuple(s.mesh_shape) for s in stages), tuple(exchanges),
+                           tuple(tuple(p) for p in programs))
+
+
+def _exchanges(stages: tuple[StagePlan, ...]) -> list[Exchange]:
+    producer: dict[str, int] = {}
+    for s in stages:
+        assert s.plan is not None, "a stage of a multi-stage plan carries its own plan"
+        for o in s.plan.ops:
+            if not o.node.endswith(SINK_SUFFIX):
+                producer[o.node] = s.index
+    out = []
+    for s in stages:
+        for src in s.plan.sources:
+            origin = producer.get(src.node)
+            if src.role != "input" or origin is None or origin == s.index:
+                continue
+            sink = stages[origin].plan.op(src.node + SINK_SUFFIX)
+            out.append(Exchange(src.node, origin, s.index, sink.inputs[0], src.spec))
+    return out
+
+
+def format_rank_program(program: PipelineProgram, rank: int) -> str:
+    """``meshplan show-program``'s text: a header, then one instruction per line with the
+    values each SEND/RECV moves."""
+    s = program.stage_of(rank)
+    sc = program.schedule
+    head = [f"rank {rank}: stage {s} of {len(program.meshes)} on ranks "
+            f"{list(program.meshes[s])} (logical mesh {program.mesh_shapes[s]}); schedule "
+            f"{sc.name}, {sc.num_microbatches} micro-batches, {sc.num_clocks} clocks, bubble "
+            f"{sc.bubble_fraction():.1%}"]
+    lines = []
+    for ins in program.for_rank(rank):
+        text = str(ins)
+        if ins.op in ("SEND", "RECV"):
+            # A gradient goes back: from the consumer's layout to the producer's.
+            moved = ", ".join(f"{e.value} [{e.src_spec} -> {e.dst_spec}]"
+                              if ins.kind == "activation" else
+                              f"{e.value} [{e.dst_spec} -> {e.src_spec}]"
+                              for e in program.exchanges_of(ins))
+            text += f": {moved}"
+        lines.append(text)
+    return "\n".join(head + lines)
