@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.cost.precision import with_compute_dtype
+from meshplan.ir.graph import Graph
 from meshplan.lower.instructions import Instruction, mesh_programs
 from meshplan.lower.schedules import Schedule, make_schedule
 from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.stage_graph import cut_stage
 
 SINK_SUFFIX = "__stage_output"   # `planner.inter.stage_graph`'s sink naming
 
@@ -118,3 +121,25 @@ def format_rank_program(program: PipelineProgram, rank: int) -> str:
             text += f": {moved}"
         lines.append(text)
     return "\n".join(head + lines)
+
+
+def stage_graphs(graph: Graph, plan: Plan) -> list[Graph]:
+    """Each stage's program, cut from ``graph`` (the model traced at one micro-batch, as the
+    plan was made) where the stage plans put their ops, at the plan's compute dtype as the
+    planner priced it. Raises ValueError if a stage's program is not the one its plan was made
+    for (another model, batch or meshplan version)."""
+    typed = with_compute_dtype(graph, plan.dtype)
+    where = {o.node: s.index for s in plan.stages for o in (s.plan.ops if s.plan else ())
+             if not o.node.endswith(SINK_SUFFIX)}
+    missing = [n.name for n in typed.nodes if n.role == "op" and n.name not in where]
+    if missing:
+        raise ValueError(f"the plan's stages do not place ops {missing[:5]} of this model's "
+                         "program: the plan was made for another program; make a new plan")
+    out = []
+    for s in plan.stages:
+        g = cut_stage(typed, where, s.index, s.index + 1)
+        if s.plan is None or g.fingerprint() != s.plan.graph_fingerprint:
+            raise ValueError(f"stage {s.index}'s program differs from the one its plan was made "
+                             "for (different model, shapes or batch); make a new plan")
+        out.append(g)
+    return out

@@ -7,7 +7,9 @@ steps of `meshplan.planner.intra.reshard` (autograd-aware collectives from
 rank's local shape; means over split dims become local sums divided by the global count, so their
 result is a partial sum like any other split reduction.
 
-The program's signature is ``(comm, rng, *params, *buffers, *inputs, target) -> local loss``;
+The program's signature is ``(comm, rng, *params, *buffers, *inputs, target) -> local loss``
+(a pipeline stage's program: its sources in graph order, values received from earlier stages
+among them, returning ``(local loss or None, *values it sends)``);
 ``rng`` is the step's dropout generator (the same seed on every rank); for a parameter the
 trainer passes its local compute tensor (gathered first under ZeRO-3). Parameter
 gradients are not synchronized here: the trainer does that once per step, in buckets.
@@ -28,6 +30,7 @@ from meshplan.lower import local_ops
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
                                    piece_offsets, source_sharded, split_more, with_partial)
 from meshplan.plan.plan import OpDecision, Plan
+from meshplan.planner.inter.stage_graph import SINK_OP
 from meshplan.planner.intra.formulate import param_roots
 from meshplan.planner.intra.layout import Layout
 from meshplan.planner.intra.reshard import Step, reshard
@@ -42,6 +45,17 @@ class LocalProgram:
     placeholders: tuple[tuple[str, str], ...]   # (role, state name / input name)
     values: dict[str, Sharded]                  # layout and piece sizes of every IR value
     loss_partial: tuple[int, ...]
+    # A pipeline stage's program returns (loss or None, *sent) instead of the loss: the values
+    # it sends to later stages, in its sinks' order; ``has_loss``: whether it computes the loss.
+    sent: tuple[str, ...] = ()
+    has_loss: bool = True
+
+    def split_output(self, out: object) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """(local loss or None, values sent) of what the program returned."""
+        if not self.sent:
+            return out, ()   # type: ignore[return-value]
+        loss, *sent = out    # type: ignore[misc]
+        return loss, tuple(sent)
 
 
 def _layout(spec: str, ndim: int) -> Layout:
@@ -70,14 +84,32 @@ class _Lowerer:
         for node in self.graph.nodes:
             if node.is_source:
                 self._source(node)
+            elif node.op == SINK_OP:
+                self._sink(node)
             else:
                 self._op(node)
-        self.out.output(self.env[self.graph.loss])
+        sinks = [n for n in self.graph.nodes if n.op == SINK_OP]
+        has_loss = self.graph.loss not in {n.name for n in sinks}
+        if sinks:   # a pipeline stage: (loss or None, *values sent to later stages)
+            loss = self.env[self.graph.loss] if has_loss else None
+            self.out.output((loss, *[self.env[n.name] for n in sinks]))
+        else:
+            self.out.output(self.env[self.graph.loss])
         root = torch.nn.Module()
         for attr, value in self.constants.items():
             root.register_buffer(attr, value, persistent=False)
         gm = fx.GraphModule(root, self.out)
-        return LocalProgram(gm, tuple(phs), self.values, self.values[self.graph.loss].layout.partial)
+        partial = self.values[self.graph.loss].layout.partial if has_loss else ()
+        return LocalProgram(gm, tuple(phs), self.values, partial,
+                            tuple(n.inputs[0] for n in sinks), has_loss)
+
+    def _sink(self, node: Node) -> None:
+        """A value sent to a later stage, in the (never partial) layout the plan sends it in."""
+        dec = self.ops[node.name]
+        (name,) = node.inputs
+        want = _layout(dec.inputs[0], len(self.graph.by_name[name].out.shape))
+        self.values[node.name], self.env[node.name] = self._reshard(
+            name, want, dec.grad_partial[0], node.name)
 
     # ---------------------------------------------------------------- sources
     def _source(self, node: Node) -> None:

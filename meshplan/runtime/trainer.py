@@ -118,11 +118,15 @@ class Trainer:
             check_static(self._layout, layout)
         out = []
         for n in self.graph.nodes:
-            if n.role in ("input", "target"):
+            if n.role in ("input", "target") and n.state_name:
                 out.append(take_local(full[n.state_name], self.program.values[n.name], self.pos))
         return out
 
-    def _program_args(self, batch_pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _program_args(self, batch_pieces: list[torch.Tensor],
+                      received: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The program's arguments: parameters, buffers, this rank's batch pieces and, in a
+        pipeline stage, the local pieces of values ``received`` from earlier stages (inputs
+        without a batch name)."""
         pieces = iter(batch_pieces)
         args = []
         for n in self.graph.nodes:
@@ -131,7 +135,7 @@ class Trainer:
             elif n.role == "buffer":
                 args.append(self.buffers[n.name])
             elif n.role in ("input", "target"):
-                args.append(next(pieces))
+                args.append(next(pieces) if n.state_name else (received or {})[n.name])
         return args
 
     def _compute_tensor(self, p: _Param) -> torch.Tensor:

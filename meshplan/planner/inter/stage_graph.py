@@ -17,6 +17,7 @@ identical layer ranges of repeated blocks share one cost (Alpa's profiling reuse
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import replace
 
 from meshplan.ir.graph import Graph, Node
@@ -32,7 +33,11 @@ def stage_graph(graph: Graph, layering: Layering, start: int, end: int) -> Graph
     if not 0 <= start < end <= layering.num_layers:
         raise ValueError(f"a stage spans layers [start, end) with 0 <= start < end <= "
                          f"{layering.num_layers}; got [{start}, {end})")
-    where = layering.layer_of
+    return cut_stage(graph, layering.layer_of, start, end)
+
+
+def cut_stage(graph: Graph, where: Mapping[str, int], start: int, end: int) -> Graph:
+    """`stage_graph` with the layer of every op given by ``where`` (op name -> layer)."""
     ops = [n for n in graph.nodes if n.role == "op" and start <= where[n.name] < end]
     inside = {n.name for n in ops}
     needed = {i for n in ops for i in n.inputs}
@@ -47,7 +52,7 @@ def stage_graph(graph: Graph, layering: Layering, start: int, end: int) -> Graph
     return Graph(tuple(nodes) + tuple(sinks), loss, graph.unsupported_ops)
 
 
-def _sent(graph: Graph, inside: set[str], where: dict, end: int) -> list[str]:
+def _sent(graph: Graph, inside: set[str], where: Mapping[str, int], end: int) -> list[str]:
     """Values produced inside and read by an op of a later stage, in graph order."""
     return [n.name for n in graph.nodes if n.name in inside and n.name != graph.loss
             and any(where[u] >= end for u in graph.users[n.name]
