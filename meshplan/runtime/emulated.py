@@ -169,6 +169,56 @@ def run_emulated(
     return results
 
 
+def run_emulated_stages(
+    fn: Callable[..., Any], meshes: Sequence[tuple[Sequence[int], Sequence[int]]], *args: Any,
+    timeout_s: float = 30.0
+) -> list[Any]:
+    """Run ``fn(comm, p2p, *args)`` for every global rank of a pipeline's stage meshes, each in
+    its own thread: ``meshes`` lists per stage its ``(mesh_shape, global ranks)``; ``comm`` is
+    the rank's communicator inside its stage (ranks numbered in the stage), ``p2p`` its
+    point-to-point endpoint between global ranks. Results in global rank order; the first
+    failure stops every rank and is re-raised with a note naming its rank, as `run_emulated`.
+    Raises ValueError unless the stages' ranks are 0..N-1 exactly once."""
+    from meshplan.runtime.p2p import Mailbox, MailboxP2P
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    shapes = [check_mesh_shape(shape) for shape, _ in meshes]
+    ranks = [tuple(r) for _, r in meshes]
+    flat = sorted(r for rs in ranks for r in rs)
+    if flat != list(range(len(flat))) or any(s[0] * s[1] != len(r) for s, r in zip(shapes, ranks)):
+        raise ValueError(f"stage meshes {list(zip(shapes, ranks))} must cover ranks "
+                         f"0..{len(flat) - 1} once, each with mesh_shape[0] * mesh_shape[1] ranks")
+    worlds = [_World(shape, float(timeout_s)) for shape in shapes]
+    mailbox = Mailbox(float(timeout_s))
+    lock = threading.Lock()
+    failure: list[tuple[int, BaseException]] = []
+    results: list[Any] = [None] * len(flat)
+
+    def body(stage: int, local: int, rank: int) -> None:
+        try:
+            results[rank] = fn(EmulatedComm(local, shapes[stage], worlds[stage]),
+                               MailboxP2P(rank, mailbox), *args)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller's thread
+            with lock:
+                failure.append((rank, exc))
+            mailbox.abort()
+            for w in worlds:
+                w.fail(rank, exc)
+
+    threads = [threading.Thread(target=body, args=(s, i, r), name=f"meshplan-rank{r}",
+                                daemon=True)
+               for s, rs in enumerate(ranks) for i, r in enumerate(rs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failure:
+        rank, exc = failure[0]
+        exc.add_note(f"raised on emulated rank {rank} of a {len(ranks)}-stage pipeline")
+        raise exc
+    return results
+
+
 def _check_same_shape(kind: str, posted: list[torch.Tensor]) -> None:
     shapes = [(tuple(p.shape), p.dtype) for p in posted]
     if len(set(shapes)) > 1:

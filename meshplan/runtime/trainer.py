@@ -158,22 +158,34 @@ class Trainer:
         the same on every rank: the step equals single-device training run after
         ``torch.manual_seed(seed)``.
         """
-        rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
-        self._steps += 1
+        rng = self.begin_step(seed)
         micro = split_microbatches(batch, self.plan.microbatches)
-        for p in self.params:  # ZeRO-3 parameters: gathered once, kept for every micro-batch
-            if p.mode == "zero3":
-                self._compute_tensor(p)
         total = None
         for piece in micro:
             loss = self._run(self._program_args(self.local_batch(piece)), rng)
             (loss / len(micro)).backward()
             total = loss.detach() if total is None else total + loss.detach()
+        self.apply_gradients()
+        return self._report(total / len(micro))
+
+    def begin_step(self, seed: int | None = None) -> torch.Generator:
+        """Before a step's micro-batches: ZeRO-3 parameters gathered (once, kept for every
+        micro-batch); returns the step's dropout generator (seeded ``seed``, default the step
+        number)."""
+        rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
+        self._steps += 1
+        for p in self.params:
+            if p.mode == "zero3":
+                self._compute_tensor(p)
+        return rng
+
+    def apply_gradients(self) -> None:
+        """After a step's backwards: gradients synchronized in buckets, the update applied,
+        ZeRO-2 compute copies refreshed."""
         self._synchronize()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
-        return self._report(total / len(micro))
 
     def _run(self, args: list[torch.Tensor], rng: torch.Generator) -> torch.Tensor:
         """The local program on one micro-batch, at the plan's dtype, recomputed in backward

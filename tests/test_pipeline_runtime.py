@@ -1,0 +1,59 @@
+"""The pipeline runtime (`runtime/pipeline.py`) on emulated ranks: multi-stage plans train
+equal to one device under GPipe and 1F1B, stage meshes of different shapes and intra plans, and
+the runtime's own count of held micro-batches obeys the schedule's bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import meshplan.api as api
+from meshplan.capture.batch import split_microbatches
+from meshplan.capture.to_ir import capture
+from meshplan.runtime.emulated import run_emulated_stages
+from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.zoo.spec import build_workload
+from oracle import SGD, ADAMW, assert_matches, batches, reference
+
+MLP = "mlp:layers=6,hidden=16,batch=16,bias=1"
+
+
+def _rank(comm, p2p, plan, w, data, captured) -> tuple:
+    tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p,
+                         captured=captured)
+    losses = [tr.step(b, seed=i) for i, b in enumerate(data)]
+    return losses, tr.full_state_dict(), tr.stage, tr.peak_held
+
+
+def _train(plan: api.Plan, spec: str, steps: int = 3) -> tuple[list[Any], Any, Any]:
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, steps)
+    micro = split_microbatches(w.example_batch, plan.microbatches)[0]
+    captured = capture(w.model, w.loss_fn, micro)
+    meshes = [(s.mesh_shape, s.devices) for s in plan.stages]
+    return run_emulated_stages(_rank, meshes, plan, w, data, captured), w, data
+
+
+@pytest.mark.parametrize("method,devices", [
+    ("megatron:dp=1,tp=1,pp=2", 2), ("megatron:dp=1,tp=2,pp=2", 4),
+    ("megatron:dp=2,tp=1,pp=2", 4), ("megatron:dp=1,tp=2,pp=3", 6),
+    ("megatron:dp=2,tp=2,pp=2", 8)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [4])
+def test_pipelines_equal_one_device(method: str, devices: int, schedule: str,
+                                    microbatches: int) -> None:
+    meta = build_workload(MLP, device="meta")
+    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, f"local:{devices}",
+                    method=method, dtype="fp32", memory_budget_gb=0,
+                    microbatches=microbatches, schedule=schedule, name=MLP)
+    assert plan.num_stages == int(method.split("pp=")[1][0])
+    results, w, data = _train(plan, MLP)
+    ref = reference(w, SGD, data, microbatches=microbatches)
+    params: dict = {}
+    for losses, state, stage, held in results:
+        params.update(state)
+        assert losses == pytest.approx(results[0][0], rel=1e-12)
+        bound = plan.num_stages - stage if schedule == "1f1b" else microbatches
+        assert held == min(bound, microbatches)
+    assert_matches((results[0][0], params, []), ref, plan, SGD)
