@@ -12,6 +12,12 @@ came back for the values it sent; FREE drops a micro-batch's activations; APPLY_
 the stage's gradients over its mesh and steps the optimizer. Gradients accumulate over the
 micro-batches in autograd, so the step equals one full-batch step.
 
+A parameter several stages read (GPT's embedding, tied to its LM head) lives in each of them,
+in each stage's own layout. After the in-stage synchronization every holder sends its gradient
+to the others (cross-mesh resharded into their layouts) and each sums all parts in stage order,
+so every copy takes bitwise the same update, as Megatron-LM all-reduces the embedding gradient
+between its first and last stage.
+
 The runtime counts the micro-batches whose activations it holds (`PipelineTrainer.peak_held`),
 the accounting the schedule's memory bound (1F1B: S - i on stage i) is checked against.
 """
@@ -36,7 +42,7 @@ from meshplan.runtime.comm import Comm
 from meshplan.runtime.p2p import P2P
 from meshplan.runtime.trainer import Trainer
 
-_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3}
+_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4}
 
 
 class PipelineTrainer:
@@ -59,7 +65,6 @@ class PipelineTrainer:
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
-        _refuse_shared_parameters(plan)
         graphs = stage_graphs(graph, plan)
         stage = plan.stages[self.stage]
         self.trainer = Trainer(stage.plan, model, loss_fn, example_batch, comm,
@@ -79,6 +84,7 @@ class PipelineTrainer:
                     shape, size, self.meshes[e.dst], dst, self.meshes[e.src], src)
         self._requires_grad = {e.value: graph.by_name[e.value].requires_grad
                                for e in self.program.exchanges}
+        self._tied = self._tied_moves(graph)
         self.held = 0
         self.peak_held = 0
 
@@ -135,7 +141,7 @@ class PipelineTrainer:
                 kept.pop(j), inbox.pop(j, None), grads.pop(j, None)
                 self.held -= 1
             elif ins.op == "APPLY_GRAD":
-                t.apply_gradients()
+                t.apply_gradients(self._sum_tied)
         self.p2p.wait_all()
         return self._report(total, count)
 
@@ -207,6 +213,69 @@ class PipelineTrainer:
         other = self._moves[(k, "gradient" if kind == "activation" else "activation")]
         return other.dst_tiles[self.rank]
 
+    # ---------------------------------------------------------------- tied parameters
+    def _tied_moves(self, graph: Graph) -> list[tuple[str, list[int], dict[int, tuple]]]:
+        """Per parameter my stage shares with others (by name, in name order): its holder
+        stages and, per other holder, the moves of the gradient there and back. Raises
+        NotImplementedError when a holder keeps it sharded by ZeRO (its gradient is then a
+        shard of the data-parallel group, not the whole in the stage's layout)."""
+        holders: dict[str, list[tuple[int, Any]]] = {}
+        for s in self.plan.stages:
+            for p in s.plan.params if s.plan else ():
+                holders.setdefault(p.name, []).append((s.index, p))
+        out = []
+        for name in sorted(holders):
+            stages = holders[name]
+            if len(stages) < 2 or self.stage not in [i for i, _ in stages]:
+                continue
+            for i, p in stages:
+                if p.update != "replicated":
+                    raise NotImplementedError(
+                        f"parameter {name!r} is shared by stages {[i for i, _ in stages]} and "
+                        f"stage {i} keeps it {p.update}; summing a ZeRO-sharded gradient across "
+                        "stages is not implemented: plan without ZeRO for it")
+            mine = dict(stages)[self.stage]
+            node = graph.by_name[mine.node]
+            shape, ndim = tuple(node.out.shape), len(node.out.shape)
+            size = torch.empty((), dtype=_dtype(node.out.dtype)).element_size()
+            moves = {}
+            for i, p in stages:
+                if i != self.stage:
+                    a, b = Layout.parse(mine.spec, ndim), Layout.parse(p.spec, ndim)
+                    moves[i] = (plan_reshard(shape, size, self.meshes[self.stage], a,
+                                             self.meshes[i], b, local_gather=False),
+                                plan_reshard(shape, size, self.meshes[i], b,
+                                             self.meshes[self.stage], a, local_gather=False))
+            out.append((name, [i for i, _ in stages], moves))
+        return out
+
+    def _sum_tied(self) -> None:
+        """Each shared parameter's gradient: the sum of every holder's part, in stage order."""
+        by_name = {p.name: p for p in self.trainer.params}
+        for k, (name, stages, moves) in enumerate(self._tied):
+            p = by_name[name]
+            grad = p.compute.grad
+            mine_box = next(iter(moves.values()))[1].dst_tiles[self.rank]
+            for i, (there, _) in moves.items():
+                for n, tr in enumerate(there.transfers):
+                    if tr.src == self.rank:
+                        self.p2p.send(grad[_local_slices(tr.box, mine_box)], tr.dst,
+                                      _tag("tied", k, self.stage, n))
+            parts = {}
+            for i, (_, back) in moves.items():
+                part = torch.zeros_like(grad)
+                for n, tr in enumerate(back.transfers):
+                    if tr.dst == self.rank:
+                        shape = tuple(b - a for a, b in tr.box)
+                        part[_local_slices(tr.box, mine_box)] = self.p2p.recv(
+                            shape, tr.src, _tag("tied", k, i, n))
+                parts[i] = part
+            parts[self.stage] = grad
+            total = parts[stages[0]].clone()
+            for i in stages[1:]:
+                total += parts[i]
+            p.compute.grad = total
+
     # ---------------------------------------------------------------- the loss
     def _report(self, total: torch.Tensor | None, count: int) -> float:
         """The step's loss on every rank: the last stage reduces it over its mesh, its first
@@ -231,16 +300,6 @@ class PipelineTrainer:
         return self.trainer.full_state_dict()
 
 
-def _refuse_shared_parameters(plan: Plan) -> None:
-    owner: dict[str, int] = {}
-    for s in plan.stages:
-        for p in s.plan.params if s.plan else ():
-            if p.name in owner and owner[p.name] != s.index:
-                raise NotImplementedError(
-                    f"parameter {p.name!r} is used by stages {owner[p.name]} and {s.index} "
-                    "(tied weights across pipeline stages); synchronizing its gradient across "
-                    "stages is not implemented yet: untie it or plan with fewer stages")
-            owner[p.name] = s.index
 
 
 def _local_slices(box: Box, origin: Box) -> tuple[slice, ...]:

@@ -179,10 +179,13 @@ class Trainer:
                 self._compute_tensor(p)
         return rng
 
-    def apply_gradients(self) -> None:
-        """After a step's backwards: gradients synchronized in buckets, the update applied,
+    def apply_gradients(self, between: Callable[[], None] | None = None) -> None:
+        """After a step's backwards: gradients synchronized in buckets, ``between()`` (a
+        pipeline adds the gradient parts of parameters other stages share), the update applied,
         ZeRO-2 compute copies refreshed."""
         self._synchronize()
+        if between is not None:
+            between()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
