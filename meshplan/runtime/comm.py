@@ -293,14 +293,35 @@ class ProcessGroupComm(Comm):
                 f"{dist.get_world_size()}"
             )
         super().__init__(dist.get_rank(), shape)
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for axes, groups in all_groups(shape).items():
-            for ranks in groups:
-                # The world group already spans every rank; making another costs connections.
-                whole = len(ranks) == dist.get_world_size()
-                pg = dist.group.WORLD if whole else dist.new_group(list(ranks))
-                if self.rank in ranks:
-                    self._groups[axes] = pg
+        self._groups = _make_groups(shape, tuple(range(dist.get_world_size())))[self.rank]
+
+    @classmethod
+    def for_stages(cls, meshes: Sequence[tuple[Sequence[int], Sequence[int]]]
+                   ) -> ProcessGroupComm:
+        """The communicator of this process's stage in a pipeline whose stages are
+        ``(mesh_shape, global ranks)`` each: ranks numbered inside the stage, collectives over
+        its own groups. Collective: every process creates every stage's groups, in stage
+        order. Raises ValueError unless the stages cover the world's ranks once."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ProcessGroupComm needs an initialized torch.distributed world")
+        stages = [(check_mesh_shape(shape), tuple(ranks)) for shape, ranks in meshes]
+        flat = sorted(r for _, ranks in stages for r in ranks)
+        if flat != list(range(dist.get_world_size())) or \
+                any(s[0] * s[1] != len(r) for s, r in stages):
+            raise ValueError(f"stage meshes {stages} must cover the world's "
+                             f"{dist.get_world_size()} ranks once, each with r*c ranks")
+        me = dist.get_rank()
+        mine = None
+        for shape, ranks in stages:
+            groups = _make_groups(shape, ranks)
+            if me in ranks:
+                mine = (shape, ranks, groups[ranks.index(me)])
+        assert mine is not None
+        shape, ranks, groups = mine
+        comm = cls.__new__(cls)
+        Comm.__init__(comm, ranks.index(me), shape)
+        comm._groups = groups
+        return comm
 
     def _all_reduce(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         dist.all_reduce(buf, group=self._groups[axes])
@@ -330,6 +351,22 @@ class ProcessGroupComm(Comm):
         out = mine.new_empty(self._groups[axes].size())
         dist.all_gather_single(out, mine, group=self._groups[axes])
         return [int(v) for v in out.tolist()]
+
+
+def _make_groups(shape: tuple[int, int], ranks: tuple[int, ...]
+                 ) -> dict[int, dict[tuple[int, ...], dist.ProcessGroup]]:
+    """Process groups of a mesh whose position i is global rank ``ranks[i]``: per position, its
+    group per axes. Collective over the whole world (`dist.new_group` is)."""
+    out: dict[int, dict[tuple[int, ...], dist.ProcessGroup]] = {i: {} for i in range(len(ranks))}
+    for axes, groups in all_groups(shape).items():
+        for members in groups:
+            glob = [ranks[i] for i in members]
+            # The world group already spans every rank; making another costs connections.
+            whole = glob == list(range(dist.get_world_size()))
+            pg = dist.group.WORLD if whole else dist.new_group(glob)
+            for i in members:
+                out[i][axes] = pg
+    return out
 
 
 def _is_int(value: object) -> bool:
