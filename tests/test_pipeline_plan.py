@@ -53,7 +53,7 @@ def test_trainer_names_the_missing_pipeline_runtime(two_stage_plan: api.Plan) ->
     from oracle import train_rank
     w = build_workload(WIDE.replace("hidden=1024", "hidden=32").replace("heads=8", "heads=4")
                        .replace("seq=128", "seq=8"), device="cpu")
-    with pytest.raises(NotImplementedError, match="pipeline runtime"):
+    with pytest.raises(ValueError, match="pipeline runtime, meshplan.runtime.pipeline"):
         run_emulated(train_rank, (2, 2), two_stage_plan, w, [w.example_batch])
 
 

@@ -4,6 +4,7 @@ the runtime's own count of held micro-batches obeys the schedule's bound."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,8 +13,9 @@ import meshplan.api as api
 from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.runtime.emulated import run_emulated_stages
+from meshplan.runtime.optim import OptimizerSpec
 from meshplan.runtime.pipeline import PipelineTrainer
-from meshplan.zoo.spec import build_workload
+from meshplan.zoo.spec import Workload, build_workload
 from oracle import SGD, ADAMW, assert_matches, batches, reference
 
 MLP = "mlp:layers=6,hidden=16,batch=16,bias=1"
@@ -27,9 +29,21 @@ def _rank(comm, p2p, plan, w, data, captured) -> tuple:
     return losses, tr.full_state_dict(), tr.stage, tr.peak_held
 
 
-def _train(plan: api.Plan, spec: str, steps: int = 3) -> tuple[list[Any], Any, Any]:
+def _workload(spec: str) -> Workload:
+    """The seeded workload; the Wide-ResNet in float64, as the single-stage tests train it:
+    batch norm over a sample or two turns fp32 rounding into 1e-3 differences after a step."""
     w = build_workload(spec, device="cpu", seed=0)
+    if not spec.startswith("wresnet"):
+        return w
+    (x,), t = w.example_batch
+    return Workload(copy.deepcopy(w.model).double(), w.loss_fn, ((x.double(),), t), w.name)
+
+
+def _train(plan: api.Plan, spec: str, steps: int = 3) -> tuple[list[Any], Any, Any]:
+    w = _workload(spec)
     data = batches(w, steps)
+    if spec.startswith("wresnet"):
+        data = [((x.double(),), t) for (x,), t in data]
     micro = split_microbatches(w.example_batch, plan.microbatches)[0]
     captured = capture(w.model, w.loss_fn, micro)
     meshes = [(s.mesh_shape, s.devices) for s in plan.stages]
@@ -43,8 +57,8 @@ CASES = [("megatron:dp=1,tp=1,pp=2", 2), ("megatron:dp=1,tp=2,pp=2", 4),
 
 def _check(spec: str, method: str, devices: int, schedule: str, microbatches: int,
            opt) -> None:
-    meta = build_workload(spec, device="meta")
-    plan = api.plan(meta.model, meta.loss_fn, opt, meta.example_batch, f"local:{devices}",
+    w = _workload(spec)
+    plan = api.plan(w.model, w.loss_fn, opt, w.example_batch, f"local:{devices}",
                     method=method, dtype="fp32", memory_budget_gb=0,
                     microbatches=microbatches, schedule=schedule, name=spec)
     assert plan.num_stages == int(method.split("pp=")[1][0])
@@ -107,3 +121,19 @@ def test_real_gloo_processes(schedule: str) -> None:
         assert held == (min(2 - stage, 4) if schedule == "1f1b" else 4)
     assert_matches((results[0][0], params, []), reference(w, SGD, data, microbatches=4), plan,
                    SGD)
+
+
+WRN = "wresnet:layers=26,channels=4,width=1,image=8,classes=4,batch=16"  # 2 per rank
+SLOW_SGD = OptimizerSpec("sgd", lr=0.01)
+MOE = "moe:hidden=16,layers=2,heads=2,experts=4,seq=8,vocab=32,batch=8"
+
+
+@pytest.mark.parametrize("spec,method,devices", [
+    (WRN, "megatron:dp=1,tp=1,pp=2", 2), (WRN, "megatron:dp=2,tp=1,pp=2", 4),
+    (MOE, "megatron:dp=1,tp=1,pp=2", 2), (MOE, "megatron:dp=1,tp=2,pp=2", 4)])
+def test_wide_resnet_and_moe_pipelines_equal_one_device(spec: str, method: str,
+                                                        devices: int) -> None:
+    """Wide-ResNet (batch norm, convolutions, skips) and the MoE transformer (all-to-all
+    dispatch inside stages). Wide-ResNet at lr 0.01 in float64, as the single-stage tests train
+    it."""
+    _check(spec, method, devices, "1f1b", 4, SLOW_SGD if spec == WRN else SGD)

@@ -131,6 +131,7 @@ class PipelineTrainer:
                         seeds.append(grads[j][name])
                 if outs:
                     torch.autograd.backward(outs, seeds)
+                    t.own_gradients()
             elif ins.op == "SEND" and ins.kind == "gradient":
                 for k, e in self._exchanges(ins.peer, ins.stage, grad=True):
                     received = inbox[j][e.value]

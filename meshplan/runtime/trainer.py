@@ -65,10 +65,10 @@ class Trainer:
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None) -> None:
         if plan.num_stages > 1:
-            raise NotImplementedError(
-                f"this plan has {plan.num_stages} pipeline stages, and the pipeline runtime "
-                "(running stages on their own submeshes) is not implemented yet; plan one stage "
-                "with method='intra-only' or a mesh_shape, or give more memory")
+            raise ValueError(
+                f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
+                "runtime, meshplan.runtime.pipeline.PipelineTrainer (one per rank, with its "
+                "stage's communicator and a point-to-point endpoint); Trainer runs one stage")
         if tuple(comm.mesh_shape) != tuple(plan.mesh_shape):
             raise ValueError(f"the plan is for a {plan.mesh_shape} mesh, the communicator has "
                              f"{comm.mesh_shape}")
@@ -164,9 +164,26 @@ class Trainer:
         for piece in micro:
             loss = self._run(self._program_args(self.local_batch(piece)), rng)
             (loss / len(micro)).backward()
+            self.own_gradients()
             total = loss.detach() if total is None else total + loss.detach()
         self.apply_gradients()
         return self._report(total / len(micro))
+
+    def own_gradients(self) -> None:
+        """After a micro-batch's backward: give every parameter a gradient tensor of its own.
+        Autograd may hand one gradient tensor to two parameters (it steals an incoming gradient
+        as ``.grad`` when it sees no other user; two batch-norm biases summed into one residual
+        got the same tensor). The next micro-batch then accumulates into it in place twice:
+        one parameter's part counted for both."""
+        seen: set[int] = set()
+        for p in self.params:
+            g = p.compute.grad if p.compute is not None else None
+            if g is None:
+                continue
+            if g.untyped_storage().data_ptr() in seen:
+                p.compute.grad = g.clone()
+            else:
+                seen.add(g.untyped_storage().data_ptr())
 
     def begin_step(self, seed: int | None = None) -> torch.Generator:
         """Before a step's micro-batches: ZeRO-3 parameters gathered (once, kept for every
