@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench coverage clean
+.PHONY: demo demo-pipeline test bench coverage clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python -m meshplan.demo
+
+demo-pipeline: $(STAMP)
+	$(BIN)/python -m meshplan.demo_pipeline --nproc 4
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -1,0 +1,16 @@
+"""`make demo-pipeline` end to end: `auto` splits a GPT into stages for two hosts, and 4 and 8
+real gloo processes train that plan with the losses of one device."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.demo_pipeline import run
+
+
+@pytest.mark.parametrize("nproc,steps", [(4, 3), (8, 2)])
+def test_auto_pipeline_trains_like_one_device(nproc: int, steps: int) -> None:
+    plan, losses, ref = run(nproc, steps)
+    assert plan.num_stages >= 2 and plan.method == "auto"
+    assert sorted(d for s in plan.stages for d in s.devices) == list(range(nproc))
+    assert losses == pytest.approx(ref, rel=1e-5)
