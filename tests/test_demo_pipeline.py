@@ -8,7 +8,7 @@ import pytest
 from meshplan.demo_pipeline import run
 
 
-@pytest.mark.parametrize("nproc,steps", [(4, 3), (8, 2)])
+@pytest.mark.parametrize("nproc,steps", [(4, 2), (8, 1)])
 def test_auto_pipeline_trains_like_one_device(nproc: int, steps: int) -> None:
     plan, losses, ref = run(nproc, steps)
     assert plan.num_stages >= 2 and plan.method == "auto"
