@@ -56,11 +56,13 @@ CASES = [("megatron:dp=1,tp=1,pp=2", 2), ("megatron:dp=1,tp=2,pp=2", 4),
 
 
 def _check(spec: str, method: str, devices: int, schedule: str, microbatches: int,
-           opt) -> None:
+           opt, **kw: Any) -> None:
     w = _workload(spec)
     plan = api.plan(w.model, w.loss_fn, opt, w.example_batch, f"local:{devices}",
                     method=method, dtype="fp32", memory_budget_gb=0,
-                    microbatches=microbatches, schedule=schedule, name=spec)
+                    microbatches=microbatches, schedule=schedule, name=spec, **kw)
+    if kw.get("recompute") == "full":
+        assert all(s.recompute and s.plan.recompute for s in plan.stages)
     assert plan.num_stages == int(method.split("pp=")[1][0])
     results, w, data = _train(plan, spec)
     ref = reference(w, opt, data, microbatches=microbatches)
@@ -143,3 +145,34 @@ def test_wide_resnet_and_moe_pipelines_equal_one_device(spec: str, method: str,
     dispatch inside stages). Wide-ResNet at lr 0.01 in float64, as the single-stage tests train
     it."""
     _check(spec, method, devices, "1f1b", 4, SLOW_SGD if spec == WRN else SGD)
+
+
+def test_recomputed_stages_equal_one_device() -> None:
+    """Every stage recomputed (its forward rerun inside its backward): the same numbers."""
+    _check(GPT, "megatron:dp=1,tp=2,pp=2", 4, "1f1b", 4, SGD, recompute="full")
+
+
+def test_bf16_pipeline_equals_single_device_autocast() -> None:
+    """bf16 autocast, against one device under the same autocast, with the single-stage
+    runtime's bounds (`test_training_step.test_mixed_precision_equals_single_device_autocast`):
+    losses within 4u, parameters within 32u of the update's norm, u = 2^-8. Values cross
+    stages in the dtype their last op made, so the pipeline rounds where one device does."""
+    w = _workload(GPT)
+    plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, "local:4",
+                    method="megatron:dp=1,tp=2,pp=2", dtype="bf16", memory_budget_gb=0,
+                    microbatches=4, name=GPT)
+    results, w, data = _train(plan, GPT)
+    losses, ref = reference(w, SGD, data, microbatches=4, dtype="bf16")
+    u = 2.0 ** -8
+    init = dict(w.model.named_parameters())
+
+    def norm(d: dict) -> float:
+        return sum(v.double().pow(2).sum() for v in d.values()).sqrt().item()
+
+    params: dict = {}
+    for _, state, _, _ in results:
+        params.update(state)
+    update = norm({k: ref[k] - init[k].detach() for k in ref})
+    got = results[0][0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, losses)) <= 4 * u, (got, losses)
+    assert norm({k: params[k] - ref[k] for k in ref}) <= 32 * u * update
