@@ -62,6 +62,8 @@ def reference(w: Workload, opt: OptimizerSpec, data: list[Any], *, microbatches:
                 loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
             (loss / microbatches).backward()
             total += loss.item() / microbatches
+        if opt.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
         o.step()
         o.zero_grad()
         losses.append(total)

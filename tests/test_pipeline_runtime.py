@@ -176,3 +176,11 @@ def test_bf16_pipeline_equals_single_device_autocast() -> None:
     got = results[0][0]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, losses)) <= 4 * u, (got, losses)
     assert norm({k: params[k] - ref[k] for k in ref}) <= 32 * u * update
+
+
+@pytest.mark.parametrize("spec,method,devices", [(GPT, "megatron:dp=1,tp=2,pp=2", 4),
+                                                 (MLP, "megatron:dp=2,tp=1,pp=3", 6)])
+def test_global_norm_clipping_spans_stages(spec: str, method: str, devices: int) -> None:
+    """The clipping norm sums every stage's gradients (a tied embedding counted once)."""
+    clipped = OptimizerSpec("sgd", lr=0.1, max_grad_norm=0.05)
+    _check(spec, method, devices, "1f1b", 4, clipped)

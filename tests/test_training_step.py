@@ -149,3 +149,24 @@ def test_one_sample_per_rank_accumulates_each_gradient_once() -> None:
     ref = reference(w, SLOW_SGD, data, microbatches=2)
     for r in run_emulated(train_rank, (1, 2), plan, w, data):
         assert_matches(r, ref, plan, SLOW_SGD)
+
+
+@pytest.mark.parametrize("spec,shape,method", [(MLP, (1, 2), "data"), (GPT8, (1, 4), "megatron"),
+                                               (GPT8, (2, 2), "zero3"), (MLP, (2, 2), "zero2")])
+def test_global_norm_clipping_equals_single_device(spec: str, shape, method: str) -> None:
+    """``max_grad_norm`` clips the global gradient norm as torch.nn.utils.clip_grad_norm_ does
+    on one device, whatever the shards (tensor parallel pieces, ZeRO shards, replicas)."""
+    clipped = OptimizerSpec("sgd", lr=0.1, max_grad_norm=0.05)   # below every step's norm
+    w, data = _workload(spec)
+    plan = api.plan(w.model, w.loss_fn, clipped, w.example_batch, f"local:{math.prod(shape)}",
+                    mesh_shape=shape, method=method, memory_budget_gb=0, microbatches=2)
+    ref = reference(w, clipped, data, microbatches=2)
+    unclipped = reference(w, SGD, data, microbatches=2)
+    assert ref[0][1:] != pytest.approx(unclipped[0][1:], rel=1e-3)   # clipping took effect
+    for r in run_emulated(train_rank, shape, plan, w, data):
+        assert_matches(r, ref, plan, clipped)
+
+
+def test_bad_max_grad_norm_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        OptimizerSpec("sgd", max_grad_norm=0.0)

@@ -9,6 +9,8 @@ carries; `make_optimizer` builds the torch optimizer of one device's whole param
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -36,10 +38,17 @@ class OptimizerSpec:
     eps1: float | None = None
     eps2: float = 1e-3
     d: float = 1.0
+    # Before each update, scale every gradient so their global L2 norm is at most this (as
+    # torch.nn.utils.clip_grad_norm_ over all parameters); None: no clipping.
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got "
+                             f"{self.max_grad_norm!r}")
 
     def state_bytes_per_param(self, param_bytes: int = 4) -> float:
         """Optimizer state per parameter element kept elementwise: Adam keeps two moments, SGD a

@@ -42,7 +42,7 @@ from meshplan.runtime.comm import Comm
 from meshplan.runtime.p2p import P2P
 from meshplan.runtime.trainer import Trainer
 
-_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4}
+_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "norm": 5}
 
 
 class PipelineTrainer:
@@ -142,7 +142,9 @@ class PipelineTrainer:
                 kept.pop(j), inbox.pop(j, None), grads.pop(j, None)
                 self.held -= 1
             elif ins.op == "APPLY_GRAD":
-                t.apply_gradients(self._sum_tied)
+                elsewhere = frozenset(name for name, stages, _ in self._tied
+                                      if stages[0] != self.stage)
+                t.apply_gradients(self._sum_tied, self._sum_over_stages, elsewhere)
         self.p2p.wait_all()
         return self._report(total, count)
 
@@ -276,6 +278,23 @@ class PipelineTrainer:
             for i in stages[1:]:
                 total += parts[i]
             p.compute.grad = total
+
+    def _sum_over_stages(self, mine: torch.Tensor) -> torch.Tensor:
+        """The sum over stages of a value every rank of a stage holds alike (the squared
+        gradient norm for clipping), the same on every rank: each stage's first rank sends its
+        value to the other stages' ranks, and each rank adds the values in stage order."""
+        tag = _tag("norm", 0, 0, 0)
+        if self.rank == self.meshes[self.stage].ranks[0]:
+            for s, mesh in enumerate(self.meshes):
+                if s != self.stage:
+                    for r in mesh.ranks:
+                        self.p2p.send(mine.reshape(1), r, tag)
+        parts = [mine.reshape(1) if s == self.stage else
+                 self.p2p.recv((1,), mesh.ranks[0], tag) for s, mesh in enumerate(self.meshes)]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total[0]
 
     # ---------------------------------------------------------------- the loss
     def _report(self, total: torch.Tensor | None, count: int) -> float:

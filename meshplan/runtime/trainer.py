@@ -87,7 +87,8 @@ class Trainer:
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
         self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
                         if n.role == "buffer"}
-        self.optimizer = self._make_optimizer(OptimizerSpec.from_dict(plan.optimizer))
+        self.spec = OptimizerSpec.from_dict(plan.optimizer)
+        self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
         self._steps = 0
@@ -196,13 +197,18 @@ class Trainer:
                 self._compute_tensor(p)
         return rng
 
-    def apply_gradients(self, between: Callable[[], None] | None = None) -> None:
+    def apply_gradients(self, between: Callable[[], None] | None = None,
+                        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        counted_elsewhere: frozenset[str] = frozenset()) -> None:
         """After a step's backwards: gradients synchronized in buckets, ``between()`` (a
-        pipeline adds the gradient parts of parameters other stages share), the update applied,
+        pipeline adds the gradient parts of parameters other stages share), gradients clipped
+        to the optimizer's ``max_grad_norm`` (``across`` sums the squared norm over a pipeline's
+        stages; ``counted_elsewhere``: parameters another stage counts), the update applied,
         ZeRO-2 compute copies refreshed."""
         self._synchronize()
         if between is not None:
             between()
+        self._clip(across, counted_elsewhere)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
@@ -217,6 +223,36 @@ class Trainer:
             if not self.plan.recompute:
                 return program(*args)
             return recomputed(program, args, rng, self.comm)
+
+    def _clip(self, across: Callable[[torch.Tensor], torch.Tensor] | None,
+              counted_elsewhere: frozenset[str]) -> None:
+        """Global-norm clipping on the update gradients. Each rank adds its pieces' squares
+        divided by how many ranks hold the same piece (the mesh over the distinct pieces: the
+        layout's shards, times the ZeRO shards), so the all-reduce over the mesh counts every
+        element once; every rank then scales by bitwise the same factor."""
+        limit = self.spec.max_grad_norm
+        if limit is None:
+            return
+        r, c = self.plan.mesh_shape
+        local = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            g = p.update.grad
+            if g is None or p.name in counted_elsewhere:
+                continue
+            pieces = self.program.values[p.node].layout.shard_factor((r, c))
+            if p.mode != "replicated":
+                pieces *= self.comm.group_size(p.axes)
+            local = local + g.detach().double().pow(2).sum() / (r * c // pieces)
+        n = len(self.comm.records)   # not part of the plan's collectives, like the loss report
+        total = self.comm.all_reduce(local, (0, 1), phase="update")
+        del self.comm.records[n:]
+        if across is not None:
+            total = across(total)
+        scale = limit / (float(total.sqrt()) + 1e-6)   # torch.nn.utils.clip_grad_norm_'s
+        if scale < 1.0:
+            for p in self.params:
+                if p.update.grad is not None:
+                    p.update.grad.mul_(scale)
 
     def _groups(self) -> list[tuple[tuple[str, tuple[int, ...]], list[_Param]]]:
         groups: dict[tuple[str, tuple[int, ...]], list[_Param]] = defaultdict(list)
