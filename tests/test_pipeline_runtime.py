@@ -184,3 +184,40 @@ def test_global_norm_clipping_spans_stages(spec: str, method: str, devices: int)
     """The clipping norm sums every stage's gradients (a tied embedding counted once)."""
     clipped = OptimizerSpec("sgd", lr=0.1, max_grad_norm=0.05)
     _check(spec, method, devices, "1f1b", 4, clipped)
+
+
+def _pipeline_rank_dies(rank: int, nprocs: int, plan, spec: str, data, how: str) -> None:
+    import os
+    import signal
+    from meshplan.runtime.comm import ProcessGroupComm
+    from meshplan.runtime.p2p import ProcessGroupP2P
+    w = build_workload(spec, device="cpu", seed=0)
+    comm = ProcessGroupComm.for_stages([(s.mesh_shape, s.devices) for s in plan.stages])
+    tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
+    tr.step(data[0])
+    if rank == 2:   # a rank of the last stage, while the first stage waits on its gradients
+        if how == "raise":
+            raise RuntimeError("stage 1 rank breaks its step")
+        os.kill(os.getpid(), signal.SIGKILL)
+    tr.step(data[1])
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_pipeline_rank_ends_the_run_fast(how: str) -> None:
+    """A rank that raises or is killed mid-pipeline: the launcher stops every process and
+    names the rank within 60 s (the other stage is blocked receiving from it)."""
+    import time
+    from meshplan.errors import WorkerError
+    from meshplan.runtime.launcher import launch
+    meta = build_workload(MLP, device="meta")
+    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
+                    method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
+                    microbatches=4, name=MLP)
+    data = batches(build_workload(MLP, device="cpu", seed=0), 2)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_pipeline_rank_dies, 4, (plan, MLP, data, how), timeout_s=120)
+    assert info.value.rank == 2
+    expected = "breaks its step" if how == "raise" else "signal 9"
+    assert expected in str(info.value)
+    assert time.monotonic() - start < 60
