@@ -16,7 +16,8 @@ from meshplan.runtime.emulated import run_emulated_stages
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.zoo.spec import Workload, build_workload
-from oracle import SGD, ADAMW, assert_matches, batches, reference
+from oracle import (SGD, ADAMW, assert_matches, batches, plan_counter, record_counter,
+                    reference)
 
 MLP = "mlp:layers=6,hidden=16,batch=16,bias=1"
 GPT = "gpt:hidden=32,layers=6,heads=4,seq=8,vocab=64,batch=8"   # embedding tied to the head
@@ -25,7 +26,18 @@ GPT = "gpt:hidden=32,layers=6,heads=4,seq=8,vocab=64,batch=8"   # embedding tied
 def _rank(comm, p2p, plan, w, data, captured) -> tuple:
     tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p,
                          captured=captured)
-    losses = [tr.step(b, seed=i) for i, b in enumerate(data)]
+    losses, per_step = [], []
+    for i, b in enumerate(data):
+        start = len(comm.records)
+        losses.append(tr.step(b, seed=i))
+        per_step.append(record_counter(comm.records[start:]))
+    # Every collective a stage's ranks issued in a step is one its stage plan lists. (Under
+    # autocast the plan sizes activations at the half type while torch keeps some, such as the
+    # residual stream, in fp32: compared in fp32 only.)
+    if plan.dtype == "fp32":
+        want = plan_counter(plan.stages[tr.stage].plan)
+        assert all(step == want for step in per_step), (tr.stage, per_step[0] - want,
+                                                        want - per_step[0])
     return losses, tr.full_state_dict(), tr.stage, tr.peak_held
 
 

@@ -13,7 +13,7 @@ import contextlib
 from typing import Callable, Iterator, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshplan.cost.precision import DTYPES
 from meshplan.runtime.comm import Comm
@@ -34,7 +34,11 @@ def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor
     def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
         return contextlib.nullcontext(), _replay(rng, rng.get_state(), comm)
 
-    return checkpoint(program, *args, use_reentrant=False, context_fn=contexts)
+    # The whole forward reruns, as the plan counts it: torch's early stop would end the replay
+    # once the last saved tensor is back, skipping trailing collectives (a pipeline stage's
+    # reduction of what it sends) that the plan lists under "recompute".
+    with set_checkpoint_early_stop(False):
+        return checkpoint(program, *args, use_reentrant=False, context_fn=contexts)
 
 
 @contextlib.contextmanager
