@@ -198,14 +198,28 @@ def test_global_norm_clipping_spans_stages(spec: str, method: str, devices: int)
     _check(spec, method, devices, "1f1b", 4, clipped)
 
 
-def _pipeline_rank_dies(rank: int, nprocs: int, plan, spec: str, data, how: str) -> None:
-    import os
-    import signal
+def _fault_case() -> tuple[api.Plan, list]:
+    """The 2-stage, tensor-parallel MLP plan on 4 processes the fault tests break, 2 batches."""
+    meta = build_workload(MLP, device="meta")
+    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
+                    method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
+                    microbatches=4, name=MLP)
+    return plan, batches(build_workload(MLP, device="cpu", seed=0), 2)
+
+
+def _gloo_trainer(plan, spec: str) -> PipelineTrainer:
+    """A rank's PipelineTrainer in a launched gloo world."""
     from meshplan.runtime.comm import ProcessGroupComm
     from meshplan.runtime.p2p import ProcessGroupP2P
     w = build_workload(spec, device="cpu", seed=0)
     comm = ProcessGroupComm.for_stages([(s.mesh_shape, s.devices) for s in plan.stages])
-    tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
+    return PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
+
+
+def _pipeline_rank_dies(rank: int, nprocs: int, plan, spec: str, data, how: str) -> None:
+    import os
+    import signal
+    tr = _gloo_trainer(plan, spec)
     tr.step(data[0])
     if rank == 2:   # a rank of the last stage, while the first stage waits on its gradients
         if how == "raise":
@@ -221,15 +235,36 @@ def test_a_failing_pipeline_rank_ends_the_run_fast(how: str) -> None:
     import time
     from meshplan.errors import WorkerError
     from meshplan.runtime.launcher import launch
-    meta = build_workload(MLP, device="meta")
-    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
-                    method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
-                    microbatches=4, name=MLP)
-    data = batches(build_workload(MLP, device="cpu", seed=0), 2)
+    plan, data = _fault_case()
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         launch(_pipeline_rank_dies, 4, (plan, MLP, data, how), timeout_s=120)
     assert info.value.rank == 2
     expected = "breaks its step" if how == "raise" else "signal 9"
     assert expected in str(info.value)
+    assert time.monotonic() - start < 60
+
+
+def _pipeline_rank_hangs(rank: int, nprocs: int, plan, spec: str, data) -> None:
+    import time
+    tr = _gloo_trainer(plan, spec)
+    tr.step(data[0])
+    if rank == 3:
+        time.sleep(600)   # stuck: its stage peer and the other stage wait on it
+    tr.step(data[1])
+
+
+def test_a_hung_pipeline_rank_is_named_with_no_progress() -> None:
+    """A rank that stops making progress: its peers' receives and collectives time out after
+    the launch's collective timeout, and the launcher names the silent rank."""
+    import time
+    from meshplan.errors import WorkerError
+    from meshplan.runtime.launcher import launch
+    plan, data = _fault_case()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_pipeline_rank_hangs, 4, (plan, MLP, data), timeout_s=120,
+               collective_timeout_s=5)
+    assert info.value.rank == 3
+    assert "no progress for 5 s" in str(info.value)
     assert time.monotonic() - start < 60

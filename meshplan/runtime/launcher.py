@@ -15,7 +15,8 @@ from meshplan.runtime.pool import WorkerPool
 
 
 def launch(
-    fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 600.0
+    fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 600.0,
+    collective_timeout_s: float = 30.0
 ) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned processes; results in rank order.
 
@@ -24,10 +25,13 @@ def launch(
     its process dies, the others are stopped and :class:`~meshplan.errors.WorkerError` (rank,
     message, traceback) is raised; TimeoutError if the whole run exceeds ``timeout_s`` seconds;
     ValueError on a bad ``nprocs`` or ``timeout_s``; TypeError if ``fn``/``args`` can't be pickled.
+    A collective or point-to-point receive waiting ``collective_timeout_s`` seconds for a peer
+    fails; when only such timeouts fail while a rank stays silent, that rank is named ("no
+    progress for N s").
     """
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     start = time.monotonic()
-    with WorkerPool(nprocs, timeout_s=timeout_s) as pool:
+    with WorkerPool(nprocs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s) as pool:
         remaining = timeout_s - (time.monotonic() - start)
         return pool.run(fn, *tuple(args), timeout_s=max(remaining, 1e-3))

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from meshplan.errors import WorkerError
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
+_HUNG_GRACE_S = 3.0  # how long the other peers of a silent rank get to time out too
 
 
 class _Failure(NamedTuple):
@@ -76,6 +77,7 @@ class WorkerPool:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.nprocs = nprocs
         self.timeout_s = float(timeout_s)
+        self.collective_timeout_s = float(collective_timeout_s)
         self._closed = False
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -164,11 +166,45 @@ class WorkerPool:
                     results[rank] = outcome[0]
                     pending.discard(rank)
             if failures:
+                hung = self._hung(failures, pending)
                 self._closed = True
                 self._stop()
+                if hung is not None:
+                    raise hung
                 culprit = min(failures)
                 raise WorkerError(culprit.rank, culprit.message, culprit.trace)
         return results
+
+    def _hung(self, failures: list[_Failure], pending: set[int]) -> WorkerError | None:
+        """When every failure so far is a peer's communication failing (timing out, or a
+        connection a timed-out peer closed), the rank to blame is
+        one that is still alive and silent: it stopped making progress (stuck in a loop, or in a
+        collective its peers never joined). The other waiting peers time out within moments of
+        each other, so they get ``_HUNG_GRACE_S`` to report first; the lowest rank still silent
+        after that is named."""
+        if not all(_is_comm_failure(f.message) for f in failures):
+            return None
+        failed = {f.rank for f in failures}
+        timed_out = any(_is_timeout(f.message) for f in failures)
+        deadline = time.monotonic() + _HUNG_GRACE_S
+        while time.monotonic() < deadline:
+            for rank in sorted(pending - failed):
+                outcome = self._poll(rank)
+                if isinstance(outcome, _Failure):
+                    if not _is_comm_failure(outcome.message):
+                        return None
+                    failed.add(rank)
+                    timed_out = timed_out or _is_timeout(outcome.message)
+            time.sleep(0.1)
+        if not timed_out:
+            return None
+        silent = [r for r in sorted(pending - failed) if self._procs[r].is_alive()]
+        if not silent:
+            return None
+        first = min(failures)
+        return WorkerError(silent[0], f"no progress for {self.collective_timeout_s:g} s: its "
+                           f"peers timed out waiting for it (rank {first.rank}: "
+                           f"{first.message})")
 
     def _poll(self, rank: int) -> tuple[Any] | _Failure | None:
         """``(result,)`` if rank answered, a _Failure if it failed, None if it is still busy."""
@@ -204,6 +240,16 @@ class WorkerPool:
                 proc.join(1.0)
         for conn in self._conns:
             conn.close()
+
+
+def _is_timeout(message: str) -> bool:
+    return "timed out" in message.lower() or "timeout" in message.lower()
+
+
+def _is_comm_failure(message: str) -> bool:
+    """A peer's communication failing: a timeout, or a connection a failed peer closed."""
+    text = message.lower()
+    return _is_timeout(message) or "connection closed" in text or "connection reset" in text
 
 
 def _describe_exit(code: int | None) -> str:
