@@ -51,7 +51,8 @@ class PipelineTrainer:
     ``comm`` is the communicator of this rank's stage mesh (ranks numbered inside the stage);
     ``p2p`` the point-to-point endpoint between global ranks. Every rank passes the same model
     state and batches, as with `Trainer`. Raises ValueError if the model's trace is not the
-    program the plan was made for, NotImplementedError for a parameter two stages share.
+    program the plan was made for, NotImplementedError for a parameter two stages share while
+    one keeps it ZeRO-sharded.
     """
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None,
