@@ -170,7 +170,10 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     the batch, or "auto" for the fewest that fit the budget (more only add per-micro-batch
     latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
     "auto" recomputes only where memory demands it, which on one stage it never does);
-    ``schedule`` of a pipeline "auto" (1F1B), "1f1b" or "gpipe" (every micro-batch in flight).
+    ``schedule`` of a pipeline "auto" (1F1B, or interleaved 1F1B when the planner finds it
+    faster), "1f1b", "gpipe" (every micro-batch in flight) or "interleaved" (Megatron-LM's
+    virtual stages: each stage mesh runs v model chunks, the chunk count the fastest that
+    fits; needs the micro-batches a multiple of the stages).
     ``progress``: progress bars on stderr during long pipeline searches (only when stderr is a
     terminal).
 
@@ -178,24 +181,23 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
-    which the runtime cannot run yet. "intra-only", or "auto" with a ``mesh_shape``, plans one
+    which `PipelineTrainer` runs. "intra-only", or "auto" with a ``mesh_shape``, plans one
     stage over the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
     parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
     of equal op counts instead of operator clustering).
 
     Megatron-LM's 3-D parallelism (`planner/inter/manual.py`): ``"megatron:dp=D,tp=T,pp=P"``
     with optional ``mb=M`` (micro-batch size per replica, so B = batch / (D·M); searched
-    without it; then ``microbatches`` must be "auto") and ``virtual=V`` (only 1: interleaved
-    1F1B is not implemented) plans P equal stages of D·T devices, each data parallel over D and
+    without it; then ``microbatches`` must be "auto") and ``virtual=V`` (interleaved 1F1B: P·V
+    equal chunks, chunk k on stage k % P) plans P equal stages of D·T devices, each data parallel over D and
     tensor parallel over T; D·T·P must be the cluster's device count. "megatron-grid" returns
     the fastest such configuration that fits (tp a power of two within a host, micro-batch
-    sizes 1-8). The plan's ``options["megatron"]`` records dp, tp, pp and mb. "megatron" alone
+    sizes 1-8). The plan's ``options["megatron"]`` records dp, tp, pp, mb and virtual. "megatron" alone
     is one stage on the whole mesh, data parallel on axis 0 and tensor parallel on axis 1.
     Pipeline methods other than "auto" refuse a ``mesh_shape`` and ``alpha``/``beta``.
 
     Raises ValueError on bad input, InfeasiblePlanError when no single-stage plan fits the
-    budget (or no Megatron configuration does) and NoPipelineError when no pipeline does;
-    NotImplementedError for interleaved 1F1B.
+    budget (or no Megatron configuration does) and NoPipelineError when no pipeline does.
     """
     t0 = time.perf_counter()
     cl = _cluster(cluster)

@@ -149,7 +149,8 @@ def _add_plan_parser(subparsers: Any) -> None:
                    help="recompute activations in backward (default auto: per stage, where "
                         "memory demands it)")
     p.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "interleaved"),
-                   default="auto", help="pipeline schedule planned for (default auto: 1F1B)")
+                   default="auto", help="pipeline schedule planned for (default auto: 1F1B, "
+                                        "or interleaved 1F1B when faster)")
     p.add_argument("--layers", type=_positive_int, metavar="L", dest="num_layers",
                    help="layers the program is clustered into for pipeline stages "
                         "(default: from the program and the cluster)")

@@ -53,7 +53,7 @@ def pipeline_plan(nproc: int, spec: str = SPEC) -> api.Plan:
 
 def _worker(rank: int, nprocs: int, plan: api.Plan, spec: str, data: list) -> list[float]:
     w = build_workload(spec, device="cpu", seed=0)
-    comm = ProcessGroupComm.for_stages([(s.mesh_shape, s.devices) for s in plan.stages])
+    comm = ProcessGroupComm.for_stages(plan.stage_meshes())
     trainer = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
     return [trainer.step(b, seed=i) for i, b in enumerate(data)]
 

@@ -63,9 +63,32 @@ def test_bad_specs_name_the_bad_part(text: str, needles: list[str]) -> None:
         assert needle in str(err.value)
 
 
-def test_virtual_stages_wait_for_the_pipeline_runtime() -> None:
-    with pytest.raises(NotImplementedError, match="interleaved 1F1B"):
-        parse_megatron_spec("megatron:dp=1,tp=2,pp=2,virtual=2")
+def test_virtual_stages_need_a_pipeline() -> None:
+    assert parse_megatron_spec("megatron:dp=1,tp=2,pp=2,virtual=2").virtual == 2
+    with pytest.raises(ValueError, match="pp=1 has none"):
+        parse_megatron_spec("megatron:dp=2,tp=1,pp=1,virtual=2")
+
+
+def test_interleaving_shrinks_the_bubble_when_micro_batches_are_few() -> None:
+    """Megatron's configuration with as many micro-batches as stages: 2 chunks per device
+    halve the bubble, so the interleaved step is shorter (Megatron-LM's finding), as the
+    schedule's latency says; the schedules must agree with the configuration."""
+    w = build_workload("gpt:hidden=2048,layers=8,heads=16,seq=512,vocab=1024,batch=8",
+                       device="meta")
+
+    def plan(method: str, schedule: str = "auto") -> api.Plan:
+        return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "dgx-a100:1x8",
+                        memory_budget_gb=0, microbatches=4, method=method, schedule=schedule)
+
+    flat, chunked = plan("megatron:dp=1,tp=2,pp=4"), plan("megatron:dp=1,tp=2,pp=4,virtual=2")
+    assert (flat.schedule, flat.chunks) == ("1f1b", 1)
+    assert (chunked.schedule, chunked.chunks, chunked.num_stages) == ("interleaved", 2, 8)
+    assert chunked.options["megatron"]["virtual"] == 2
+    assert chunked.predicted["step_time_s"] < 0.9 * flat.predicted["step_time_s"]
+    with pytest.raises(ValueError, match="schedule 'interleaved' or 'auto'"):
+        plan("megatron:dp=1,tp=2,pp=4,virtual=2", "1f1b")
+    with pytest.raises(ValueError, match="needs virtual stages"):
+        plan("megatron:dp=1,tp=2,pp=4", "interleaved")
 
 
 def test_factorizations_and_stage_submeshes() -> None:
@@ -113,7 +136,8 @@ def test_pipeline_of_equal_stages(tiny) -> None:
     assert p.method == "megatron:dp=1,tp=1,pp=2" and p.num_layers == 4
     assert [(s.layers, s.submesh, s.mesh_shape, s.devices) for s in p.stages] == [
         ((0, 2), (1, 1), (1, 1), (0,)), ((2, 4), (1, 1), (1, 1), (1,))]
-    assert p.options["megatron"] == {"dp": 1, "tp": 1, "pp": 2, "mb": 16 // p.microbatches}
+    assert p.options["megatron"] == {"dp": 1, "tp": 1, "pp": 2, "mb": 16 // p.microbatches,
+                                     "virtual": 1}
     assert "megatron: dp=1,tp=1,pp=2,mb=" in p.explain()
 
 
@@ -156,7 +180,8 @@ def test_grid_is_the_fastest_configuration_that_fits(tiny, grid: api.Plan) -> No
     assert grid.microbatches == 16 // (chosen["dp"] * chosen["mb"])
     for dp, tp, pp, mb in [(1, 2, 2, 4), (2, 2, 1, 2), (4, 1, 1, 4), (2, 1, 2, 1)]:
         one = _plan(tiny, FOUR, method=f"megatron:dp={dp},tp={tp},pp={pp},mb={mb}")
-        assert one.options["megatron"] == {"dp": dp, "tp": tp, "pp": pp, "mb": mb}
+        assert one.options["megatron"] == {"dp": dp, "tp": tp, "pp": pp, "mb": mb,
+                                           "virtual": 1}
         row = next(r for r in table if (r["dp"], r["tp"], r["pp"], r["mb"]) == (dp, tp, pp, mb))
         # The grid ranks configurations by the DP's estimate (stages priced by parts)
         assert row["step_time_s"] == pytest.approx(one.ilp["estimated_step_s"])

@@ -146,14 +146,33 @@ def test_two_levels_are_no_slower_than_one_stage_on_the_whole_cluster(
     assert two_stage_plan.predicted["step_time_s"] < one.predicted["step_time_s"]
 
 
-def test_gpipe_keeps_every_micro_batch_in_flight_and_interleaved_is_refused() -> None:
+def test_gpipe_keeps_every_micro_batch_in_flight() -> None:
     w = build_workload(WIDE, device="meta")
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  memory_budget_gb=0, microbatches=8, num_layers=4, schedule="gpipe")
     assert p.schedule == "gpipe" and all(s.in_flight == 8 for s in p.stages)
-    with pytest.raises(NotImplementedError, match="interleaved"):
+
+
+def test_interleaved_is_planned_on_the_best_pipelines_meshes(two_stage_plan: api.Plan) -> None:
+    """Schedule "interleaved": 2 chunks per mesh (4 layers), chunk k on mesh k % 2, each
+    chunk's in-flight count from the clock table, the step from the interleaved eq. 2, and
+    "auto" (the fixture) no slower, since it may choose it."""
+    from meshplan.lower.schedules import make_schedule
+    from meshplan.planner.inter.stage_problem import pipeline_latency
+    w = build_workload(WIDE, device="meta")
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                 memory_budget_gb=0, microbatches=8, num_layers=4, schedule="interleaved")
+    assert (p.schedule, p.chunks, p.num_meshes, p.num_stages) == ("interleaved", 2, 2, 4)
+    assert [s.layers for s in p.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [s.devices for s in p.stages[2:]] == [s.devices for s in p.stages[:2]]
+    table = make_schedule("interleaved", 2, 8, 2)
+    assert [s.in_flight for s in p.stages] == [table.in_flight_of(k) for k in range(4)]
+    assert p.predicted["step_time_s"] == pytest.approx(
+        pipeline_latency(tuple(s.latency_s for s in p.stages), 8, 2), rel=1e-12)
+    assert two_stage_plan.predicted["step_time_s"] <= p.predicted["step_time_s"]
+    with pytest.raises(ValueError, match="at least 2 stages, the micro-batches a multiple"):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
-                 schedule="interleaved")
+                 memory_budget_gb=0, microbatches=8, num_layers=3, schedule="interleaved")
 
 
 def test_show_program_prints_each_ranks_instructions(two_stage_plan: api.Plan, tmp_path,

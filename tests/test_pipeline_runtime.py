@@ -5,13 +5,17 @@ the runtime's own count of held micro-batches obeys the schedule's bound."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import meshplan.api as api
 from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
+from meshplan.lower.pipeline_program import pipeline_program
 from meshplan.runtime.emulated import run_emulated_stages
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.runtime.pipeline import PipelineTrainer
@@ -23,22 +27,39 @@ MLP = "mlp:layers=6,hidden=16,batch=16,bias=1"
 GPT = "gpt:hidden=32,layers=6,heads=4,seq=8,vocab=64,batch=8"   # embedding tied to the head
 
 
-def _rank(comm, p2p, plan, w, data, captured) -> tuple:
+def _sent(records: list) -> Counter:
+    """Point-to-point messages by (kind, source, destination, bytes), those a plan lists (not
+    the loss report or the clipping norm)."""
+    return Counter((r.kind, r.src, r.dst, r.nbytes) for r in records
+                   if r.kind in ("activation", "gradient", "gather", "tied"))
+
+
+def _planned_sends(plan: api.Plan, rank: int) -> Counter:
+    return Counter({(t.kind, t.src, t.dst, t.bytes): t.count for t in plan.transfers
+                    if t.src == rank})
+
+
+def _rank(comm, p2p, plan, w, data, captured, local_gather: bool = True) -> tuple:
     tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p,
-                         captured=captured)
-    losses, per_step = [], []
+                         captured=captured, local_gather=local_gather)
+    losses, per_step, sent = [], [], []
     for i, b in enumerate(data):
-        start = len(comm.records)
+        start, start_p2p = len(comm.records), len(p2p.records)
         losses.append(tr.step(b, seed=i))
         per_step.append(record_counter(comm.records[start:]))
-    # Every collective a stage's ranks issued in a step is one its stage plan lists. (Under
-    # autocast the plan sizes activations at the half type while torch keeps some, such as the
-    # residual stream, in fp32: compared in fp32 only.)
+        sent.append(_sent(p2p.records[start_p2p:]))
+    # Every collective a stage's ranks issued in a step is one its stage plan lists, and every
+    # message a rank sent one the plan's transfers list. (Under autocast the plan sizes
+    # activations at the half type while torch keeps some, such as the residual stream, in
+    # fp32: compared in fp32 only.)
     if plan.dtype == "fp32":
-        want = plan_counter(plan.stages[tr.stage].plan)
-        assert all(step == want for step in per_step), (tr.stage, per_step[0] - want,
+        want = sum((plan_counter(plan.stages[s].plan) for s in tr.stages), Counter())
+        assert all(step == want for step in per_step), (tr.stages, per_step[0] - want,
                                                         want - per_step[0])
-    return losses, tr.full_state_dict(), tr.stage, tr.peak_held
+        want_sent = _planned_sends(plan, p2p.rank)
+        assert not local_gather or all(step == want_sent for step in sent), (
+            p2p.rank, sent[0] - want_sent, want_sent - sent[0])
+    return losses, tr.full_state_dict(), tr.mesh, tr.peak_held, sent[0]
 
 
 def _workload(spec: str) -> Workload:
@@ -58,7 +79,7 @@ def _train(plan: api.Plan, spec: str, steps: int = 3) -> tuple[list[Any], Any, A
         data = [((x.double(),), t) for (x,), t in data]
     micro = split_microbatches(w.example_batch, plan.microbatches)[0]
     captured = capture(w.model, w.loss_fn, micro)
-    meshes = [(s.mesh_shape, s.devices) for s in plan.stages]
+    meshes = plan.stage_meshes()
     return run_emulated_stages(_rank, meshes, plan, w, data, captured), w, data
 
 
@@ -75,16 +96,21 @@ def _check(spec: str, method: str, devices: int, schedule: str, microbatches: in
                     microbatches=microbatches, schedule=schedule, name=spec, **kw)
     if kw.get("recompute") == "full":
         assert all(s.recompute and s.plan.recompute for s in plan.stages)
-    assert plan.num_stages == int(method.split("pp=")[1][0])
+    meshes = int(method.split("pp=")[1][0])
+    chunks = int(method.split("virtual=")[1][0]) if "virtual=" in method else 1
+    assert (plan.num_meshes, plan.chunks, plan.schedule) == (meshes, chunks, schedule)
     results, w, data = _train(plan, spec)
     ref = reference(w, opt, data, microbatches=microbatches)
+    held_by_schedule = pipeline_program(plan).schedule.max_in_flight
     params: dict = {}
-    for losses, state, stage, held in results:
+    for losses, state, mesh, held, _ in results:
         params.update(state)
         assert losses == pytest.approx(results[0][0], rel=1e-12)   # every rank reports it
-        # The runtime's own count of micro-batches whose activations a stage holds.
-        bound = plan.num_stages - stage if schedule == "1f1b" else microbatches
-        assert held == min(bound, microbatches)
+        # The runtime's own count of micro-batches (times chunks) whose activations a mesh
+        # holds: 1F1B's S - i, GPipe's every micro-batch, interleaving's warm-up + 1.
+        bound = {"1f1b": min(meshes - mesh, microbatches), "gpipe": microbatches,
+                 "interleaved": held_by_schedule(mesh)}[schedule]
+        assert held == bound
     assert_matches((results[0][0], params, []), ref, plan, opt)
 
 
@@ -95,6 +121,20 @@ def test_mlp_pipelines_equal_one_device(method: str, devices: int, schedule: str
     _check(MLP, method, devices, schedule, 4, SGD)
 
 
+MLP12 = "mlp:layers=6,hidden=16,batch=12,bias=1"   # 6 micro-batches for 3 interleaved stages
+
+
+@pytest.mark.parametrize("spec,method,devices,microbatches", [
+    (MLP, "megatron:dp=1,tp=1,pp=2,virtual=3", 2, 4),
+    (MLP, "megatron:dp=2,tp=1,pp=2,virtual=3", 4, 8),
+    (MLP12, "megatron:dp=1,tp=2,pp=3,virtual=2", 6, 6)])
+def test_interleaved_pipelines_equal_one_device(spec: str, method: str, devices: int,
+                                                microbatches: int) -> None:
+    """Interleaved 1F1B: each mesh runs several chunks; values between two chunks of one mesh
+    stay on its ranks."""
+    _check(spec, method, devices, "interleaved", microbatches, SGD)
+
+
 @pytest.mark.parametrize("method,devices", CASES[1:4])
 def test_gpt_pipelines_with_a_tied_embedding_equal_one_device(method: str, devices: int
                                                                ) -> None:
@@ -103,9 +143,13 @@ def test_gpt_pipelines_with_a_tied_embedding_equal_one_device(method: str, devic
     _check(GPT, method, devices, "1f1b", 4, SGD)
 
 
-@pytest.mark.parametrize("schedule,microbatches", [("1f1b", 8), ("gpipe", 8)])
+@pytest.mark.parametrize("schedule,microbatches", [("1f1b", 8), ("gpipe", 8),
+                                                   ("interleaved", 8)])
 def test_adamw_and_eight_micro_batches(schedule: str, microbatches: int) -> None:
-    _check(GPT, "megatron:dp=1,tp=2,pp=2", 4, schedule, microbatches, ADAMW)
+    """Interleaved: 3 chunks per mesh, the tied embedding on chunk 0 (mesh 0) and the head on
+    chunk 5 (mesh 1)."""
+    virtual = ",virtual=3" if schedule == "interleaved" else ""
+    _check(GPT, f"megatron:dp=1,tp=2,pp=2{virtual}", 4, schedule, microbatches, ADAMW)
 
 
 def _gloo_rank(rank: int, nprocs: int, plans, spec: str, data) -> list[tuple]:
@@ -114,21 +158,32 @@ def _gloo_rank(rank: int, nprocs: int, plans, spec: str, data) -> list[tuple]:
     out = []
     for plan in plans:
         w = build_workload(spec, device="cpu", seed=0)
-        comm = ProcessGroupComm.for_stages([(s.mesh_shape, s.devices) for s in plan.stages])
-        tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
-        losses = [tr.step(b, seed=i) for i, b in enumerate(data)]
-        out.append((losses, tr.full_state_dict(), tr.stage, tr.peak_held))
+        comm = ProcessGroupComm.for_stages(plan.stage_meshes())
+        p2p = ProcessGroupP2P()
+        tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p)
+        losses = []
+        for i, b in enumerate(data):
+            start, start_p2p = len(comm.records), len(p2p.records)
+            losses.append(tr.step(b, seed=i))
+            want = sum((plan_counter(plan.stages[s].plan) for s in tr.stages), Counter())
+            assert record_counter(comm.records[start:]) == want
+            assert _sent(p2p.records[start_p2p:]) == _planned_sends(plan, rank)
+        out.append((losses, tr.full_state_dict(), tr.mesh, tr.peak_held))
     return out
 
 
 def test_real_gloo_processes() -> None:
-    """Each schedule once on real processes: 4 gloo ranks, 2 stages of tensor parallelism."""
+    """Each schedule once on real processes: 4 gloo ranks, 2 stages of tensor parallelism (3
+    chunks each when interleaved)."""
     from meshplan.runtime.launcher import launch
     meta = build_workload(GPT, device="meta")
     plans = [api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
                       method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
                       microbatches=4, schedule=schedule, name=GPT)
              for schedule in ("gpipe", "1f1b")]
+    plans.append(api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
+                          method="megatron:dp=1,tp=2,pp=2,virtual=3", dtype="fp32",
+                          memory_budget_gb=0, microbatches=4, schedule="interleaved", name=GPT))
     w = build_workload(GPT, device="cpu", seed=0)
     data = batches(w, 3)
     per_rank = launch(_gloo_rank, 4, (plans, GPT, data), timeout_s=300)
@@ -136,10 +191,12 @@ def test_real_gloo_processes() -> None:
     for k, plan in enumerate(plans):
         params: dict = {}
         results = [r[k] for r in per_rank]
-        for losses, state, stage, held in results:
+        schedule = pipeline_program(plan).schedule
+        for losses, state, mesh, held in results:
             params.update(state)
             assert losses == results[0][0]
-            assert held == (min(2 - stage, 4) if plan.schedule == "1f1b" else 4)
+            assert held == {"1f1b": min(2 - mesh, 4), "gpipe": 4,
+                            "interleaved": schedule.max_in_flight(mesh)}[plan.schedule]
         assert_matches((results[0][0], params, []), ref, plan, SGD)
 
 
@@ -148,15 +205,22 @@ SLOW_SGD = OptimizerSpec("sgd", lr=0.01)
 MOE = "moe:hidden=16,layers=2,heads=2,experts=4,seq=8,vocab=32,batch=8"
 
 
+MOE4 = "moe:hidden=16,layers=4,heads=2,experts=4,seq=8,vocab=32,batch=8"
+
+
 @pytest.mark.parametrize("spec,method,devices", [
     (WRN, "megatron:dp=1,tp=1,pp=2", 2), (WRN, "megatron:dp=2,tp=1,pp=2", 4),
-    (MOE, "megatron:dp=1,tp=1,pp=2", 2), (MOE, "megatron:dp=1,tp=2,pp=2", 4)])
+    (MOE, "megatron:dp=1,tp=1,pp=2", 2), (MOE, "megatron:dp=1,tp=2,pp=2", 4),
+    (WRN, "megatron:dp=1,tp=1,pp=2,virtual=2", 2),
+    (MOE4, "megatron:dp=1,tp=2,pp=2,virtual=2", 4)])
 def test_wide_resnet_and_moe_pipelines_equal_one_device(spec: str, method: str,
                                                         devices: int) -> None:
     """Wide-ResNet (batch norm, convolutions, skips) and the MoE transformer (all-to-all
-    dispatch inside stages). Wide-ResNet at lr 0.01 in float64, as the single-stage tests train
-    it."""
-    _check(spec, method, devices, "1f1b", 4, SLOW_SGD if spec == WRN else SGD)
+    dispatch inside stages), under 1F1B and interleaved. Wide-ResNet at lr 0.01 in float64,
+    as the single-stage tests train it."""
+    schedule = "interleaved" if "virtual" in method else "1f1b"
+    layers = {"num_layers": 4} if spec == MOE4 else {}
+    _check(spec, method, devices, schedule, 4, SLOW_SGD if spec == WRN else SGD, **layers)
 
 
 def test_recomputed_stages_equal_one_device() -> None:
@@ -182,7 +246,7 @@ def test_bf16_pipeline_equals_single_device_autocast() -> None:
         return sum(v.double().pow(2).sum() for v in d.values()).sqrt().item()
 
     params: dict = {}
-    for _, state, _, _ in results:
+    for _, state, _, _, _ in results:
         params.update(state)
     update = norm({k: ref[k] - init[k].detach() for k in ref})
     got = results[0][0]
@@ -191,11 +255,14 @@ def test_bf16_pipeline_equals_single_device_autocast() -> None:
 
 
 @pytest.mark.parametrize("spec,method,devices", [(GPT, "megatron:dp=1,tp=2,pp=2", 4),
-                                                 (MLP, "megatron:dp=2,tp=1,pp=3", 6)])
+                                                 (MLP, "megatron:dp=2,tp=1,pp=3", 6),
+                                                 (GPT, "megatron:dp=1,tp=1,pp=2,virtual=3", 2)])
 def test_global_norm_clipping_spans_stages(spec: str, method: str, devices: int) -> None:
-    """The clipping norm sums every stage's gradients (a tied embedding counted once)."""
+    """The clipping norm sums every stage's gradients (a tied embedding counted once; under
+    interleaving a mesh adds its chunks' norms first)."""
     clipped = OptimizerSpec("sgd", lr=0.1, max_grad_norm=0.05)
-    _check(spec, method, devices, "1f1b", 4, clipped)
+    schedule = "interleaved" if "virtual" in method else "1f1b"
+    _check(spec, method, devices, schedule, 4, clipped)
 
 
 def _fault_case() -> tuple[api.Plan, list]:
@@ -212,7 +279,7 @@ def _gloo_trainer(plan, spec: str) -> PipelineTrainer:
     from meshplan.runtime.comm import ProcessGroupComm
     from meshplan.runtime.p2p import ProcessGroupP2P
     w = build_workload(spec, device="cpu", seed=0)
-    comm = ProcessGroupComm.for_stages([(s.mesh_shape, s.devices) for s in plan.stages])
+    comm = ProcessGroupComm.for_stages(plan.stage_meshes())
     return PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, ProcessGroupP2P())
 
 
@@ -268,3 +335,70 @@ def test_a_hung_pipeline_rank_is_named_with_no_progress() -> None:
     assert info.value.rank == 3
     assert "no progress for 5 s" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+class _SharedBlock(nn.Module):
+    """One block applied four times (ALBERT's cross-layer sharing): under 2 meshes x 2 chunks
+    every chunk holds it, two of them on the same ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.block = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i in range(4):   # a different weight expression per layer: no op is shared
+            h = h + torch.tanh(h @ (self.block.weight * (1.0 + 0.1 * i)).T)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("method,devices", [("megatron:dp=1,tp=1,pp=2,virtual=2", 2),
+                                            ("megatron:dp=1,tp=2,pp=2,virtual=2", 4)])
+def test_a_parameter_shared_by_chunks_of_one_mesh(method: str, devices: int) -> None:
+    """A parameter every chunk reads, two chunks per mesh: each copy takes the gradient summed
+    over all four chunks (the parts of a rank's own chunks pass through its local box)."""
+    model = _SharedBlock()
+    example = ((torch.randn(16, 8),), torch.randint(0, 4, (16,)))
+    w = Workload(model, nn.CrossEntropyLoss(), example, "shared-block")
+    plan = api.plan(model, w.loss_fn, SGD, example, f"local:{devices}", method=method,
+                    dtype="fp32", memory_budget_gb=0, microbatches=4, num_layers=4,
+                    schedule="interleaved", name="shared-block")
+    holders = [s.index for s in plan.stages if any(p.name == "block.weight"
+                                                   for p in s.plan.params)]
+    assert holders == [0, 1, 2, 3]
+    data = batches(w, 3)
+    captured = capture(model, w.loss_fn, split_microbatches(example, 4)[0])
+    results = run_emulated_stages(_rank, plan.stage_meshes(), plan, w, data, captured)
+    params: dict = {}
+    for _, state, _, _, _ in results:
+        params.update(state)
+    assert_matches((results[0][0], params, []), reference(w, SGD, data, microbatches=4), plan,
+                   SGD)
+
+
+def test_local_all_gather_moves_fewer_bytes_between_meshes() -> None:
+    """The same plan run with and without Alpa's local all-gather: both equal one device, and
+    the bytes recorded crossing between the two meshes (tensor parallel, so the receiving
+    ranks replicate the activations) are fewer with it; the gathers stay inside a mesh."""
+    w = _workload(GPT)
+    plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, "local:4",
+                    method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
+                    microbatches=4, name=GPT)
+    data = batches(w, 3)
+    captured = capture(w.model, w.loss_fn, split_microbatches(w.example_batch, 4)[0])
+    ref = reference(w, SGD, data, microbatches=4)
+    mesh = {r: m for m, (_, ranks) in enumerate(plan.stage_meshes()) for r in ranks}
+    crossing = {}
+    for lg in (True, False):
+        results = run_emulated_stages(_rank, plan.stage_meshes(), plan, w, data, captured, lg)
+        params: dict = {}
+        for _, state, _, _, _ in results:
+            params.update(state)
+        assert_matches((results[0][0], params, []), ref, plan, SGD)
+        sent = sum((r[4] for r in results), Counter())
+        crossing[lg] = sum(n * b for (kind, src, dst, b), n in sent.items()
+                           if mesh[src] != mesh[dst])
+        assert all(mesh[src] == mesh[dst] for (kind, src, dst, _) in sent if kind == "gather")
+    assert 0 < crossing[True] < crossing[False]

@@ -2,7 +2,8 @@
 each stage sends to which, and every rank's instruction list (`instructions.py`).
 
 Each stage of a plan runs on its own devices (global ranks, row-major over the stage's logical
-mesh) with its own intra-operator plan. A value crosses stages when a stage's plan receives it
+mesh) with its own intra-operator plan. Under interleaved 1F1B a mesh runs ``chunks`` virtual
+stages: stage s of S·v on the devices of stage s % S, each with its own intra plan. A value crosses stages when a stage's plan receives it
 as an ``"input"`` source named after an op of an earlier stage (`stage_graph`): it leaves the
 producer in the layout of its ``stage_output`` sink's operand and arrives in the layout the
 consumer's plan gives that source. `Exchange` records that move; the runtime turns it into a
@@ -40,21 +41,25 @@ class PipelineProgram:
     """Everything each rank runs in one step, as plain data."""
 
     schedule: Schedule
-    meshes: tuple[tuple[int, ...], ...]        # per stage: its global ranks
-    mesh_shapes: tuple[tuple[int, int], ...]   # per stage: its logical mesh
+    meshes: tuple[tuple[int, ...], ...]        # per mesh: its global ranks
+    mesh_shapes: tuple[tuple[int, int], ...]   # per mesh: its logical mesh
     exchanges: tuple[Exchange, ...]
-    programs: tuple[tuple[Instruction, ...], ...]   # per stage's mesh
+    programs: tuple[tuple[Instruction, ...], ...]   # per mesh
 
-    def stage_of(self, rank: int) -> int:
-        """The stage (mesh) rank ``rank`` belongs to. Raises ValueError if none."""
+    def mesh_of(self, rank: int) -> int:
+        """The mesh rank ``rank`` belongs to. Raises ValueError if none."""
         for s, ranks in enumerate(self.meshes):
             if rank in ranks:
                 return s
         total = sum(len(m) for m in self.meshes)
         raise ValueError(f"rank {rank} is not in this plan's {total} ranks (0..{total - 1})")
 
+    def stages_on(self, mesh: int) -> tuple[int, ...]:
+        """The (virtual) stages mesh ``mesh`` runs, in pipeline order."""
+        return tuple(range(mesh, self.schedule.num_stages, self.schedule.num_meshes))
+
     def for_rank(self, rank: int) -> tuple[Instruction, ...]:
-        return self.programs[self.stage_of(rank)]
+        return self.programs[self.mesh_of(rank)]
 
     def exchanges_of(self, ins: Instruction) -> list[Exchange]:
         """The values a SEND or RECV moves."""
@@ -68,18 +73,37 @@ class PipelineProgram:
 
 def pipeline_program(plan: Plan) -> PipelineProgram:
     """The per-rank instructions of ``plan`` (module docstring). Raises ValueError for a
-    schedule the runtime cannot run."""
+    schedule the runtime cannot run or virtual stages of one mesh on different devices."""
     stages = plan.stages
-    schedule = make_schedule(plan.schedule, len(stages), plan.microbatches)
+    meshes = _meshes(stages, plan.chunks)
+    schedule = make_schedule(plan.schedule, len(meshes), plan.microbatches, plan.chunks)
     exchanges = _exchanges(stages) if len(stages) > 1 else ()
     sends: dict[int, list[int]] = {}
     for e in exchanges:
         if e.dst not in sends.setdefault(e.src, []):
             sends[e.src].append(e.dst)
     programs = mesh_programs(schedule, sends)
-    return PipelineProgram(schedule, tuple(tuple(s.devices) for s in stages),
-                           tuple(tuple(s.mesh_shape) for s in stages), tuple(exchanges),
+    return PipelineProgram(schedule, tuple(tuple(s.devices) for s in meshes),
+                           tuple(tuple(s.mesh_shape) for s in meshes), tuple(exchanges),
                            tuple(tuple(p) for p in programs))
+
+
+def _meshes(stages: tuple[StagePlan, ...], chunks: int) -> tuple[StagePlan, ...]:
+    """The first stage of each mesh, after checking every virtual stage s runs on the devices
+    and logical mesh of stage s % S."""
+    if chunks < 1 or len(stages) % chunks:
+        raise ValueError(f"a plan of {len(stages)} stages cannot have {chunks} model chunks per "
+                         "mesh: the stage count must be a positive multiple of the chunks")
+    s = len(stages) // chunks
+    for st in stages[s:]:
+        first = stages[st.index % s]
+        if (tuple(st.devices), tuple(st.mesh_shape)) != (tuple(first.devices),
+                                                         tuple(first.mesh_shape)):
+            raise ValueError(f"virtual stage {st.index} runs on devices {list(st.devices)} as "
+                             f"{tuple(st.mesh_shape)}, but with {chunks} chunks per mesh it "
+                             f"must share stage {first.index}'s {list(first.devices)} as "
+                             f"{tuple(first.mesh_shape)}")
+    return stages[:s]
 
 
 def _exchanges(stages: tuple[StagePlan, ...]) -> list[Exchange]:
@@ -103,12 +127,14 @@ def _exchanges(stages: tuple[StagePlan, ...]) -> list[Exchange]:
 def format_rank_program(program: PipelineProgram, rank: int) -> str:
     """``meshplan show-program``'s text: a header, then one instruction per line with the
     values each SEND/RECV moves."""
-    s = program.stage_of(rank)
+    s = program.mesh_of(rank)
     sc = program.schedule
-    head = [f"rank {rank}: stage {s} of {len(program.meshes)} on ranks "
-            f"{list(program.meshes[s])} (logical mesh {program.mesh_shapes[s]}); schedule "
-            f"{sc.name}, {sc.num_microbatches} micro-batches, {sc.num_clocks} clocks, bubble "
-            f"{sc.bubble_fraction():.1%}"]
+    stages = program.stages_on(s)
+    which = f"stage {s} of {sc.num_meshes}" if len(stages) == 1 else \
+        f"mesh {s} of {sc.num_meshes} (virtual stages {list(stages)} of {sc.num_stages})"
+    head = [f"rank {rank}: {which} on ranks {list(program.meshes[s])} (logical mesh "
+            f"{program.mesh_shapes[s]}); schedule {sc.name}, {sc.num_microbatches} "
+            f"micro-batches, {sc.num_clocks} clocks, bubble {sc.bubble_fraction():.1%}"]
     lines = []
     for ins in program.for_rank(rank):
         text = str(ins)

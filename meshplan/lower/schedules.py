@@ -71,6 +71,15 @@ class Schedule:
         slots = len(self.clocks) * self.num_meshes
         return 1.0 - sum(t is not None for c in self.clocks for t in c) / slots
 
+    def in_flight_of(self, stage: int) -> int:
+        """Most micro-batches whose activations (virtual) stage ``stage`` keeps at once."""
+        held = peak = 0
+        for t in self.order(self.mesh_of(stage)):
+            if t.stage == stage:
+                held += 1 if t.kind == "forward" else -1
+                peak = max(peak, held)
+        return peak
+
     def max_in_flight(self, mesh: int) -> int:
         """Most micro-batch chunks whose activations mesh ``mesh`` holds at once (a forward
         keeps them until its backward)."""

@@ -29,9 +29,7 @@ def summary(plan: Plan) -> str:
         f"  search           {plan.search_time_s:.2f} s ({_search(plan)})",
         f"  training step    {plan.dtype}, {plan.microbatches} micro-batch"
         f"{'es' if plan.microbatches != 1 else ''}"
-        f"{', recomputed' if plan.recompute else ''}, {plan.num_stages} stage"
-        f"{'s' if plan.num_stages != 1 else ''}"
-        f"{' (' + plan.schedule + ')' if plan.num_stages > 1 else ''}",
+        f"{', recomputed' if plan.recompute else ''}, {_stage_count(plan)}",
     ]
     if "megatron" in plan.options:
         lines.append(_megatron(plan.options))
@@ -44,10 +42,22 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _stage_count(plan: Plan) -> str:
+    """"2 stages (1f1b)", or under interleaving "2 stages x 3 chunks (interleaved 1F1B)"."""
+    n = plan.num_meshes
+    text = f"{n} stage{'s' if n != 1 else ''}"
+    if plan.chunks > 1:
+        return (f"{text} x {plan.chunks} chunks (interleaved 1F1B, {plan.num_stages} virtual "
+                "stages)")
+    return text + (f" ({plan.schedule})" if n > 1 else "")
+
+
 def _megatron(options: dict) -> str:
     """The Megatron configuration of a "megatron:.." or "megatron-grid" plan."""
     c = options["megatron"]
     line = f"  megatron: dp={c['dp']},tp={c['tp']},pp={c['pp']},mb={c['mb']}"
+    if c.get("virtual", 1) > 1:
+        line += f",virtual={c['virtual']}"
     grid = options.get("megatron_grid")
     if grid:
         fit = sum(r["step_time_s"] is not None for r in grid)

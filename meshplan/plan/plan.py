@@ -66,11 +66,27 @@ class CollectiveEntry:
 
 
 @dataclass(frozen=True)
+class TransferEntry:
+    """``count`` point-to-point messages of ``bytes`` from global rank ``src`` to ``dst`` per
+    step of a pipeline: ``kind`` "activation" or "gradient" (a value crossing stages),
+    "gather" (a slice of a local all-gather among destination replicas) or "tied" (the
+    gradient part of a parameter several stages hold)."""
+
+    kind: str
+    src: int
+    dst: int
+    bytes: int
+    count: int
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: clustered layers ``[layers[0], layers[1])`` on ``devices`` (global
     ids, host-major) forming a ``submesh`` of (hosts, devices per host), viewed as the logical
     ``mesh_shape``; ``in_flight`` micro-batches kept at peak under the plan's schedule;
-    ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device.
+    ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device of
+    the stage's state and its activations at ``in_flight`` (under interleaving a mesh holds
+    the sum over its virtual stages).
     ``recompute``: in a pipeline each clustered layer of the stage is checkpointed on its own
     (Megatron's full recomputation: per micro-batch only what each layer receives is kept, one
     layer's activations at a time in backward); a single-stage plan reruns its whole forward.
@@ -121,6 +137,11 @@ class Plan:
     # several stages has no ops/params/sources of its own: each stage's `plan` holds them.
     stages: tuple[StagePlan, ...] = ()
     schedule: str = "1f1b"
+    # Model chunks per stage mesh (interleaved 1F1B's virtual stages): ``stages`` lists
+    # ``len(stages) / chunks`` meshes' worth of virtual stages, stage s on the devices of s % S.
+    chunks: int = 1
+    # Point-to-point messages between ranks per step (`lower/stage_transfers.py`).
+    transfers: tuple[TransferEntry, ...] = ()
     num_layers: int = 1
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
@@ -131,7 +152,18 @@ class Plan:
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages, virtual ones included (interleaved 1F1B: ``chunks`` per mesh)."""
         return max(len(self.stages), 1)
+
+    @property
+    def num_meshes(self) -> int:
+        """Stage meshes: the distinct device groups the stages run on."""
+        return max(len(self.stages) // max(self.chunks, 1), 1)
+
+    def stage_meshes(self) -> list[tuple[tuple[int, int], tuple[int, ...]]]:
+        """Per stage mesh: its ``(logical mesh shape, global ranks)``, what the pipeline
+        runtime's communicators are built from."""
+        return [(tuple(s.mesh_shape), tuple(s.devices)) for s in self.stages[:self.num_meshes]]
 
     def op(self, node: str) -> OpDecision:
         return self._ops_by_node()[node]
@@ -183,10 +215,12 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
         stages = tuple(StagePlan(**{f: _tuples(v) for f, v in s.items() if f != "plan"},
                                  plan=s["plan"] and plan_from_json(s["plan"]))
                        for s in d.get("stages", ()))
+        transfers = tuple(TransferEntry(**t) for t in d.get("transfers", ()))
         rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
                 else v for k, v in d.items()
-                if k not in ("params", "ops", "sources", "collectives", "stages")}
+                if k not in ("params", "ops", "sources", "collectives", "stages", "transfers")}
         rest["stages"] = stages
+        rest["transfers"] = transfers
         rest["version"] = PLAN_VERSION
         return Plan(ops=ops, params=params, sources=sources, collectives=colls, **rest)
     except (KeyError, TypeError) as e:

@@ -4,7 +4,8 @@
 until the matching send arrives; a (source, destination, tag) names one message, which keeps
 the sender's dtype (under autocast a value crossing stages is whatever its last op made). Every message
 sent is recorded (`TransferRecord`), so tests compare what crossed between meshes with the
-plan. `MailboxP2P` serves emulated ranks (threads of one process); `ProcessGroupP2P` uses
+plan. A message a rank sends itself (two virtual stages of one mesh under interleaved 1F1B)
+stays in a local box and is not recorded: nothing crosses. `MailboxP2P` serves emulated ranks (threads of one process); `ProcessGroupP2P` uses
 torch.distributed's send/recv (gloo on CPU, NCCL on GPU: tensors stay on their device).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +23,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """``nbytes`` sent from global rank ``src`` to ``dst``."""
+    """``nbytes`` sent from global rank ``src`` to ``dst``, a message of ``kind`` (the
+    sender's label: a plan's `TransferEntry` kind, or what else it is)."""
 
     src: int
     dst: int
     nbytes: int
+    kind: str = ""
 
 
 class P2P(ABC):
@@ -34,20 +38,39 @@ class P2P(ABC):
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.records: list[TransferRecord] = []
+        self._own: defaultdict[int, deque[torch.Tensor]] = defaultdict(deque)
 
-    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, dst: int, tag: int, kind: str = "") -> None:
+        """Post ``t`` to rank ``dst`` under ``tag`` (recorded as a message of ``kind``)."""
         buf = t.detach().contiguous().clone()
-        self.records.append(TransferRecord(self.rank, dst, buf.numel() * buf.element_size()))
+        if dst == self.rank:
+            self._own[tag].append(buf)
+            return
+        self.records.append(TransferRecord(self.rank, dst, buf.numel() * buf.element_size(),
+                                           kind))
         self._send(buf, dst, tag)
+
+    def recv(self, shape: tuple[int, ...], src: int, tag: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+        """The message (src, my rank, tag), which must have ``shape``; it keeps the sender's
+        dtype."""
+        if src != self.rank:
+            return self._recv(shape, src, tag, device)
+        if not self._own[tag]:
+            raise AssertionError(f"meshplan internal error: rank {self.rank} receives from "
+                                 f"itself (tag {tag}) before sending")
+        buf = self._own[tag].popleft()
+        if tuple(buf.shape) != tuple(shape):
+            raise RuntimeError(f"rank {self.rank}: sent itself {tuple(buf.shape)} (tag {tag}), "
+                               f"expected {tuple(shape)}")
+        return buf.to(device)
 
     @abstractmethod
     def _send(self, buf: torch.Tensor, dst: int, tag: int) -> None: ...
 
     @abstractmethod
-    def recv(self, shape: tuple[int, ...], src: int, tag: int,
-             device: torch.device | str = "cpu") -> torch.Tensor:
-        """The message (src, my rank, tag), which must have ``shape``; it keeps the sender's
-        dtype."""
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int,
+              device: torch.device | str) -> torch.Tensor: ...
 
     def wait_all(self) -> None:
         """Block until every send of this rank has been delivered (or handed to the network)."""
@@ -80,8 +103,8 @@ class MailboxP2P(P2P):
     def _send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
         self._mailbox.box(self.rank, dst, tag).put(buf)
 
-    def recv(self, shape: tuple[int, ...], src: int, tag: int,
-             device: torch.device | str = "cpu") -> torch.Tensor:
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int,
+              device: torch.device | str) -> torch.Tensor:
         box, waited = self._mailbox.box(src, self.rank, tag), 0.0
         while True:   # in short waits, so a failure elsewhere ends this one quickly
             if self._mailbox.aborted.is_set():
@@ -120,8 +143,8 @@ class ProcessGroupP2P(P2P):
         for t in (head, buf):
             self._pending.append((dist.isend(t, dst, tag=tag), t))
 
-    def recv(self, shape: tuple[int, ...], src: int, tag: int,
-             device: torch.device | str = "cpu") -> torch.Tensor:
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int,
+              device: torch.device | str) -> torch.Tensor:
         head = torch.empty(1, dtype=torch.int64, device=device)
         dist.recv(head, src, tag=tag)
         buf = torch.empty(shape, dtype=_DTYPES[int(head[0])], device=device)

@@ -1,15 +1,17 @@
 """Run a multi-stage plan on one rank: its stage's program, the static instruction list of the
 plan's schedule, and cross-mesh resharding of what crosses stages.
 
-Each rank belongs to one stage and runs that stage's intra-operator plan with a `Trainer` over
-the stage's mesh (its own communicator: collectives stay inside the stage). The rank follows its
+Each rank belongs to one stage mesh and runs the intra-operator plan of each stage on that mesh
+(one under GPipe and 1F1B; ``chunks`` virtual stages under interleaved 1F1B) with a `Trainer`
+per stage over the mesh's communicator (collectives stay inside the mesh). The rank follows its
 instruction list (`lower/pipeline_program.py`) with no coordinator: RECV assembles its tile of a
 value from the point-to-point transfers of the value's resharding plan (`lower/cross_mesh.py`)
 and the local all-gathers among destination replicas; RUN forward runs the stage program on the
 micro-batch and keeps what backward needs; SEND posts its part of each transfer; RUN backward
 back-propagates the loss (weighted 1/B, the mean over the global batch) and the gradients that
 came back for the values it sent; FREE drops a micro-batch's activations; APPLY_GRAD synchronizes
-the stage's gradients over its mesh and steps the optimizer. Gradients accumulate over the
+each stage's gradients over its mesh and steps its optimizer (all of a rank's stages together,
+so clipping sees every stage's norm). Gradients accumulate over the
 micro-batches in autograd, so the step equals one full-batch step.
 
 A parameter several stages read (GPT's embedding, tied to its LM head) lives in each of them,
@@ -18,8 +20,9 @@ to the others (cross-mesh resharded into their layouts) and each sums all parts 
 so every copy takes bitwise the same update, as Megatron-LM all-reduces the embedding gradient
 between its first and last stage.
 
-The runtime counts the micro-batches whose activations it holds (`PipelineTrainer.peak_held`),
-the accounting the schedule's memory bound (1F1B: S - i on stage i) is checked against.
+The runtime counts the micro-batches whose activations it holds (`PipelineTrainer.peak_held`;
+under interleaving one per micro-batch and chunk), the accounting the schedule's memory bound
+(1F1B: S - i on stage i) is checked against.
 """
 
 from __future__ import annotations
@@ -33,11 +36,10 @@ from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
-from meshplan.lower.cross_mesh import Box, MeshRanks, ReshardPlan, plan_reshard
-from meshplan.lower.instructions import Instruction
+from meshplan.lower.cross_mesh import Box
 from meshplan.lower.pipeline_program import Exchange, pipeline_program, stage_graphs
+from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
-from meshplan.planner.intra.layout import Layout
 from meshplan.runtime.comm import Comm
 from meshplan.runtime.p2p import P2P
 from meshplan.runtime.trainer import Trainer
@@ -48,106 +50,121 @@ _KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "no
 class PipelineTrainer:
     """Trains with a multi-stage ``plan`` on global rank ``p2p.rank``; ``step(batch) -> loss``.
 
-    ``comm`` is the communicator of this rank's stage mesh (ranks numbered inside the stage);
+    ``comm`` is the communicator of this rank's stage mesh (ranks numbered inside the mesh);
     ``p2p`` the point-to-point endpoint between global ranks. Every rank passes the same model
-    state and batches, as with `Trainer`. Raises ValueError if the model's trace is not the
-    program the plan was made for, NotImplementedError for a parameter two stages share while
-    one keeps it ZeRO-sharded.
+    state and batches, as with `Trainer`. ``mesh`` is this rank's mesh, ``stages`` the
+    (virtual) stages it runs. Raises ValueError if the model's trace is not the program the
+    plan was made for, NotImplementedError for a parameter two stages share while one keeps it
+    ZeRO-sharded. ``local_gather`` False sends each destination replica its whole tile
+    instead of Alpa's local all-gather (the plan's transfers assume it; for comparison).
     """
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None,
                  example_batch: Any, comm: Comm, p2p: P2P, *,
-                 captured: tuple[Traced, Graph] | None = None) -> None:
+                 captured: tuple[Traced, Graph] | None = None,
+                 local_gather: bool = True) -> None:
         self.plan, self.p2p, self.rank = plan, p2p, p2p.rank
         self.program = pipeline_program(plan)
-        self.stage = self.program.stage_of(self.rank)
+        self.mesh = self.program.mesh_of(self.rank)
+        self.stages = self.program.stages_on(self.mesh)
         micro = split_microbatches(example_batch, plan.microbatches)[0]
         traced, graph = captured or capture(model, loss_fn, micro)
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
         graphs = stage_graphs(graph, plan)
-        stage = plan.stages[self.stage]
-        self.trainer = Trainer(stage.plan, model, loss_fn, example_batch, comm,
-                               captured=(traced, graphs[self.stage]))
-        self.graph = graphs[self.stage]
-        self.meshes = [MeshRanks(tuple(s.mesh_shape), tuple(s.devices)) for s in plan.stages]
-        self._moves: dict[tuple[int, str], ReshardPlan] = {}
-        for k, e in enumerate(self.program.exchanges):
-            if self.stage in (e.src, e.dst):
-                node = graph.by_name[e.value]
-                shape, ndim = tuple(node.out.shape), len(node.out.shape)
-                src, dst = Layout.parse(e.src_spec, ndim), Layout.parse(e.dst_spec, ndim)
-                size = torch.empty((), dtype=_dtype(node.out.dtype)).element_size()
-                self._moves[(k, "activation")] = plan_reshard(
-                    shape, size, self.meshes[e.src], src, self.meshes[e.dst], dst)
-                self._moves[(k, "gradient")] = plan_reshard(
-                    shape, size, self.meshes[e.dst], dst, self.meshes[e.src], src)
-        self._requires_grad = {e.value: graph.by_name[e.value].requires_grad
-                               for e in self.program.exchanges}
-        self._tied = self._tied_moves(graph)
+        self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
+                                    captured=(traced, graphs[s])) for s in self.stages}
+        self._moves = stage_moves(plan, self.program, graph, local_gather)
+        self._tied = [(k, name, me, {i: (self._moves.tied[(name, me, i)],
+                                         self._moves.tied[(name, i, me)])
+                                     for i in stages if i != me})
+                      for k, (name, stages) in enumerate(self._moves.shared.items())
+                      for me in stages if me in self.stages]
+        self._shared = self._moves.shared
         self.held = 0
         self.peak_held = 0
 
     # ---------------------------------------------------------------- one step
     def step(self, batch: Any, *, seed: int | None = None) -> float:
         """One training step on the global ``batch`` (as `Trainer.step`); returns the loss."""
-        t = self.trainer
-        rng = t.begin_step(seed)
+        rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)
-        inbox: dict[int, dict[str, torch.Tensor]] = {}
-        grads: dict[int, dict[str, torch.Tensor]] = {}
-        kept: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        # Keyed by (stage, micro-batch): a rank may run several stages.
+        inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        kept: dict[tuple[int, int], tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
         total: torch.Tensor | None = None
         for ins in self.program.for_rank(self.rank):
-            j = ins.microbatch
+            j, key = ins.microbatch, (ins.stage, ins.microbatch)
+            t = self.trainers[ins.stage]
             if ins.op == "RECV" and ins.kind == "activation":
                 for k, e in self._exchanges(ins.peer, ins.stage):
                     value = self._receive(k, e, "activation", j)
-                    inbox.setdefault(j, {})[e.value] = value.requires_grad_(self._grad(e))
+                    inbox.setdefault(key, {})[e.value] = value.requires_grad_(self._grad(e))
             elif ins.op == "RUN" and ins.kind == "forward":
-                out = t._run(t._program_args(t.local_batch(micro[j]), inbox.get(j, {})), rng)
+                out = t._run(t._program_args(t.local_batch(micro[j]), inbox.get(key, {})),
+                             rngs[ins.stage])
                 loss, values = t.program.split_output(out)
-                kept[j] = (loss, dict(zip(t.program.sent, values)))
+                kept[key] = (loss, dict(zip(t.program.sent, values)))
                 if loss is not None:
                     total = loss.detach() if total is None else total + loss.detach()
                 self.held += 1
                 self.peak_held = max(self.peak_held, self.held)
             elif ins.op == "SEND" and ins.kind == "activation":
                 for k, e in self._exchanges(ins.stage, ins.peer):
-                    self._send(k, e, "activation", j, kept[j][1][e.value])
+                    self._send(k, e, "activation", j, kept[key][1][e.value])
             elif ins.op == "RECV" and ins.kind == "gradient":
                 for k, e in self._exchanges(ins.stage, ins.peer, grad=True):
                     g = self._receive(k, e, "gradient", j)
-                    box = grads.setdefault(j, {})
+                    box = grads.setdefault(key, {})
                     box[e.value] = g if e.value not in box else box[e.value] + g
             elif ins.op == "RUN" and ins.kind == "backward":
-                loss, sent = kept[j]
+                loss, sent = kept[key]
                 outs = [loss / count] if loss is not None else []
                 seeds: list[torch.Tensor | None] = [None] * len(outs)
                 for name, value in sent.items():
-                    if name in grads.get(j, {}):
+                    if name in grads.get(key, {}):
                         outs.append(value)
-                        seeds.append(grads[j][name])
+                        seeds.append(grads[key][name])
                 if outs:
                     torch.autograd.backward(outs, seeds)
                     t.own_gradients()
             elif ins.op == "SEND" and ins.kind == "gradient":
                 for k, e in self._exchanges(ins.peer, ins.stage, grad=True):
-                    received = inbox[j][e.value]
+                    received = inbox[key][e.value]
                     g = received.grad if received.grad is not None else \
                         torch.zeros_like(received)
                     self._send(k, e, "gradient", j, g)
             elif ins.op == "FREE":
-                kept.pop(j), inbox.pop(j, None), grads.pop(j, None)
+                kept.pop(key), inbox.pop(key, None), grads.pop(key, None)
                 self.held -= 1
-            elif ins.op == "APPLY_GRAD":
-                elsewhere = frozenset(name for name, stages, _ in self._tied
-                                      if stages[0] != self.stage)
-                t.apply_gradients(self._sum_tied, self._sum_over_stages, elsewhere)
+            elif ins.op == "APPLY_GRAD" and ins.stage == self.stages[-1]:
+                self._apply_gradients()   # every stage of this rank at once
         self.p2p.wait_all()
         return self._report(total, count)
+
+    def _apply_gradients(self) -> None:
+        """Every stage of this rank: gradients synchronized over the mesh, shared parameters'
+        parts summed across stages, clipped by the global norm over every stage, applied."""
+        for t in self.trainers.values():
+            t.synchronize_gradients()
+        self._sum_tied()
+        norms = []
+        for s, t in self.trainers.items():
+            elsewhere = frozenset(name for name, stages in self._shared.items()
+                                  if s in stages and stages[0] != s)
+            norms.append(t.squared_norm(elsewhere))
+        if norms[0] is not None:
+            mine = norms[0].clone()
+            for n in norms[1:]:
+                mine += n
+            total = self._sum_over_meshes(mine)
+            for t in self.trainers.values():
+                t.clip(total)
+        for t in self.trainers.values():
+            t.update()
 
     def _exchanges(self, src: int, dst: int, grad: bool = False
                    ) -> list[tuple[int, Exchange]]:
@@ -157,21 +174,21 @@ class PipelineTrainer:
                 if e.src == src and e.dst == dst and (not grad or self._grad(e))]
 
     def _grad(self, e: Exchange) -> bool:
-        return self._requires_grad[e.value]
+        return self._moves.requires_grad[e.value]
 
     # ---------------------------------------------------------------- resharding
     def _send(self, k: int, e: Exchange, kind: str, j: int, local: torch.Tensor) -> None:
         """This rank's part of exchange ``k``'s move of ``kind`` for micro-batch ``j``."""
-        move = self._moves[(k, kind)]
+        move = self._moves.exchanges[(k, kind)]
         mine = self._my_tile(e, kind)
         for n, tr in enumerate(move.transfers):
             if tr.src == self.rank:
-                assert tr.dst != self.rank, "stages hold disjoint ranks"
-                self.p2p.send(local[_local_slices(tr.box, mine)], tr.dst, _tag(kind, j, k, n))
+                self.p2p.send(local[_local_slices(tr.box, mine)], tr.dst, _tag(kind, j, k, n),
+                              kind)
 
     def _receive(self, k: int, e: Exchange, kind: str, j: int) -> torch.Tensor:
         """This rank's tile of exchange ``k``'s value (or gradient) for micro-batch ``j``."""
-        move = self._moves[(k, kind)]
+        move = self._moves.exchanges[(k, kind)]
         box = move.dst_tiles[self.rank]
         out: torch.Tensor | None = None
         for n, tr in enumerate(move.transfers):
@@ -193,7 +210,7 @@ class PipelineTrainer:
         """The replicas of a destination tile swap the slices they received (Alpa's local
         all-gather, inside the destination mesh)."""
         me = g.ranks.index(self.rank)
-        box = self._moves[(k, kind)].dst_tiles[self.rank]
+        box = self._moves.exchanges[(k, kind)].dst_tiles[self.rank]
         lo = box[g.dim][0]
 
         def along(q: int) -> tuple[slice, ...]:
@@ -204,7 +221,7 @@ class PipelineTrainer:
         mine = out[along(me)]
         for q, r in enumerate(g.ranks):
             if r != self.rank:
-                self.p2p.send(mine, r, _tag("gather", j, k, me * 4 + _KINDS[kind]))
+                self.p2p.send(mine, r, _tag("gather", j, k, me * 4 + _KINDS[kind]), "gather")
         for q, r in enumerate(g.ranks):
             if r != self.rank:
                 shape = tuple(out[along(q)].shape)
@@ -214,58 +231,30 @@ class PipelineTrainer:
     def _my_tile(self, e: Exchange, kind: str) -> Box:
         """The box of the value this rank holds as a sender of ``kind``."""
         k = self.program.exchanges.index(e)
-        other = self._moves[(k, "gradient" if kind == "activation" else "activation")]
+        other = self._moves.exchanges[(k, "gradient" if kind == "activation" else "activation")]
         return other.dst_tiles[self.rank]
 
     # ---------------------------------------------------------------- tied parameters
-    def _tied_moves(self, graph: Graph) -> list[tuple[str, list[int], dict[int, tuple]]]:
-        """Per parameter my stage shares with others (by name, in name order): its holder
-        stages and, per other holder, the moves of the gradient there and back. Raises
-        NotImplementedError when a holder keeps it sharded by ZeRO (its gradient is then a
-        shard of the data-parallel group, not the whole in the stage's layout)."""
-        holders: dict[str, list[tuple[int, Any]]] = {}
-        for s in self.plan.stages:
-            for p in s.plan.params if s.plan else ():
-                holders.setdefault(p.name, []).append((s.index, p))
-        out = []
-        for name in sorted(holders):
-            stages = holders[name]
-            if len(stages) < 2 or self.stage not in [i for i, _ in stages]:
-                continue
-            for i, p in stages:
-                if p.update != "replicated":
-                    raise NotImplementedError(
-                        f"parameter {name!r} is shared by stages {[i for i, _ in stages]} and "
-                        f"stage {i} keeps it {p.update}; summing a ZeRO-sharded gradient across "
-                        "stages is not implemented: plan without ZeRO for it")
-            mine = dict(stages)[self.stage]
-            node = graph.by_name[mine.node]
-            shape, ndim = tuple(node.out.shape), len(node.out.shape)
-            size = torch.empty((), dtype=_dtype(node.out.dtype)).element_size()
-            moves = {}
-            for i, p in stages:
-                if i != self.stage:
-                    a, b = Layout.parse(mine.spec, ndim), Layout.parse(p.spec, ndim)
-                    moves[i] = (plan_reshard(shape, size, self.meshes[self.stage], a,
-                                             self.meshes[i], b, local_gather=False),
-                                plan_reshard(shape, size, self.meshes[i], b,
-                                             self.meshes[self.stage], a, local_gather=False))
-            out.append((name, [i for i, _ in stages], moves))
-        return out
-
     def _sum_tied(self) -> None:
-        """Each shared parameter's gradient: the sum of every holder's part, in stage order."""
-        by_name = {p.name: p for p in self.trainer.params}
-        for k, (name, stages, moves) in enumerate(self._tied):
-            p = by_name[name]
-            grad = p.compute.grad
+        """Each shared parameter's gradient: the sum of every holder's part, in stage order.
+        Every part is posted before any is received (a rank's own stages exchange through
+        its local box)."""
+        def param(stage: int, name: str):
+            return next(p for p in self.trainers[stage].params if p.name == name)
+
+        for k, name, me, moves in self._tied:
+            grad = param(me, name).compute.grad
             mine_box = next(iter(moves.values()))[1].dst_tiles[self.rank]
-            for i, (there, _) in moves.items():
+            for there, _ in moves.values():
                 for n, tr in enumerate(there.transfers):
                     if tr.src == self.rank:
                         self.p2p.send(grad[_local_slices(tr.box, mine_box)], tr.dst,
-                                      _tag("tied", k, self.stage, n))
-            parts = {}
+                                      _tag("tied", k, me, n), "tied")
+        totals = []
+        for k, name, me, moves in self._tied:
+            grad = param(me, name).compute.grad
+            mine_box = next(iter(moves.values()))[1].dst_tiles[self.rank]
+            parts = {me: grad}
             for i, (_, back) in moves.items():
                 part = torch.zeros_like(grad)
                 for n, tr in enumerate(back.transfers):
@@ -274,24 +263,27 @@ class PipelineTrainer:
                         part[_local_slices(tr.box, mine_box)] = self.p2p.recv(
                             shape, tr.src, _tag("tied", k, i, n))
                 parts[i] = part
-            parts[self.stage] = grad
-            total = parts[stages[0]].clone()
-            for i in stages[1:]:
+            order = self._shared[name]
+            total = parts[order[0]].clone()
+            for i in order[1:]:
                 total += parts[i]
+            totals.append((param(me, name), total))
+        for p, total in totals:
             p.compute.grad = total
 
-    def _sum_over_stages(self, mine: torch.Tensor) -> torch.Tensor:
-        """The sum over stages of a value every rank of a stage holds alike (the squared
-        gradient norm for clipping), the same on every rank: each stage's first rank sends its
-        value to the other stages' ranks, and each rank adds the values in stage order."""
+    def _sum_over_meshes(self, mine: torch.Tensor) -> torch.Tensor:
+        """The sum over meshes of a value every rank of a mesh holds alike (the squared
+        gradient norm for clipping), the same on every rank: each mesh's first rank sends its
+        value to the other meshes' ranks, and each rank adds the values in mesh order."""
         tag = _tag("norm", 0, 0, 0)
-        if self.rank == self.meshes[self.stage].ranks[0]:
-            for s, mesh in enumerate(self.meshes):
-                if s != self.stage:
-                    for r in mesh.ranks:
-                        self.p2p.send(mine.reshape(1), r, tag)
-        parts = [mine.reshape(1) if s == self.stage else
-                 self.p2p.recv((1,), mesh.ranks[0], tag) for s, mesh in enumerate(self.meshes)]
+        meshes = self.program.meshes
+        if self.rank == meshes[self.mesh][0]:
+            for s, ranks in enumerate(meshes):
+                if s != self.mesh:
+                    for r in ranks:
+                        self.p2p.send(mine.reshape(1), r, tag, "norm")
+        parts = [mine.reshape(1) if s == self.mesh else
+                 self.p2p.recv((1,), ranks[0], tag) for s, ranks in enumerate(meshes)]
         total = parts[0].clone()
         for part in parts[1:]:
             total += part
@@ -300,25 +292,32 @@ class PipelineTrainer:
     # ---------------------------------------------------------------- the loss
     def _report(self, total: torch.Tensor | None, count: int) -> float:
         """The step's loss on every rank: the last stage reduces it over its mesh, its first
-        rank sends it to every rank of the other stages."""
-        last = len(self.meshes) - 1
+        rank sends it to every rank of the other meshes."""
+        last = self.plan.num_stages - 1
+        home = self.program.schedule.mesh_of(last)
+        meshes = self.program.meshes
         tag = _tag("loss", 0, 0, 0)
-        if self.stage == last:
+        if self.mesh == home:
             assert total is not None
-            loss = self.trainer._report(total / count)
-            if self.rank == self.meshes[last].ranks[0]:
-                for s in range(last):
-                    for r in self.meshes[s].ranks:
-                        self.p2p.send(torch.tensor([loss], dtype=torch.float64), r, tag)
+            loss = self.trainers[last]._report(total / count)
+            if self.rank == meshes[home][0]:
+                for s, ranks in enumerate(meshes):
+                    if s != home:
+                        for r in ranks:
+                            self.p2p.send(torch.tensor([loss], dtype=torch.float64), r, tag,
+                                          "loss")
                 self.p2p.wait_all()
             return loss
-        got = self.p2p.recv((1,), self.meshes[last].ranks[0], tag)
+        got = self.p2p.recv((1,), meshes[home][0], tag)
         return float(got[0])
 
     # ---------------------------------------------------------------- inspection
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters gathered whole (each stage holds its own)."""
-        return self.trainer.full_state_dict()
+        """The parameters of this rank's stages gathered whole (each stage holds its own)."""
+        out: dict[str, torch.Tensor] = {}
+        for t in self.trainers.values():
+            out.update(t.full_state_dict())
+        return out
 
 
 
@@ -335,7 +334,3 @@ def _tag(kind: str, microbatch: int, exchange: int, piece: int) -> int:
                                   f"values crossing stages and 4096 transfers per value; got "
                                   f"micro-batch {microbatch}, value {exchange}, transfer {piece}")
     return ((_KINDS[kind] * 1024 + microbatch) * 64 + exchange) * 4096 + piece
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)

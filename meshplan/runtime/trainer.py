@@ -204,11 +204,23 @@ class Trainer:
         pipeline adds the gradient parts of parameters other stages share), gradients clipped
         to the optimizer's ``max_grad_norm`` (``across`` sums the squared norm over a pipeline's
         stages; ``counted_elsewhere``: parameters another stage counts), the update applied,
-        ZeRO-2 compute copies refreshed."""
-        self._synchronize()
+        ZeRO-2 compute copies refreshed. The pipeline runtime calls the parts itself when a
+        rank runs several stages."""
+        self.synchronize_gradients()
         if between is not None:
             between()
-        self._clip(across, counted_elsewhere)
+        total = self.squared_norm(counted_elsewhere)
+        if total is not None:
+            self.clip(across(total) if across is not None else total)
+        self.update()
+
+    def synchronize_gradients(self) -> None:
+        """Gradients synchronized over the mesh in buckets (ZeRO: reduce-scattered)."""
+        self._synchronize()
+
+    def update(self) -> None:
+        """The optimizer step on the synchronized (and clipped) gradients; ZeRO-2 compute copies
+        refreshed."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
@@ -224,15 +236,15 @@ class Trainer:
                 return program(*args)
             return recomputed(program, args, rng, self.comm)
 
-    def _clip(self, across: Callable[[torch.Tensor], torch.Tensor] | None,
-              counted_elsewhere: frozenset[str]) -> None:
-        """Global-norm clipping on the update gradients. Each rank adds its pieces' squares
-        divided by how many ranks hold the same piece (the mesh over the distinct pieces: the
-        layout's shards, times the ZeRO shards), so the all-reduce over the mesh counts every
-        element once; every rank then scales by bitwise the same factor."""
-        limit = self.spec.max_grad_norm
-        if limit is None:
-            return
+    def squared_norm(self, counted_elsewhere: frozenset[str] = frozenset()
+                     ) -> torch.Tensor | None:
+        """The squared global norm of this mesh's update gradients (fp64, the same on every
+        rank), or None without clipping. Each rank adds its pieces' squares divided by how many
+        ranks hold the same piece (the mesh over the distinct pieces: the layout's shards,
+        times the ZeRO shards), so the all-reduce over the mesh counts every element once.
+        ``counted_elsewhere``: parameters another pipeline stage counts."""
+        if self.spec.max_grad_norm is None:
+            return None
         r, c = self.plan.mesh_shape
         local = torch.zeros((), dtype=torch.float64)
         for p in self.params:
@@ -246,8 +258,13 @@ class Trainer:
         n = len(self.comm.records)   # not part of the plan's collectives, like the loss report
         total = self.comm.all_reduce(local, (0, 1), phase="update")
         del self.comm.records[n:]
-        if across is not None:
-            total = across(total)
+        return total
+
+    def clip(self, total: torch.Tensor) -> None:
+        """Scale the update gradients to the optimizer's ``max_grad_norm`` given the squared
+        global norm ``total`` (bitwise the same on every rank, so every rank scales alike)."""
+        limit = self.spec.max_grad_norm
+        assert limit is not None
         scale = limit / (float(total.sqrt()) + 1e-6)   # torch.nn.utils.clip_grad_norm_'s
         if scale < 1.0:
             for p in self.params:

@@ -41,6 +41,7 @@ from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers, repeat_count
+from meshplan.planner.inter.interleave import interleave
 from meshplan.planner.inter.megatron_spec import (MegatronSpec, check_on_cluster,
                                                   stage_submesh)
 from meshplan.planner.inter.search import (REFINE_MARGIN, REFINE_MAX, GraphFor,
@@ -60,9 +61,10 @@ def plan_megatron(graph_for: GraphFor, batch: int, spec: MegatronSpec, counts: l
     layers or the batch; InfeasiblePlanError when it does not fit the memory budget."""
     t0 = time.perf_counter()
     check_on_cluster(spec, req.cluster.num_hosts, req.cluster.devices_per_host)
-    layers = partial(_layers_for, pp=spec.pp, req=req)
+    _check_schedule(spec, req)
+    layers = partial(_layers_for, pp=spec.pp * spec.virtual, req=req)
     priced = (_price(_profiled(graph_for, b, req, layers, [spec]), spec.dp, spec.tp, spec.pp,
-                     req) for b in _counts_for(spec, batch, counts))
+                     req, spec.virtual) for b in _counts_for(spec, batch, counts))
     best, needs = None, []
     for found in _fewest_first(priced):
         if isinstance(found, NoPipelineError):
@@ -181,7 +183,7 @@ def _grid_layers(graph: Graph, req: PipelineRequest) -> int:
 
 
 def _layers_for(graph: Graph, pp: int, req: PipelineRequest) -> int:
-    """L for ``pp`` equal stages: the user's ``num_layers`` or the repeated-unit count, which
+    """L for ``pp`` equal stages (pp·virtual chunks when interleaved): the user's ``num_layers`` or the repeated-unit count, which
     ``pp`` must divide (Megatron's rule); without repetition the default L rounded up to a
     multiple of ``pp``. Raises ValueError naming the valid pipeline sizes."""
     if req.num_layers is not None:
@@ -224,16 +226,32 @@ def _profiled(graph_for: GraphFor, b: int, req: PipelineRequest,
     return _Profiled(profiler, fingerprint, traced.unsupported_ops)
 
 
-def _price(profiled: _Profiled, dp: int, tp: int, pp: int, req: PipelineRequest
-           ) -> FoundPipeline | NoPipelineError:
-    """The pipeline of pp equal stages on (dp, tp) meshes, each stage's fastest option that
-    fits; else a NoPipelineError with the memory the leanest options would need."""
+def _check_schedule(spec: MegatronSpec, req: PipelineRequest) -> None:
+    """Raise ValueError when the schedule asked contradicts ``spec``'s interleaving."""
+    if spec.virtual > 1 and req.schedule not in ("auto", "interleaved"):
+        raise ValueError(f"{spec} interleaves {spec.virtual} chunks per stage (interleaved "
+                         f"1F1B), but schedule {req.schedule!r} was asked: give schedule "
+                         "'interleaved' or 'auto', or virtual=1")
+    if spec.virtual == 1 and req.schedule == "interleaved":
+        raise ValueError(f"schedule 'interleaved' needs virtual stages: give {spec},virtual=V "
+                         "with V >= 2 chunks per stage")
+
+
+def _price(profiled: _Profiled, dp: int, tp: int, pp: int, req: PipelineRequest,
+           virtual: int = 1) -> FoundPipeline | NoPipelineError:
+    """The pipeline of pp equal stages on (dp, tp) meshes (with ``virtual`` > 1: pp·virtual
+    interleaved chunks, `interleave.py`), each stage's fastest option that fits; else a
+    NoPipelineError with the memory the leanest options would need."""
     t0 = time.perf_counter()
     prof, b = profiled.profiler, profiled.profiler.microbatches
     per = prof.layering.num_layers // pp
     submesh = stage_submesh(dp * tp, req.cluster.devices_per_host)
-    stages, need = equal_stages(prof, pp, per, submesh, b, req,
-                                keep=lambda o: o.label.logical_shape == (dp, tp))
+    keep = (lambda o: o.label.logical_shape == (dp, tp))
+    if virtual > 1:
+        found = interleave(prof, [submesh] * pp, virtual, req.budget, keep)
+        return found if isinstance(found, NoPipelineError) else \
+            FoundPipeline(found, prof, profiled.fingerprint, profiled.unsupported)
+    stages, need = equal_stages(prof, pp, per, submesh, b, req, keep=keep)
     if stages is None:
         return NoPipelineError(f"dp={dp},tp={tp},pp={pp} with {b} micro-batches does not fit",
                                req.budget, need)
@@ -266,16 +284,26 @@ def _counts_for(spec: MegatronSpec, batch: int, counts: list[int]) -> list[int]:
         raise ValueError(f"{spec}: the global batch of {batch} does not split over dp={spec.dp} "
                          "replicas")
     per_replica = batch // spec.dp
+    # Interleaving takes micro-batches in groups of the stages (Megatron-LM's rule).
+    group = spec.pp if spec.virtual > 1 else 1
     if spec.mb is None:
-        valid = [b for b in counts if per_replica % b == 0]
+        valid = [b for b in counts if per_replica % b == 0 and b % group == 0]
         if not valid:
+            grouped = f" in multiples of pp={spec.pp}" if group > 1 else ""
             raise ValueError(f"{spec}: none of the micro-batch counts {counts} gives each of "
-                             f"the {spec.dp} replicas a whole micro-batch of its {per_replica}")
+                             f"the {spec.dp} replicas a whole micro-batch of its "
+                             f"{per_replica}{grouped}")
         return valid
     if per_replica % spec.mb:
         sizes = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
         raise ValueError(f"{spec}: mb={spec.mb} does not divide the batch per replica, "
                          f"{batch} / dp={spec.dp} = {per_replica}; valid mb: {sizes}")
+    if (per_replica // spec.mb) % group:
+        sizes = [m for m in range(1, per_replica + 1)
+                 if per_replica % m == 0 and (per_replica // m) % group == 0]
+        raise ValueError(f"{spec}: interleaving needs the micro-batches per replica, "
+                         f"{per_replica} / mb={spec.mb}, to be a multiple of pp={spec.pp}; "
+                         f"valid mb: {sizes or 'none'}")
     return [per_replica // spec.mb]
 
 

@@ -22,7 +22,7 @@ _REQUIRED = ("dp", "tp", "pp")
 @dataclass(frozen=True)
 class MegatronSpec:
     """A Megatron-LM configuration (module docstring). Raises ValueError for a count that is
-    not a positive int, NotImplementedError for ``virtual`` > 1 (interleaved 1F1B)."""
+    not a positive int, or ``virtual`` > 1 with one stage."""
 
     dp: int
     tp: int
@@ -37,21 +37,23 @@ class MegatronSpec:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"megatron {key}={value!r}: must be a positive integer")
-        if self.virtual > 1:
-            raise NotImplementedError(
-                f"megatron virtual={self.virtual}: interleaved 1F1B (virtual stages) is planned "
-                "with the pipeline runtime (next issue); use virtual=1")
+        if self.virtual > 1 and self.pp < 2:
+            raise ValueError(f"megatron virtual={self.virtual} interleaves the chunks of a "
+                             f"pipeline's stages; pp={self.pp} has none: give pp >= 2 or "
+                             "virtual=1")
 
     def __str__(self) -> str:
         mb = "" if self.mb is None else f",mb={self.mb}"
-        return f"megatron:dp={self.dp},tp={self.tp},pp={self.pp}{mb}"
+        virtual = "" if self.virtual == 1 else f",virtual={self.virtual}"
+        return f"megatron:dp={self.dp},tp={self.tp},pp={self.pp}{mb}{virtual}"
 
     @property
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp
 
     def as_dict(self) -> dict[str, int | None]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "mb": self.mb}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "mb": self.mb,
+                "virtual": self.virtual}
 
 
 def is_megatron_spec(method: object) -> bool:
@@ -62,7 +64,7 @@ def is_megatron_spec(method: object) -> bool:
 def parse_megatron_spec(text: str) -> MegatronSpec:
     """``"megatron:dp=2,tp=4,pp=2,mb=1"`` -> MegatronSpec. Raises ValueError naming the bad
     part (not key=value, an unknown or repeated key, a value that is not a positive integer,
-    dp/tp/pp missing); NotImplementedError for virtual > 1."""
+    dp/tp/pp missing, virtual > 1 without a pipeline)."""
     if not is_megatron_spec(text):
         raise ValueError(f"not a megatron spec: {text!r}; expected {SPEC_FORM}")
     fields: dict[str, int] = {}

@@ -52,6 +52,7 @@ from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
+from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
@@ -69,17 +70,15 @@ from meshplan.planner.intra.op_costs import is_kept
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
+SCHEDULE_CHOICES = ("auto", "1f1b", "gpipe", "interleaved")
+
+
 def resolve_schedule(schedule: str) -> str:
-    """The schedule a plan uses for ``schedule`` ("auto", "1f1b", "gpipe"); ValueError for an
-    unknown one, NotImplementedError for interleaved 1F1B (not modelled yet)."""
-    if schedule == "interleaved":
-        raise NotImplementedError("the interleaved 1F1B schedule (virtual stages) is not "
-                                  "implemented yet; use 'auto', '1f1b' or 'gpipe'")
-    if schedule == "auto":
-        return "1f1b"
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid: auto, 1f1b, gpipe, "
-                         "interleaved")
+    """``schedule`` checked: "auto" (1F1B, or interleaved 1F1B when the planner finds it
+    faster), "1f1b", "gpipe" or "interleaved" (virtual stages, as many as is fastest). Raises
+    ValueError for another."""
+    if schedule not in SCHEDULE_CHOICES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULE_CHOICES)}")
     return schedule
 
 
@@ -108,8 +107,14 @@ class PipelineRequest:
     name: str = "model"
     method: str = "auto"
     recompute: str = "auto"
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"   # one of SCHEDULE_CHOICES
     progress: bool = False   # progress bars on stderr (when it is a terminal)
+
+    @property
+    def dp_schedule(self) -> str:
+        """The schedule the stage DP prices (interleaving is decided after it, on its
+        meshes): GPipe if asked, else 1F1B."""
+        return "gpipe" if self.schedule == "gpipe" else "1f1b"
 
 
 def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest) -> Plan:
@@ -132,7 +137,53 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     best = _solved_best(search, req)
     if best is None:
         raise _infeasible(search.errors, counts, req)
-    return pipeline_plan(best, req, time.perf_counter() - t0)
+    return pipeline_plan(interleaved_if_chosen(best, req), req, time.perf_counter() - t0)
+
+
+def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
+                          keep: Callable[[StageOption], bool] = lambda o: True
+                          ) -> FoundPipeline:
+    """``best`` (a 1F1B pipeline) or, under schedule "auto" when faster and under
+    "interleaved" always, the fastest interleaved pipeline on its meshes that fits, solved
+    whole (`interleave.py`). Raises ValueError when "interleaved" is asked and ``best``
+    cannot interleave, InfeasiblePlanError when no interleaving fits."""
+    if req.schedule not in ("auto", "interleaved"):
+        return best
+    sol, prof = best.solution, best.profiler
+    meshes = [s.submesh for s in sol.stages]
+    layers, b = prof.layering.num_layers, prof.microbatches
+    counts = chunk_counts(layers, len(meshes), b)
+    must = req.schedule == "interleaved"
+    if not counts:
+        if not must:
+            return best
+        raise ValueError(
+            f"interleaved 1F1B cannot split the best pipeline ({len(meshes)} stage"
+            f"{'s' if len(meshes) != 1 else ''}, {layers} layers, {b} micro-batches): it needs "
+            f"at least 2 stages, the micro-batches a multiple of the stages and the layers a "
+            f"multiple of stages x chunks (2-{MAX_CHUNKS}); give num_layers or microbatches "
+            "that allow it, a megatron:...,virtual=V method, or schedule 'auto'")
+    budget = req.budget if req.budget is not None else math.inf
+    chosen, errors = None, []
+    for v in counts:
+        found = interleave(prof, meshes, v, req.budget, keep)
+        if isinstance(found, NoPipelineError):
+            errors.append(found)
+            continue
+        whole, fits = solved_as_whole(prof, found, budget)
+        if fits and (chosen is None or whole.total_latency < chosen[0].total_latency):
+            chosen = (whole, found.total_latency)
+    if chosen is None:
+        if must:
+            need = min((e.min_memory_bytes for e in errors), default=math.inf)
+            raise InfeasiblePlanError(
+                budget, need, f"No interleaving ({counts} chunks) of the best pipeline's "
+                f"{len(meshes)} stages fits: interleaving keeps more micro-batches in flight "
+                "than 1F1B; use schedule '1f1b' or 'auto', or a larger budget.")
+        return best
+    if must or chosen[0].total_latency < sol.total_latency:
+        return replace(best, solution=chosen[0], estimated_s=chosen[1])
+    return best
 
 
 @dataclass(frozen=True)
@@ -287,7 +338,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     if req.method != "equal-layer":
         searches.insert(0, partial(solve_stage_dp, PipelineProblem(
             shape, num_layers, whole, b, device_memory=req.budget,
-            in_flight=SCHEDULES[req.schedule],
+            in_flight=SCHEDULES[req.dp_schedule],
             table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))))
     found, errors = [], []
     for search in searches:
@@ -347,8 +398,16 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
                                         s.option.label)]) for s in pipeline.stages]
     stages = tuple(replace(s, option=replace(s.option, latency=latency))
                    for s, (latency, _) in zip(pipeline.stages, solved))
-    return (make_solution(stages, profiler.microbatches, pipeline.stats),
-            all(memory <= budget for _, memory in solved))
+    return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks),
+            fits_by_mesh([memory for _, memory in solved], pipeline.chunks, budget))
+
+
+def fits_by_mesh(memory: list[float], chunks: int, budget: float) -> bool:
+    """Whether every mesh fits ``budget`` given each stage's ``memory`` (its state and its
+    activations at its own in-flight peak): a mesh's is the sum over its ``chunks`` stages,
+    an upper bound under interleaving (its stages' peaks need not coincide)."""
+    meshes = len(memory) // chunks
+    return all(math.fsum(memory[i::meshes]) <= budget for i in range(meshes))
 
 
 def _most_in_flight(profiler: StageProfiler, pipeline: PipelineSolution) -> list[int]:
@@ -444,7 +503,7 @@ def equal_stages(profile: Profile, num_stages: int, per: int, submesh: Submesh, 
     (None when one has no fitting option) and the memory the leanest options need."""
     stages, need = [], 0.0
     for i in range(num_stages):
-        in_flight = SCHEDULES[req.schedule](i, num_stages, b)
+        in_flight = SCHEDULES[req.dp_schedule](i, num_stages, b)
         options = [o for o in profile(i * per, (i + 1) * per, submesh) if keep(o)]
         need = max(need, min((o.memory_bytes(in_flight) for o in options), default=math.inf))
         fitting = [o for o in options

@@ -120,9 +120,23 @@ def submesh_shapes(cluster: ClusterShape) -> tuple[Submesh, ...]:
     return tuple((1, w) for w in widths) + tuple((k, m) for k in range(2, cluster.num_hosts + 1))
 
 
-def pipeline_latency(latencies: tuple[float, ...], num_microbatches: int) -> float:
-    """Alpa eq. 2: ``sum(t) + (B - 1) * max(t)`` seconds for one iteration of B micro-batches."""
-    return math.fsum(latencies) + (num_microbatches - 1) * max(latencies)
+def pipeline_latency(latencies: tuple[float, ...], num_microbatches: int, chunks: int = 1
+                     ) -> float:
+    """Seconds of one iteration of B micro-batches through stages of ``latencies`` (forward +
+    backward of one micro-batch each).
+
+    One chunk per mesh (GPipe, 1F1B): Alpa eq. 2, ``sum(t) + (B - 1) * max(t)``. Interleaved
+    1F1B with v = ``chunks`` virtual stages per mesh (stage k on mesh k % S): with W_i the work
+    of mesh i per micro-batch (its chunks' latencies summed), ``B * max(W) + (sum(W) -
+    max(W)) / v``, Megatron-LM's bubble of (S - 1) / v stage times generalized to unequal
+    meshes as eq. 2 generalizes (S - 1); with v = 1 it is eq. 2. For equal chunks it is
+    exactly the clock table's length (`lower/schedules.py`: 2 (B v + S - 1) half-chunk
+    clocks)."""
+    if chunks == 1:
+        return math.fsum(latencies) + (num_microbatches - 1) * max(latencies)
+    meshes = len(latencies) // chunks
+    work = [math.fsum(latencies[i::meshes]) for i in range(meshes)]
+    return num_microbatches * max(work) + (math.fsum(work) - max(work)) / chunks
 
 
 @dataclass(frozen=True)
@@ -240,11 +254,13 @@ class PipelineSolution:
     t_max: float
     stages: tuple[StagePlacement, ...]
     stats: DpStats
+    chunks: int = 1   # interleaved 1F1B: virtual stages per mesh, stage k on mesh k % S
 
 
 def make_solution(stages: tuple[StagePlacement, ...], num_microbatches: int,
-                  stats: DpStats) -> PipelineSolution:
-    """A `PipelineSolution` whose T and t_max are computed from ``stages`` by eq. 2."""
+                  stats: DpStats, chunks: int = 1) -> PipelineSolution:
+    """A `PipelineSolution` whose T and t_max are computed from ``stages`` by eq. 2 (its
+    interleaved form with ``chunks`` > 1, `pipeline_latency`)."""
     latencies = tuple(stage.option.latency for stage in stages)
-    return PipelineSolution(pipeline_latency(latencies, num_microbatches), max(latencies),
-                            stages, stats)
+    return PipelineSolution(pipeline_latency(latencies, num_microbatches, chunks),
+                            max(latencies), stages, stats, chunks)

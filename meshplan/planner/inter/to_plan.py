@@ -7,11 +7,14 @@ two-level search (`search.py`) and the hand-style pipelines (`manual.py`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshplan.cost.cluster import cluster_to_dict
 from meshplan.cost.mesh import logical_mesh
+from meshplan.lower.pipeline_program import pipeline_program
+from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_costs import StageProfiler
@@ -39,8 +42,11 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
     """The `Plan` of ``found`` (``seconds``: the search's wall time). A pipeline of one stage
     is that stage's own intra-operator plan, listing itself as its one stage."""
     cl, sol, prof = req.cluster, found.solution, found.profiler
-    devices = place_submeshes([s.submesh for s in sol.stages], cl.num_hosts,
-                              cl.devices_per_host)
+    # Under interleaving stage k runs on mesh k % S: place the S meshes, repeat them.
+    meshes = len(sol.stages) // sol.chunks
+    placed = place_submeshes([s.submesh for s in sol.stages[:meshes]], cl.num_hosts,
+                             cl.devices_per_host)
+    devices = [placed[k % meshes] for k in range(len(sol.stages))]
     stages = []
     solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
                                  for s in sol.stages])
@@ -59,7 +65,8 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                                 solved.memory_bytes, plan))
     # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
     # estimates by parts.
-    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches)
+    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches, sol.chunks)
+    peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
     estimate = sol.total_latency if found.estimated_s is None else found.estimated_s
     stats = {"estimated_step_s": estimate, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
              "profile_calls": sol.stats.num_profile_calls, "dp_seconds": sol.stats.seconds}
@@ -72,16 +79,19 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                        stages=(replace(stages[0], plan=None),),
                        num_layers=prof.layering.num_layers)
     mesh = logical_mesh(cl)
-    return Plan(model=req.name, graph_fingerprint=found.fingerprint,
+    plan = Plan(model=req.name, graph_fingerprint=found.fingerprint,
                 mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
                 cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
                 ops=(), params=(), sources=(), collectives=(),
                 objective=step, objective_units="seconds",
                 search_time_s=seconds, ilp=stats,
                 predicted={"step_time_s": step,
-                           "peak_memory_bytes": max(s.memory_bytes for s in stages)},
+                           "peak_memory_bytes": peak},
                 dtype=req.dtype, microbatches=prof.microbatches,
                 recompute=any(s.recompute for s in stages), stages=tuple(stages),
-                schedule=req.schedule, num_layers=prof.layering.num_layers,
+                schedule="interleaved" if sol.chunks > 1 else req.dp_schedule,
+                chunks=sol.chunks, num_layers=prof.layering.num_layers,
                 options={"memory_budget_bytes": req.budget,
                          "unsupported_ops": list(found.unsupported)})
+    # The messages between stages follow from the stage plans and the values' shapes.
+    return replace(plan, transfers=step_transfers(plan, pipeline_program(plan), prof.graph))
