@@ -114,3 +114,18 @@ def test_every_send_meets_one_later_receive(name: str, chunks: int, sends: str) 
 def test_sends_must_go_forward() -> None:
     with pytest.raises(ValueError, match="later stages"):
         mesh_programs(make_schedule("1f1b", 2, 2), {1: [0]})
+
+
+@pytest.mark.parametrize("s", [2, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_the_planners_latency_is_the_clock_tables_length(s: int, v: int) -> None:
+    """With equal chunks (each a forward and a backward of one clock), the step the planner
+    prices (`pipeline_latency`, eq. 2 and its interleaved form) is the table's length, and a
+    mesh's in-flight peak is at most the sum of its chunks' (the planner's memory bound)."""
+    from meshplan.planner.inter.stage_problem import pipeline_latency
+    for m in (s, 2 * s, 8 * s):
+        sc = make_schedule("interleaved" if v > 1 else "1f1b", s, m, v)
+        assert pipeline_latency((2.0,) * (s * v), m, v) == pytest.approx(len(sc.clocks))
+        for mesh in range(s):
+            chunks = range(mesh, s * v, s)
+            assert sc.max_in_flight(mesh) <= sum(sc.in_flight_of(k) for k in chunks)
