@@ -49,16 +49,14 @@ def _rank(comm, p2p, plan, w, data, captured, local_gather: bool = True) -> tupl
         per_step.append(record_counter(comm.records[start:]))
         sent.append(_sent(p2p.records[start_p2p:]))
     # Every collective a stage's ranks issued in a step is one its stage plan lists, and every
-    # message a rank sent one the plan's transfers list. (Under autocast the plan sizes
-    # activations at the half type while torch keeps some, such as the residual stream, in
-    # fp32: compared in fp32 only.)
-    if plan.dtype == "fp32":
-        want = sum((plan_counter(plan.stages[s].plan) for s in tr.stages), Counter())
-        assert all(step == want for step in per_step), (tr.stages, per_step[0] - want,
-                                                        want - per_step[0])
-        want_sent = _planned_sends(plan, p2p.rank)
-        assert not local_gather or all(step == want_sent for step in sent), (
-            p2p.rank, sent[0] - want_sent, want_sent - sent[0])
+    # message a rank sent one the plan's transfers list (under autocast too: the plan sizes
+    # each value at the dtype autocast computes it in, `cost/precision.py`).
+    want = sum((plan_counter(plan.stages[s].plan) for s in tr.stages), Counter())
+    assert all(step == want for step in per_step), (tr.stages, per_step[0] - want,
+                                                    want - per_step[0])
+    want_sent = _planned_sends(plan, p2p.rank)
+    assert not local_gather or all(step == want_sent for step in sent), (
+        p2p.rank, sent[0] - want_sent, want_sent - sent[0])
     return losses, tr.full_state_dict(), tr.mesh, tr.peak_held, sent[0]
 
 

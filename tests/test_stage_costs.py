@@ -25,7 +25,7 @@ from meshplan.planner.intra.choices import IntraOptions
 from meshplan.zoo.spec import build_workload
 
 GPT = "gpt:hidden=64,layers=6,heads=4,seq=16,vocab=128,batch=8"
-BUDGET = 2.0 * 2**20   # bytes per device: tight enough that memory shapes the choices
+BUDGET = 3.0 * 2**20   # bytes per device: tight enough that memory shapes the choices
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,8 @@ def test_memory_floor_bounds_every_plan_from_below(program) -> None:
 def test_a_budget_that_only_recomputation_meets(program) -> None:
     """The budget of the leanest plan without recomputation, less a little: some pipeline
     with recomputed stages still fits, and every stage keeps within it."""
-    # Long sequences, narrow layers: activations dominate, as where recomputation pays.
+    # Long sequences, narrow layers: activations dominate, as where recomputation pays. (Under
+    # autocast each recomputed layer still keeps its fp32 residual input: 42 %, not less.)
     w = build_workload(GPT.replace("seq=16", "seq=64").replace("hidden=64", "hidden=32"),
                        device="meta")
     plain = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
@@ -131,13 +132,13 @@ def test_a_budget_that_only_recomputation_meets(program) -> None:
     need = max(s.memory_bytes for s in plain.stages)
     with pytest.raises(api.InfeasiblePlanError):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
-                 microbatches=2, recompute="none", memory_budget_gb=need * 0.35 / 2**30,
+                 microbatches=2, recompute="none", memory_budget_gb=need * 0.42 / 2**30,
                  num_layers=6, method="inter-only")
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
-                 microbatches=2, memory_budget_gb=need * 0.35 / 2**30, num_layers=6,
+                 microbatches=2, memory_budget_gb=need * 0.42 / 2**30, num_layers=6,
                  method="inter-only")
     assert any(s.recompute for s in p.stages)
-    assert all(s.memory_bytes <= need * 0.35 for s in p.stages)
+    assert all(s.memory_bytes <= need * 0.42 for s in p.stages)
 
 
 @pytest.mark.parametrize("recompute,cluster,exact_up_to",

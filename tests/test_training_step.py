@@ -13,7 +13,8 @@ import meshplan.api as api
 from meshplan.runtime.emulated import run_emulated
 from meshplan.zoo.spec import Workload, build_workload
 from meshplan.runtime.optim import OptimizerSpec
-from oracle import GPT, MLP, SGD, assert_matches, batches, reference, train_rank
+from oracle import (GPT, MLP, SGD, assert_matches, batches, plan_counter, reference,
+                    train_rank)
 
 WRN = "wresnet:layers=26,channels=4,width=1,image=8,classes=4,batch=8"
 GPT8 = GPT.replace("batch=4", "batch=8")
@@ -102,7 +103,8 @@ def test_mixed_precision_equals_single_device_autocast(dtype: str, spec: str, sh
     but at different points (eager fuses the bias into its half-precision addmm, the plan adds
     it apart; a split contraction rounds each partial sum before reducing), so they differ by a
     few roundoffs u per value: losses within 4u, parameters within 32u of the update's norm
-    (fp32 training itself is 2.5e-2 of the update away from bf16 autocast on the MLP)."""
+    (fp32 training itself is 2.5e-2 of the update away from bf16 autocast on the MLP). Each
+    step's collectives are the plan's, sized at the dtypes autocast computes in."""
     plan, w, data, results = _train(spec, shape, method, microbatches=2, dtype=dtype)
     assert plan.dtype == dtype
     losses, params = reference(w, SGD, data, microbatches=2, dtype=dtype)
@@ -113,9 +115,30 @@ def test_mixed_precision_equals_single_device_autocast(dtype: str, spec: str, sh
         return sum(v.double().pow(2).sum() for v in d.values()).sqrt().item()
 
     update = norm({k: params[k] - init[k].detach() for k in params})
-    for got, got_params, _ in results:
+    for got, got_params, per_step in results:
         assert max(abs(a - b) / abs(b) for a, b in zip(got, losses)) <= 4 * u, (got, losses)
         assert norm({k: got_params[k] - params[k] for k in params}) <= 32 * u * update
+        assert all(step == plan_counter(plan) for step in per_step)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_wide_resnet_runs_the_plans_collectives(dtype: str) -> None:
+    """Convolutions run at the half type on every device (CPU autocast would leave the
+    captured aten.convolution in fp32) and batch norm keeps its input's dtype, so each step's
+    collectives are the plan's. (Numbers are not compared: batch norm over 4 samples makes
+    fp32 training itself 45u from bf16 autocast on this network.)"""
+    w = build_workload(WRN, device="cpu", seed=0)
+    ops = []
+    for shape, method in (((1, 2), "data"), ((2, 2), "auto")):
+        plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, f"local:{math.prod(shape)}",
+                        mesh_shape=shape, method=method, memory_budget_gb=0, microbatches=2,
+                        dtype=dtype, **({"alpha": (1.0, 1.0), "beta": (1.0, 1.0)}
+                                        if method == "auto" else {}))
+        ops += plan.ops
+        for _, _, per_step in run_emulated(train_rank, shape, plan, w, batches(w, 1)):
+            assert per_step == [plan_counter(plan)]
+    assert any(o.op == "conv" and "P" in o.output for o in ops)   # sums of half convs
+    assert any(o.op == "batch_norm" and o.sync_axes for o in ops)   # float64 statistics
 
 
 def test_half_types_halve_activation_bytes_and_use_the_half_peak() -> None:
@@ -126,9 +149,14 @@ def test_half_types_halve_activation_bytes_and_use_the_half_peak() -> None:
                           mesh_shape=(1, 8), method="megatron", memory_budget_gb=0, dtype=dt)
              for dt in ("fp32", "bf16")}
     assert plans["bf16"].dtype == "bf16"
-    acts = {dt: sorted(c.bytes for c in p.collectives if c.phase == "forward")
-            for dt, p in plans.items()}
-    assert acts["bf16"] == [b // 2 for b in acts["fp32"]]
+    # A matmul's output is half, so the all-reduces of the row-parallel matmuls' partial sums
+    # halve; values autocast keeps in fp32 (the residual stream, its layer norms, their
+    # gradients) keep their size.
+    sums = {dt: sorted(b for c in p.collectives if (c.kind, c.phase) == ("all_reduce", "forward")
+                       for b in [c.bytes] * c.count) for dt, p in plans.items()}
+    assert len(sums["fp32"]) == 4 and sums["bf16"] == [b // 2 for b in sums["fp32"]]
+    moved = {dt: sum(c.bytes * c.count for c in p.collectives) for dt, p in plans.items()}
+    assert moved["fp32"] / 2 < moved["bf16"] < moved["fp32"]
     compute = {dt: sum(o.compute for o in p.ops if o.op == "mm") for dt, p in plans.items()}
     assert compute["bf16"] < compute["fp32"] / 8   # 312 vs 19.5 TFLOP/s peaks on an A100
 

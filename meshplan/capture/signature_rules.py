@@ -351,9 +351,11 @@ def batch_norm_rule(c: OpCall) -> OpRule:
     sp = "".join(fresh_atoms(len(x) - 2, 20))
     training = bool(c.arg(5, "training", True))
     ins = ["nc" + sp] + ["c"] * (len(c.in_shapes) - 1)
-    # Two all-reduces (mean, then squared deviations) of float64 per-channel sums.
+    # Two all-reduces (mean, then squared deviations) of float64 per-channel sums, whatever
+    # the input's dtype (`lower.local_ops.sync_batch_norm`).
     ar = ("all_reduce", "all_reduce")
-    sync = StatSync(frozenset("n"), ("c",), x[1] * 8, (ar, ar)) if training else None
+    sync = StatSync(frozenset("n"), ("c",), x[1] * 8, (ar, ar), follows_input=False) \
+        if training else None
     sig = sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                     sig.atom_sizes, sync)

@@ -1,13 +1,23 @@
-"""Mixed precision as the cost model sees it: the program with its activations at the compute
-dtype.
+"""Mixed precision as the cost model sees it: the program with each activation at the dtype
+the runtime computes it in.
 
-Under autocast (and in Megatron's or DeepSpeed's fp16/bf16 training) matmuls and convolutions run
-at the half type and the activations between them are kept and communicated at its size, while
-parameters stay fp32 masters (their memory, gradients and optimizer state are counted by
-`meshplan.cost.memory`, 16 B per parameter with Adam either way). So the cost graph is the traced
-graph with every float op output recast: compute is priced at the dtype's peak
-(`OpCosts.compute_cost` reads the output dtype), collectives and kept activations at its size.
-Parameters, buffers and batch tensors keep their traced dtype.
+The runtime runs each micro-batch's program under ``torch.autocast`` with fp32 master
+parameters (their memory, gradients and optimizer state are counted by `meshplan.cost.memory`,
+16 B per parameter with Adam either way). Autocast runs the ops of its lower-precision list at
+the half type — here the contractions `HALF_OPS` — and every other op at the promoted type of
+its inputs, as eager PyTorch does. So the cost graph is the traced graph with dtypes propagated
+that way: a matmul's output is half, a bias or residual add with an fp32 operand (a parameter,
+the fp32 embedding) is fp32; normalizations and the NLL keep their data operand's dtype (as
+torch's mixed-dtype kernels do under fp32 weights), and so do the statistics they exchange
+across a split batch or class dim (batch norm's are float64 sums whatever it is). Compute is priced at the
+output's dtype peak (`OpCosts.compute_cost` reads it), collectives, transfers and kept
+activations at its size; a gradient has its value's dtype (autocast's casts are differentiable,
+so the gradient of an fp32 value is fp32). Parameters, buffers and batch tensors keep their
+traced dtype.
+
+The capture splits ``addmm`` into ``mm`` + ``add`` (partial sums must be reduced before the
+bias), so a biased linear layer's output is fp32 under the runtime's autocast where eager
+autocast's fused ``addmm`` gives half: the plan prices what the runtime does.
 """
 
 from __future__ import annotations
@@ -52,18 +62,56 @@ def resolve_dtype(name: str, device: DeviceType | None) -> str:
     return name
 
 
+# The ops autocast computes at the half type (in its lower-precision list on every device).
+HALF_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
+# Ops whose output keeps their data operand's dtype under fp32 parameters (torch's mixed-dtype
+# normalization kernels) rather than promoting.
+FOLLOW_DATA_OPS = frozenset({"layer_norm", "batch_norm", "nll_loss"})
+
+
 def with_compute_dtype(graph: Graph, dtype: str) -> Graph:
-    """``graph`` with every float op output at ``dtype`` (module docstring); "fp32" returns it
-    unchanged."""
+    """``graph`` with its float op outputs at the dtypes autocast at ``dtype`` computes them in
+    (module docstring); "fp32" returns it unchanged."""
     target = DTYPES[check_dtype(dtype)]
     if target == "float32":
         return graph
-    nodes = tuple(_recast(n, target) for n in graph.nodes)
-    return Graph(nodes, graph.loss, graph.unsupported_ops)
+    traced = {n.name: n.out.dtype for n in graph.nodes}
+    dtypes: dict[str, str] = {}
+    nodes = []
+    for n in graph.nodes:
+        new = _autocast_dtype(n, target, dtypes)
+        dtypes[n.name] = new
+        n = _resize_stats(n, traced, dtypes)
+        nodes.append(n if new == n.out.dtype else _recast(n, new))
+    return Graph(tuple(nodes), graph.loss, graph.unsupported_ops)
 
 
-def _recast(node: Node, target: str) -> Node:
-    if node.role != "op" or node.out.dtype not in _FLOATS or node.out.dtype == target:
+def _autocast_dtype(node: Node, target: str, dtypes: dict[str, str]) -> str:
+    """The dtype of ``node``'s output under autocast at ``target``, given its inputs'."""
+    if node.role != "op" or node.out.dtype not in _FLOATS:
+        return node.out.dtype
+    if node.op in HALF_OPS:
+        return target
+    if node.op in FOLLOW_DATA_OPS and dtypes[node.inputs[0]] in _FLOATS:
+        return dtypes[node.inputs[0]]
+    floats = {dtypes[i] for i in node.inputs if dtypes[i] in _FLOATS}
+    if not floats:   # a float made from integers (a mask, an iota): as traced
+        return node.out.dtype
+    return max(floats, key=lambda d: DTYPE_BYTES[d])
+
+
+def _recast(node: Node, dtype: str) -> Node:
+    ratio = DTYPE_BYTES[dtype] / DTYPE_BYTES[node.out.dtype]
+    return replace(node, out=TensorInfo(node.out.shape, dtype), nbytes=node.nbytes * ratio)
+
+
+def _resize_stats(node: Node, traced: dict[str, str], dtypes: dict[str, str]) -> Node:
+    """``node`` with the statistics it exchanges (`StatSync`) at its data operand's new dtype."""
+    sync = node.sig.sync if node.sig is not None else None
+    if sync is None or not sync.follows_input or not node.inputs:
         return node
-    ratio = DTYPE_BYTES[target] / DTYPE_BYTES[node.out.dtype]
-    return replace(node, out=TensorInfo(node.out.shape, target), nbytes=node.nbytes * ratio)
+    was, now = traced[node.inputs[0]], dtypes[node.inputs[0]]
+    if was == now or was not in _FLOATS or now not in _FLOATS:
+        return node
+    nbytes = sync.nbytes * DTYPE_BYTES[now] // DTYPE_BYTES[was]
+    return replace(node, sig=replace(node.sig, sync=replace(sync, nbytes=nbytes)))

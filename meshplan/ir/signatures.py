@@ -27,12 +27,15 @@ class StatSync:
     batch; a softmax's max and sum over a split class dim): splitting one of those atoms makes
     the op exchange its statistics, of ``nbytes`` unsplit, cut like the ``stat_atoms``.
     ``collectives`` are (kind, backward) pairs, in order: an ``all_reduce`` whose backward is an
-    all-reduce too, or an ``all_gather`` (of a detached value) with no backward."""
+    all-reduce too, or an ``all_gather`` (of a detached value) with no backward.
+    ``follows_input``: the statistics are in the data operand's dtype (so autocast resizes
+    them, `cost/precision.py`); False: accumulated at a fixed width whatever it is."""
 
     sync_atoms: frozenset[str]
     stat_atoms: tuple[str, ...]
     nbytes: int
     collectives: tuple[tuple[str, str], ...] = (("all_reduce", "all_reduce"),)
+    follows_input: bool = True
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,14 @@ def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: 
     return (w * keep.to(dtype)).sum(dtype=dtype)
 
 
+def cast_float(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` at ``dtype`` if autocast would cast it (a floating tensor other than float64),
+    else unchanged (integer indices, a float64 program)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
+        return x.to(dtype)
+    return x
+
+
 def nll_loss_synced(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
                     ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
     """This rank's share of a mean NLL over a batch split across ``axes``: the local sum over
@@ -101,8 +109,9 @@ def sync_batch_norm(comm: Any, x: torch.Tensor, weight: Any, bias: Any, running_
     # Two passes, as torch does on one device: E[x²] − E[x]² loses the variance to
     # cancellation when channels have a large mean and few elements.
     # Statistics accumulate in float64, as torch's CPU kernels do for float32 inputs: a batch
-    # split over ranks must not lose the precision the single-device program has.
-    acc = torch.float64 if x.dtype == torch.float32 else x.dtype
+    # split over ranks must not lose the precision the single-device program has (and the
+    # all-reduced sums have one size whatever the input's dtype, as the plan counts them).
+    acc = torch.float64
     total = collectives.all_reduce(comm, x.sum(dims, dtype=acc), axes, backward="all_reduce")
     mean = (total / count).to(x.dtype)
     centered = x - mean.view(shape)
@@ -114,6 +123,7 @@ def sync_batch_norm(comm: Any, x: torch.Tensor, weight: Any, bias: Any, running_
         out = out * weight.view(shape)
     if bias is not None:
         out = out + bias.view(shape)
+    out = out.to(x.dtype)   # torch's batch norm keeps the input's dtype under fp32 parameters
     if running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)

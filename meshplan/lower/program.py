@@ -25,6 +25,7 @@ from torch import fx
 
 from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
+from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
@@ -76,6 +77,9 @@ class _Lowerer:
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
         self.constants: dict[str, torch.Tensor] = {}   # the program's tensor constants
         self.comm = self.out.placeholder("comm")
+        # Under mixed precision the contractions run at the half type on every device (CPU
+        # autocast leaves aten.convolution in fp32): cast explicitly, as the plan prices them.
+        self.half = None if plan.dtype == "fp32" else getattr(torch, DTYPES[plan.dtype])
         self.rng = self.out.placeholder("rng")
 
     def run(self) -> LocalProgram:
@@ -148,6 +152,9 @@ class _Lowerer:
             val, fxn = self._reshard(name, want, dec.grad_partial[j], node.name)
             operands.append(fxn)
             shardeds.append(val)
+        if self.half is not None and node.op in HALF_OPS:
+            operands = [self.out.call_function(local_ops.cast_float, (o, self.half))
+                        for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
         self.values[node.name] = result
