@@ -21,7 +21,7 @@ from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
 from meshplan.planner.inter.stage_tables import _flatten, profile_all
-from meshplan.planner.intra.choices import IntraOptions
+from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.zoo.spec import build_workload
 
 GPT = "gpt:hidden=64,layers=6,heads=4,seq=16,vocab=128,batch=8"
@@ -166,3 +166,22 @@ def test_option_table_is_the_profile_in_bulk(program, recompute: str, cluster: s
         assert np.array_equal(by_range[name][a], getattr(table, name)[b]), name
     one, two = solve_stage_dp(plain), solve_stage_dp(bulk)
     assert one.stages == two.stages and one.total_latency == two.total_latency
+
+
+def test_a_parameter_several_layers_use_is_never_zero_sharded(program) -> None:
+    """GPT's tied embedding is read by the first layer and the last: stages holding it sum its
+    gradient whole across meshes, so the profiler plans it with replicated updates even under
+    a budget that makes ZeRO pay for the others."""
+    from meshplan.planner.inter.stage_costs import shared_params
+    graph, layering = program
+    shared = shared_params(graph, layering)
+    params = {n.name: n for n in graph.nodes if n.role == "param"}
+    assert len(shared) == 1 and params[next(iter(shared))].state_name == "wte.weight"
+    prof = _profiler(program)
+    assert shared <= prof.options.replicated_updates
+    choices = resolve_choices(prof.stage(0, 1), (1, 4), prof.options)
+    modes = {name: {c.mode for c in choices.choices[name]} for name in params
+             if name in choices.choices}
+    (tied,) = shared
+    assert modes[tied] == {"replicated"}
+    assert any("zero3" in m for name, m in modes.items() if name != tied)

@@ -96,6 +96,19 @@ class _Costed:
     inputs: float
 
 
+def shared_params(graph: Graph, layering: Layering) -> frozenset[str]:
+    """The parameters (node names) that ops of more than one layer of ``layering`` use."""
+    layer_of = {name: j for j, names in enumerate(layering.layers) for name in names}
+    params = {n.name for n in graph.nodes if n.role == "param"}
+    users: dict[str, set[int]] = {}
+    for n in graph.nodes:
+        if n.role == "op" and n.name in layer_of:
+            for i in n.inputs:
+                if i in params:
+                    users.setdefault(i, set()).add(layer_of[n.name])
+    return frozenset(p for p, layers in users.items() if len(layers) > 1)
+
+
 @dataclass
 class StageProfiler:
     """``profile(start, end, submesh)`` for `PipelineProblem` (module docstring).
@@ -121,6 +134,12 @@ class StageProfiler:
     solves: int = 0
 
     def __post_init__(self) -> None:
+        # A parameter used by several layers may be held by several stages, which sum its
+        # gradient whole (`lower/stage_transfers.py`): no ZeRO for it.
+        shared = shared_params(self.graph, self.layering)
+        if shared - self.options.replicated_updates:
+            self.options = replace(self.options,
+                                   replicated_updates=self.options.replicated_updates | shared)
         self._costed: dict[tuple, _Costed | None] = {}
         self._forms: dict[tuple, Formulation] = {}
         self._graphs: dict[tuple[int, int], Graph] = {}

@@ -36,6 +36,8 @@ class IntraOptions:
     compute time to the objective (off when α/β are abstract units, as in Alpa).
     ``full_split``: contractions never replicate work over an active axis (default: when
     compute is left out). ``share_blocks``: repeated blocks share their decisions.
+    ``replicated_updates``: parameters (node names) updated replicated whatever the budget: one
+    that several pipeline stages share, whose gradient is summed across them whole.
     """
 
     force_data_parallel: bool = False
@@ -48,6 +50,7 @@ class IntraOptions:
     full_split: bool | None = None
     share_blocks: bool = True
     optimizer: str = "adamw"
+    replicated_updates: frozenset[str] = frozenset()
 
     @property
     def heavy_full_split(self) -> bool:
@@ -182,7 +185,9 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
                                          for n, ax in zip(shape, l.dims))]
     out = []
     for lay in layouts:
-        for mode in param_modes(lay, shape, axes, mesh_shape, opts):
+        modes = ["replicated"] if node.name in opts.replicated_updates else \
+            param_modes(lay, shape, axes, mesh_shape, opts)
+        for mode in modes:
             out.append(Choice(_source_strategy(lay), mode))
     return out
 

@@ -46,5 +46,7 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
                    "peak_memory_bytes": result.peak_memory_bytes},
         loss_partial_axes=result.loss_partial_axes, axis_weights=axis_weights,
         dtype=dtype, microbatches=ctx.microbatches, recompute=ctx.recompute,
-        options={k: v for k, v in asdict(options).items() if k != "memory_budget"}
+        options={k: v for k, v in asdict(options).items()
+                 if k not in ("memory_budget", "replicated_updates")}
+        | {"replicated_updates": sorted(options.replicated_updates)}
         | {"memory_budget_bytes": budget, "unsupported_ops": list(unsupported_ops)})
