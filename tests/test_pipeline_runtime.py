@@ -35,8 +35,11 @@ def _sent(records: list) -> Counter:
 
 
 def _planned_sends(plan: api.Plan, rank: int) -> Counter:
-    return Counter({(t.kind, t.src, t.dst, t.bytes): t.count for t in plan.transfers
-                    if t.src == rank})
+    out: Counter = Counter()
+    for t in plan.transfers:
+        if t.src == rank:
+            out[(t.kind, t.src, t.dst, t.bytes)] += t.count
+    return out
 
 
 def _rank(comm, p2p, plan, w, data, captured, local_gather: bool = True) -> tuple:

@@ -80,20 +80,22 @@ def stage_moves(plan: Plan, program: PipelineProgram, graph: Graph, local_gather
 def step_transfers(plan: Plan, program: PipelineProgram, graph: Graph
                    ) -> tuple[TransferEntry, ...]:
     """Every point-to-point message between two different ranks in one step of ``plan``,
-    counted by (kind, source, destination, bytes): "activation" and "gradient" transfers and
+    counted by (stages, kind, source, destination, bytes): "activation" and "gradient" transfers and
     the "gather" slices of local all-gathers once per micro-batch, "tied" gradient parts once
     per step (module docstring)."""
     moves = stage_moves(plan, program, graph)
-    count: Counter[tuple[str, int, int, int]] = Counter()
+    count: Counter[tuple[tuple[int, ...], str, int, int, int]] = Counter()
     for (k, kind), move in moves.exchanges.items():
-        if kind == "gradient" and not moves.requires_grad[program.exchanges[k].value]:
+        e = program.exchanges[k]
+        if kind == "gradient" and not moves.requires_grad[e.value]:
             continue
+        stages = (e.src, e.dst) if kind == "activation" else (e.dst, e.src)
         for key, n in _messages(move, kind).items():
-            count[key] += n * plan.microbatches
+            count[(stages, *key)] += n * plan.microbatches
     for move in moves.tied.values():
-        count.update(_messages(move, "tied"))
-    return tuple(TransferEntry(kind, src, dst, nbytes, n)
-                 for (kind, src, dst, nbytes), n in sorted(count.items()))
+        count.update({((), *key): n for key, n in _messages(move, "tied").items()})
+    return tuple(TransferEntry(kind, src, dst, nbytes, n, stages)
+                 for (stages, kind, src, dst, nbytes), n in sorted(count.items()))
 
 
 def _messages(move: ReshardPlan, kind: str) -> Counter[tuple[str, int, int, int]]:

@@ -70,13 +70,15 @@ class TransferEntry:
     """``count`` point-to-point messages of ``bytes`` from global rank ``src`` to ``dst`` per
     step of a pipeline: ``kind`` "activation" or "gradient" (a value crossing stages),
     "gather" (a slice of a local all-gather among destination replicas) or "tied" (the
-    gradient part of a parameter several stages hold)."""
+    gradient part of a parameter several stages hold). ``stages``: the (sending, receiving)
+    virtual stages of the value it carries; () for "tied"."""
 
     kind: str
     src: int
     dst: int
     bytes: int
     count: int
+    stages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
         stages = tuple(StagePlan(**{f: _tuples(v) for f, v in s.items() if f != "plan"},
                                  plan=s["plan"] and plan_from_json(s["plan"]))
                        for s in d.get("stages", ()))
-        transfers = tuple(TransferEntry(**t) for t in d.get("transfers", ()))
+        transfers = tuple(TransferEntry(**{f: _tuples(v) for f, v in t.items()})
+                          for t in d.get("transfers", ()))
         rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
                 else v for k, v in d.items()
                 if k not in ("params", "ops", "sources", "collectives", "stages", "transfers")}

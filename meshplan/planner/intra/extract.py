@@ -30,6 +30,11 @@ class IntraResult:
     loss_partial_axes: tuple[int, ...]
     peak_memory_bytes: float
     step_time_s: float
+    # What the simulator runs on (`sim/task_costs.py`), per device and micro-batch unless
+    # said: seconds of compute of one forward and one backward (no recomputation), bytes of
+    # parameter/gradient/optimizer state and of kept activations, the program's forward FLOPs
+    # (all devices together) and the samples of one step.
+    figures: dict[str, float]
 
 
 def node_indices(form: Formulation, choices: tuple[int, ...]) -> dict[str, int]:
@@ -57,13 +62,17 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
     sync: dict[str, list[tuple[int, ...]]] = {}
     seen: set[tuple] = set()
-    memory, compute = 0.0, 0.0
+    memory, compute, state, forward, backward = 0.0, 0.0, 0.0, 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
     for node in g.nodes:
         choice = nc.choices[node.name][idx[node.name]]
-        memory += costs.memory(node, choice)
+        held = costs.memory(node, choice)
+        memory += held
+        state += held if node.role == "param" else 0.0
         compute += real_costs.compute_cost(node, choice)
+        f, b = real_costs.pass_times(node, choice)
+        forward, backward = forward + f, backward + b
         for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
             for label, n in form.ctx.phase_counts(phase):
                 counts[(kind, nbytes, axes, label)] += n
@@ -98,8 +107,13 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     comm_time = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
                     for c in colls)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
+    batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
+    figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
+               "activation_bytes": memory - state,
+               "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
+               "batch_size": batch * form.ctx.microbatches}
     return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory,
-                       compute + comm_time)
+                       compute + comm_time, figures)
 
 
 def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostContext) -> float:

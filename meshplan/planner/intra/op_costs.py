@@ -161,16 +161,20 @@ class OpCosts:
         return sum(collective_cost(k, self.ctx.mesh, a, b) * w[phase == "backward"]
                    for k, b, a, phase in self.stat_sync(node, choice))
 
-    def compute_cost(self, node: Node, choice: Choice) -> float:
+    def pass_times(self, node: Node, choice: Choice) -> tuple[float, float]:
+        """Seconds of one micro-batch's forward and backward of ``node`` on one device."""
         if self.ctx.device is None or node.is_source or node.flops == 0:
-            return 0.0
+            return 0.0, 0.0
         f = 1
         for a in choice.strategy.work_axes:
             f *= self.shape[a]
-        forward, backward = forward_backward_times(
+        return forward_backward_times(
             node.flops / f, node.nbytes / f, self.ctx.device,
             node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32",
             node.sig is not None and node.sig.kind == "contraction")
+
+    def compute_cost(self, node: Node, choice: Choice) -> float:
+        forward, backward = self.pass_times(node, choice)
         return self.ctx.microbatches * (forward * (1 + self.ctx.recompute) + backward)
 
     def memory(self, node: Node, choice: Choice) -> float:

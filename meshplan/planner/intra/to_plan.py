@@ -43,7 +43,7 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
         ilp={"variables": sol.num_variables, "constraints": sol.num_constraints,
              "solve_time_s": sol.solve_time_s},
         predicted={"step_time_s": result.step_time_s,
-                   "peak_memory_bytes": result.peak_memory_bytes},
+                   "peak_memory_bytes": result.peak_memory_bytes} | result.figures,
         loss_partial_axes=result.loss_partial_axes, axis_weights=axis_weights,
         dtype=dtype, microbatches=ctx.microbatches, recompute=ctx.recompute,
         options={k: v for k, v in asdict(options).items()

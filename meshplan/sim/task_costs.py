@@ -1,0 +1,102 @@
+"""What each instruction of a plan costs: the durations the simulator's clock advances by.
+
+A stage's RUN of one micro-batch is its program's compute on one device plus the collectives
+the program issues in that pass, one after another as the runtime issues them (in line,
+between the ops that need them): forward-phase collectives in the forward, backward- and
+recompute-phase ones in the backward. APPLY_GRAD is the stage's update-phase collectives (the
+gradient synchronization buckets). A SEND moves one micro-batch's share of the plan's listed
+point-to-point messages between the two stages (`Plan.transfers`): every rank sends its own
+at once, so a SEND lasts as long as its busiest link — a host's network for messages between
+hosts (the inter-host bandwidth is per host), a device's link inside a host.
+
+Compute and memory come from the stage plan's own figures (`Plan.predicted`, written by
+the planner's `extract`), collectives from the cost model on the stage's mesh: the same
+numbers the planner priced, which is why single-stage plans agree with its estimate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from meshplan.cost.cluster import Cluster, cluster_from_dict
+from meshplan.cost.collectives import collective_cost
+from meshplan.cost.mesh import logical_mesh
+from meshplan.lower.instructions import Instruction
+from meshplan.plan.plan import Plan, StagePlan, TransferEntry
+from meshplan.sim.engine import TaskCost
+
+# The plan figures a stage's tasks are built from (`planner/intra/extract.py`).
+NEEDED = ("forward_s", "backward_s", "state_bytes", "activation_bytes")
+
+
+def stage_plans(plan: Plan) -> list[Plan]:
+    """The intra-operator plan of every (virtual) stage, in order: the plan itself when it
+    has one stage."""
+    if len(plan.stages) <= 1:
+        return [plan]
+    return [s.plan for s in plan.stages]
+
+
+def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
+    """The tasks of the stage whose intra-operator plan is ``p`` (module docstring); a
+    pipeline ``stage`` keeps per micro-batch in flight what its planned peak says (with
+    recomputation: each layer's inputs). Raises ValueError for a plan without the figures
+    the simulator reads (made by an older meshplan: plan it again)."""
+    missing = [k for k in NEEDED if k not in p.predicted]
+    if missing:
+        raise ValueError(f"plan {p.model!r} lacks {missing} in its predictions: it was made by "
+                         "an older meshplan; make the plan again to simulate it")
+    mesh = logical_mesh(cluster_from_dict(p.cluster), tuple(p.mesh_shape))
+    per_pass: dict[str, float] = defaultdict(float)
+    for c in p.collectives:
+        per_pass[c.phase] += c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
+    b = p.microbatches
+    forward = p.predicted["forward_s"] + per_pass["forward"] / b
+    backward = p.predicted["backward_s"] + (per_pass["backward"] + per_pass["recompute"]) / b
+    if p.recompute:
+        backward += p.predicted["forward_s"]
+    state = p.predicted["state_bytes"]
+    kept = p.predicted["activation_bytes"]
+    if stage is not None:
+        kept = max(stage.memory_bytes - state, 0.0) / max(stage.in_flight, 1)
+    return TaskCost(forward_s=forward, backward_s=backward, update_s=per_pass["update"],
+                    state_bytes=state, activation_bytes=kept)
+
+
+@dataclass(frozen=True)
+class TransferCosts:
+    """Seconds each SEND of a pipeline takes (module docstring), from ``plan.transfers``."""
+
+    cluster: Cluster
+    microbatches: int
+    transfers: tuple[TransferEntry, ...]
+
+    def send_s(self, ins: Instruction) -> float:
+        """One SEND instruction: stage ``ins.stage``'s ``ins.kind`` values of one micro-batch
+        to stage ``ins.peer``."""
+        pair = (ins.stage, ins.peer)
+        kinds = (ins.kind, "gather")
+        msgs = [t for t in self.transfers if tuple(t.stages) == pair and t.kind in kinds]
+        return self._busiest(msgs, 1.0 / self.microbatches)
+
+    def tied_s(self) -> float:
+        """The step's tied-gradient messages (once per step, at the update)."""
+        return self._busiest([t for t in self.transfers if t.kind == "tied"], 1.0)
+
+    def _busiest(self, msgs: list[TransferEntry], share: float) -> float:
+        c = self.cluster
+        per_link: dict[tuple, float] = defaultdict(float)
+        for t in msgs:
+            nbytes = t.bytes * t.count * share
+            src, dst = t.src // c.devices_per_host, t.dst // c.devices_per_host
+            if src == dst:
+                per_link[("device", t.src)] += nbytes
+            else:
+                per_link[("out", src)] += nbytes
+                per_link[("in", dst)] += nbytes
+        if not per_link:
+            return 0.0
+        times = [(c.intra_host if kind == "device" else c.inter_host) for kind, _ in per_link]
+        return max(link.latency + nbytes / link.bandwidth
+                   for link, nbytes in zip(times, per_link.values()))
