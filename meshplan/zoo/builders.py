@@ -42,6 +42,7 @@ def _build_gpt(fields: Fields, device: str, generator: torch.Generator) -> Parts
         num_heads=_int(fields, "heads"),
         seq_len=_int(fields, "seq"),
         vocab_size=_int(fields, "vocab"),
+        flash=bool(fields.get("flash", 1)),
     )
     batch = gpt.make_example_batch(config, _int(fields, "batch"), device=device, generator=generator)
     return gpt.GPT(config), gpt.gpt_loss, batch

@@ -21,7 +21,8 @@ Value = int | float
 # Field names in canonical order with their defaults. Immutable: read-only views of tuples.
 KIND_FIELDS: Mapping[str, tuple[tuple[str, Value], ...]] = MappingProxyType({
     "mlp": (("layers", 2), ("hidden", 64), ("batch", 8), ("bias", 1)),
-    "gpt": (("hidden", 64), ("layers", 2), ("heads", 4), ("seq", 32), ("vocab", 128), ("batch", 4)),
+    "gpt": (("hidden", 64), ("layers", 2), ("heads", 4), ("seq", 32), ("vocab", 128), ("batch", 4),
+            ("flash", 1)),
     "bert": (("hidden", 768), ("layers", 12), ("heads", 12), ("seq", 128), ("vocab", 30522), ("batch", 32)),
     "moe": (
         ("hidden", 32), ("layers", 2), ("heads", 4), ("experts", 4), ("seq", 16), ("vocab", 64),
@@ -34,7 +35,10 @@ KIND_FIELDS: Mapping[str, tuple[tuple[str, Value], ...]] = MappingProxyType({
         ("batch", 32),
     ),
 })
-FLAG_FIELDS = frozenset({"bias"})  # 0 or 1
+FLAG_FIELDS = frozenset({"bias", "flash"})  # 0 or 1
+# Options named in a spec's text only when they differ from their default (added after specs
+# were in use: models named before keep their names).
+QUIET_FIELDS = frozenset({"flash"})
 FLOAT_FIELDS = frozenset({"capacity"})  # a finite float > 0; every other field is an int size >= 1
 
 

@@ -36,9 +36,12 @@ class GPTConfig:
     num_heads: int
     seq_len: int
     vocab_size: int
+    # False: attention as Megatron-LM and Alpa ran it in 2021, the (seq, seq) scores and
+    # probabilities materialized per head (`Attention`); True: PyTorch's fused SDPA.
+    flash: bool = True
 
     def __post_init__(self) -> None:
-        check_positive_ints(self)
+        check_positive_ints(self, skip=frozenset({"flash"}))
         if self.hidden % self.num_heads != 0:
             raise ValueError(
                 f"GPTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "
@@ -55,13 +58,24 @@ class Attention(nn.Module):
     """Multi-head self-attention over (batch, seq, hidden); causal unless ``causal=False``.
 
     ``hidden`` must be divisible by ``num_heads`` (checked by the configs that build it).
+    With ``seq_len`` the scores are computed explicitly — softmax(q kᵀ / √d, the pairs above
+    the diagonal masked to -inf) v, at the product's dtype (half under autocast, as
+    Megatron-LM's fused softmax outputs) — instead of by the fused
+    `scaled_dot_product_attention`: the same values, with the (seq, seq) scores and
+    probabilities of every head kept for backward.
     """
 
-    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True) -> None:
+    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True,
+                 seq_len: int | None = None) -> None:
         super().__init__()
         h = hidden
         self.num_heads = num_heads
         self.causal = causal
+        self.explicit = seq_len is not None
+        if self.explicit:
+            hidden_pairs = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1) if causal \
+                else torch.zeros(seq_len, seq_len, dtype=torch.bool)
+            self.register_buffer("mask", hidden_pairs, persistent=False)
         self.q_proj = nn.Linear(h, h)
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
@@ -77,7 +91,12 @@ class Attention(nn.Module):
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
         v = self._split_heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)).masked_fill(
+                self.mask[:s, :s], float("-inf"))
+            y = scores.softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.out_proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -100,10 +119,11 @@ class Block(nn.Module):
     ``causal=False`` gives the bidirectional encoder block used by the ViT.
     """
 
-    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True) -> None:
+    def __init__(self, hidden: int, num_heads: int, *, causal: bool = True,
+                 seq_len: int | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, num_heads, causal=causal)
+        self.attn = Attention(hidden, num_heads, causal=causal, seq_len=seq_len)
         self.ln_2 = nn.LayerNorm(hidden)
         self.mlp = FeedForward(hidden)
 
@@ -141,7 +161,9 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        self.blocks = nn.ModuleList(Block(config.hidden, config.num_heads) for _ in range(config.num_layers))
+        explicit = None if config.flash else config.seq_len
+        self.blocks = nn.ModuleList(Block(config.hidden, config.num_heads, seq_len=explicit)
+                                    for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden)
         init_weights(self)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshplan.zoo.builders import BUILDERS, Batch, LossFn
-from meshplan.zoo.catalog import KIND_FIELDS, Value, check_value, describe_fields, describe_kinds, resolve_preset
+from meshplan.zoo.catalog import KIND_FIELDS, QUIET_FIELDS, Value, check_value, describe_fields, describe_kinds, resolve_preset
 from meshplan.zoo.user_file import is_file_spec, load_model_file
 
 _DEVICES = ("meta", "cpu")
@@ -76,7 +76,9 @@ class ModelSpec:
         return dict(self.fields)
 
     def __str__(self) -> str:
-        return f"{self.kind}:" + ",".join(f"{name}={value}" for name, value in self.fields)
+        defaults = dict(KIND_FIELDS[self.kind])
+        return f"{self.kind}:" + ",".join(f"{name}={value}" for name, value in self.fields
+                                          if name not in QUIET_FIELDS or value != defaults[name])
 
 
 def _split_item(kind: str, item: str, text: str) -> tuple[str, str]:
