@@ -100,6 +100,14 @@ def test_transfers_take_the_plans_messages(pipelines: dict[str, api.Plan]) -> No
                and t.kind in ("activation", "gather")) / p.microbatches
     link = link_preset("25gbe")
     assert first.end - first.start == pytest.approx(link.latency + sent / link.bandwidth)
+    # The tied embedding's gradient crosses once per step, before each holder's update.
+    from meshplan.cost.cluster import cluster_from_dict
+    from meshplan.sim.task_costs import TransferCosts, task_cost
+    tied = TransferCosts(cluster_from_dict(p.cluster), p.microbatches, p.transfers).tied_s()
+    assert tied > 0
+    for st in p.stages:
+        (update,) = [x for x in sim.timeline.spans if x.what == "update" and x.stage == st.index]
+        assert update.end - update.start == pytest.approx(task_cost(st.plan, st).update_s + tied)
 
 
 def test_plans_in_abstract_units_simulate_on_their_cluster_and_old_plans_are_refused(

@@ -62,7 +62,8 @@ def simulate(plan: Plan) -> Simulation:
         transfers = TransferCosts(cluster, plan.microbatches, plan.transfers)
         tied = transfers.tied_s()
         if tied:   # the tied gradients cross before the update of each holder
-            costs = {s: _plus_update(c, tied) for s, c in costs.items()}
+            holders = _holders(plans)
+            costs = {s: _plus_update(c, tied) if s in holders else c for s, c in costs.items()}
         n = program.schedule.num_meshes
         timeline = simulate_programs(program.programs, costs, lambda s: s % n,
                                      lambda ins, *_: transfers.send_s(ins))
@@ -86,6 +87,15 @@ def simulate(plan: Plan) -> Simulation:
         mfu=3 * forward_flops / (step * devices * peak) if step else 0.0,
         bubble_fraction=timeline.bubble_fraction(),
         peak_memory_bytes=tuple(per_device))
+
+
+def _holders(plans: list[Plan]) -> set[int]:
+    """The stages holding a parameter another stage holds too."""
+    seen: dict[str, set[int]] = {}
+    for s, p in enumerate(plans):
+        for d in p.params:
+            seen.setdefault(d.name, set()).add(s)
+    return {s for stages in seen.values() if len(stages) > 1 for s in stages}
 
 
 def _plus_update(c: TaskCost, seconds: float) -> TaskCost:
