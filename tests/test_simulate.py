@@ -155,3 +155,22 @@ def test_cli_plan_simulate_adds_the_simulated_object(tmp_path, capsys) -> None:
                                                             rel=0.05)
     assert main(["simulate", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_published_orderings_hold() -> None:
+    """Megatron-LM's findings (perf_tables.md §1), simulated: interleaved 1F1B beats 1F1B when
+    micro-batches are few (its bubble shrinks with the chunks), and tensor parallelism across
+    two DGX hosts (t = 16) loses to t = 8 inside a host with data or pipeline parallelism
+    across them."""
+    def step(spec: str, cluster: str, method: str) -> tuple[float, float]:
+        s = simulate(_plan(spec, cluster, method=method, dtype="fp16", memory_budget_gb=0))
+        return s.step_time_s, s.bubble_fraction
+
+    gpt = "gpt:hidden=2048,layers=8,heads=16,seq=1024,vocab=51200,batch=16,flash=0"
+    plain = step(gpt, "dgx-a100:1", "megatron:dp=1,tp=2,pp=4,mb=4")
+    chunks = step(gpt, "dgx-a100:1", "megatron:dp=1,tp=2,pp=4,mb=4,virtual=2")
+    assert chunks[0] < plain[0] and chunks[1] < plain[1]
+    wide = "gpt:hidden=4096,layers=4,heads=32,seq=1024,vocab=51200,batch=32"
+    across = step(wide, "dgx-a100:2", "megatron:dp=1,tp=16,pp=1,mb=4")[0]
+    assert step(wide, "dgx-a100:2", "megatron:dp=2,tp=8,pp=1,mb=4")[0] < across
+    assert step(wide, "dgx-a100:2", "megatron:dp=1,tp=8,pp=2,mb=4")[0] < across
