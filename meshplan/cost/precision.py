@@ -9,9 +9,9 @@ its inputs, as eager PyTorch does. So the cost graph is the traced graph with dt
 that way: a matmul's output is half, a bias or residual add with an fp32 operand (a parameter,
 the fp32 embedding) is fp32; normalizations and the NLL keep their data operand's dtype (as
 torch's mixed-dtype kernels do under fp32 weights), and so do the statistics they exchange
-across a split batch or class dim (batch norm's are float64 sums whatever it is). Compute is priced at the
-output's dtype peak (`OpCosts.compute_cost` reads it), collectives, transfers and kept
-activations at its size; a gradient has its value's dtype (autocast's casts are differentiable,
+across a split batch or class dim (batch norm's are float64 sums whatever it is). Compute is
+priced at the output's dtype peak (`OpCosts.compute_cost` reads it), collectives, transfers and
+kept activations at its size; a gradient has its value's dtype (autocast's casts are differentiable,
 so the gradient of an fp32 value is fp32). Parameters, buffers and batch tensors keep their
 traced dtype.
 

@@ -80,9 +80,9 @@ def stage_moves(plan: Plan, program: PipelineProgram, graph: Graph, local_gather
 def step_transfers(plan: Plan, program: PipelineProgram, graph: Graph
                    ) -> tuple[TransferEntry, ...]:
     """Every point-to-point message between two different ranks in one step of ``plan``,
-    counted by (stages, kind, source, destination, bytes): "activation" and "gradient" transfers and
-    the "gather" slices of local all-gathers once per micro-batch, "tied" gradient parts once
-    per step (module docstring)."""
+    counted by (stages, kind, source, destination, bytes): "activation" and "gradient"
+    transfers and the "gather" slices of local all-gathers once per micro-batch, "tied"
+    gradient parts once per step (module docstring)."""
     moves = stage_moves(plan, program, graph)
     count: Counter[tuple[tuple[int, ...], str, int, int, int]] = Counter()
     for (k, kind), move in moves.exchanges.items():

@@ -7,7 +7,8 @@ from meshplan.plan.plan import Plan
 _HEAVY = ("mm", "bmm", "sdpa", "embedding")
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit below 1024 of it (B, KiB, … TiB)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -25,7 +26,7 @@ def summary(plan: Plan) -> str:
         f"({plan.cluster.get('name', '?')}), method {plan.method}",
         f"  objective        {plan.objective:,.6g} {plan.objective_units}",
         f"  predicted step   {plan.predicted['step_time_s'] * 1e3:,.3f} ms, peak memory "
-        f"{_fmt_bytes(plan.predicted['peak_memory_bytes'])} per device",
+        f"{format_bytes(plan.predicted['peak_memory_bytes'])} per device",
         f"  search           {plan.search_time_s:.2f} s ({_search(plan)})",
         f"  training step    {plan.dtype}, {plan.microbatches} micro-batch"
         f"{'es' if plan.microbatches != 1 else ''}"
@@ -85,7 +86,7 @@ def stages_table(plan: Plan) -> list[str]:
                    f"{devs} (submesh {s.submesh[0]}x{s.submesh[1]}, mesh "
                    f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', recomputed' if s.recompute else ''}"
                    f", {s.in_flight} in flight, {s.latency_s * 1e3:,.3f} ms, "
-                   f"{_fmt_bytes(s.memory_bytes)}")
+                   f"{format_bytes(s.memory_bytes)}")
     return out
 
 
@@ -111,7 +112,7 @@ def explain(plan: Plan, *, all_ops: bool = False) -> str:
             continue
         out.append(f"  {o.node:<28} {o.op:<12} {o.strategy:<14} | {' '.join(o.inputs)} -> "
                    f"{o.output} | {o.compute:.3g}, {o.communication:.6g}, {o.resharding:.6g}, "
-                   f"{_fmt_bytes(o.memory_bytes)}")
+                   f"{format_bytes(o.memory_bytes)}")
     out += ["", "parameters (spec, storage, update, sync axes):"]
     for p in plan.params:
         out.append(f"  {p.name:<36} {p.spec:<8} {p.storage:<8} {p.update:<10} {p.sync_axes}")

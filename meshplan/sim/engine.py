@@ -30,16 +30,14 @@ from meshplan.lower.instructions import Instruction
 class TaskCost:
     """What one virtual stage's tasks cost on its mesh, per device: seconds of one
     micro-batch's forward and backward (collectives and any recomputation included) and of
-    the update; the parameter, gradient and optimizer state it holds; the activations one
-    micro-batch keeps from its forward to its backward; and the working memory a task needs
-    on top while it runs (the largest temporaries of one op)."""
+    the update; the parameter, gradient and optimizer state it holds; and the activations one
+    micro-batch keeps from its forward to its backward."""
 
     forward_s: float
     backward_s: float
     update_s: float
     state_bytes: float
     activation_bytes: float
-    working_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,8 +159,6 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
                     start, clock[m] = clock[m], clock[m] + took
                     if forward:
                         note(m, start, c.activation_bytes)
-                    note(m, start, c.working_bytes)
-                    note(m, clock[m], -c.working_bytes)
                     spans.append(Span(m, ins.stage, ins.microbatch, ins.kind, start, clock[m]))
                 elif ins.op == "FREE":
                     note(m, clock[m], -costs[ins.stage].activation_bytes)

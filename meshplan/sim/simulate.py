@@ -10,7 +10,7 @@ forward is recomputed; MFU counts three whatever the plan recomputes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshplan.cost.cluster import cluster_from_dict
@@ -18,8 +18,9 @@ from meshplan.cost.precision import DTYPES
 from meshplan.lower.instructions import mesh_programs
 from meshplan.lower.pipeline_program import pipeline_program
 from meshplan.lower.schedules import make_schedule
+from meshplan.plan.explain import format_bytes
 from meshplan.plan.plan import Plan
-from meshplan.sim.engine import TaskCost, Timeline, simulate_programs
+from meshplan.sim.engine import Timeline, simulate_programs
 from meshplan.sim.task_costs import TransferCosts, stage_plans, task_cost
 
 
@@ -63,7 +64,8 @@ def simulate(plan: Plan) -> Simulation:
         tied = transfers.tied_s()
         if tied:   # the tied gradients cross before the update of each holder
             holders = _holders(plans)
-            costs = {s: _plus_update(c, tied) if s in holders else c for s, c in costs.items()}
+            costs = {s: replace(c, update_s=c.update_s + tied) if s in holders else c
+                     for s, c in costs.items()}
         n = program.schedule.num_meshes
         timeline = simulate_programs(program.programs, costs, lambda s: s % n,
                                      lambda ins, *_: transfers.send_s(ins))
@@ -98,11 +100,6 @@ def _holders(plans: list[Plan]) -> set[int]:
     return {s for stages in seen.values() if len(stages) > 1 for s in stages}
 
 
-def _plus_update(c: TaskCost, seconds: float) -> TaskCost:
-    return TaskCost(c.forward_s, c.backward_s, c.update_s + seconds, c.state_bytes,
-                    c.activation_bytes, c.working_bytes)
-
-
 def format_simulation(plan: Plan, sim: Simulation, files: tuple[str, ...] = ()) -> str:
     """The simulated figures as text, next to the planner's estimate."""
     estimate = plan.predicted.get("step_time_s", 0.0)
@@ -118,8 +115,8 @@ def format_simulation(plan: Plan, sim: Simulation, files: tuple[str, ...] = ()) 
         + (" (recomputation counted, as Megatron-LM counts it)" if plan.recompute else ""),
         f"  MFU              {sim.mfu:.1%}",
         f"  pipeline bubble  {sim.bubble_fraction:.1%}",
-        f"  peak memory      {max(peaks) / 2**30:,.2f} GiB per device at most, "
-        f"{min(peaks) / 2**30:,.2f} GiB at least",
+        f"  peak memory      {format_bytes(max(peaks))} per device at most, "
+        f"{format_bytes(min(peaks))} at least",
     ]
     if files:
         lines.append(f"  timeline         {', '.join(files)}")

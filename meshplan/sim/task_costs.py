@@ -86,17 +86,14 @@ class TransferCosts:
 
     def _busiest(self, msgs: list[TransferEntry], share: float) -> float:
         c = self.cluster
-        per_link: dict[tuple, float] = defaultdict(float)
+        per_link: dict[tuple, float] = defaultdict(float)   # bytes each link carries
         for t in msgs:
             nbytes = t.bytes * t.count * share
             src, dst = t.src // c.devices_per_host, t.dst // c.devices_per_host
             if src == dst:
-                per_link[("device", t.src)] += nbytes
+                per_link[(c.intra_host, "device", t.src)] += nbytes
             else:
-                per_link[("out", src)] += nbytes
-                per_link[("in", dst)] += nbytes
-        if not per_link:
-            return 0.0
-        times = [(c.intra_host if kind == "device" else c.inter_host) for kind, _ in per_link]
-        return max(link.latency + nbytes / link.bandwidth
-                   for link, nbytes in zip(times, per_link.values()))
+                per_link[(c.inter_host, "out", src)] += nbytes
+                per_link[(c.inter_host, "in", dst)] += nbytes
+        return max((link.latency + nbytes / link.bandwidth
+                    for (link, *_), nbytes in per_link.items()), default=0.0)

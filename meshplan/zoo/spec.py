@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from meshplan.zoo.builders import BUILDERS, Batch, LossFn
-from meshplan.zoo.catalog import KIND_FIELDS, QUIET_FIELDS, Value, check_value, describe_fields, describe_kinds, resolve_preset
+from meshplan.zoo.catalog import (KIND_FIELDS, QUIET_FIELDS, Value, check_value, describe_fields,
+                                  describe_kinds, resolve_preset)
 from meshplan.zoo.user_file import is_file_spec, load_model_file
 
 _DEVICES = ("meta", "cpu")

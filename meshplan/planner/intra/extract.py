@@ -62,7 +62,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
     sync: dict[str, list[tuple[int, ...]]] = {}
     seen: set[tuple] = set()
-    memory, compute, state, forward, backward = 0.0, 0.0, 0.0, 0.0, 0.0
+    memory, state, forward, backward = 0.0, 0.0, 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
     for node in g.nodes:
@@ -70,7 +70,6 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
         held = costs.memory(node, choice)
         memory += held
         state += held if node.role == "param" else 0.0
-        compute += real_costs.compute_cost(node, choice)
         f, b = real_costs.pass_times(node, choice)
         forward, backward = forward + f, backward + b
         for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
@@ -106,6 +105,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     colls = tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(counts.items()))
     comm_time = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
                     for c in colls)
+    # `OpCosts.compute_cost` summed over the ops: per micro-batch, the forward (twice when
+    # recomputed) and the backward.
+    compute = real.microbatches * (forward * (1 + real.recompute) + backward)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
