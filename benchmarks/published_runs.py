@@ -38,11 +38,19 @@ ROWS = {
 }
 
 
-def run_row(name: str) -> dict:
+def run_row(name: str, device: object = None) -> dict:
+    """Plan and simulate one row; ``device`` (a `DeviceType`) replaces the preset cluster's
+    device type (what `calibrate_devices.py` varies)."""
+    import dataclasses
+
     import meshplan.api as api
+    from meshplan.cost.cluster import parse_cluster_spec
     from meshplan.sim.simulate import simulate
     from meshplan.zoo.spec import build_workload
-    preset, cluster, dp, tp, pp, batch, mb, virtual, published = ROWS[name]
+    preset, spec, dp, tp, pp, batch, mb, virtual, published = ROWS[name]
+    cluster = parse_cluster_spec(spec)
+    if device is not None:
+        cluster = dataclasses.replace(cluster, device=device)
     w = build_workload(f"gpt:preset={preset},batch={batch},flash=0", device="meta")
     method = f"megatron:dp={dp},tp={tp},pp={pp},mb={mb}" + (f",virtual={virtual}"
                                                           if virtual > 1 else "")
@@ -53,7 +61,7 @@ def run_row(name: str) -> dict:
                         dtype="fp16", recompute="full", memory_budget_gb=0)
     planned = time.perf_counter() - t0
     sim = simulate(plan)
-    return {"row": name, "method": method, "cluster": cluster, "plan_s": planned,
+    return {"row": name, "method": method, "cluster": spec, "plan_s": planned,
             "microbatches": plan.microbatches, "planner_step_s": plan.predicted["step_time_s"],
             "step_s": sim.step_time_s, "tflops": sim.tflops_per_device,
             "published_tflops": published, "ratio": sim.tflops_per_device / published,

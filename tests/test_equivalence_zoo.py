@@ -54,7 +54,8 @@ def test_model_family_matches_single_device(name: str, shape, method: str, abstr
                                             ) -> None:
     meta = _workload(name, "meta")
     units = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if abstract else {}
-    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, f"local:{shape[1]}",
+    devices = shape[0] * shape[1]
+    plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, f"local:{devices}",
                     mesh_shape=shape, method=method, memory_budget_gb=0, **units)
     w = _workload(name, "cpu")
     data = batches(build_workload((MODELS | EXPLICIT)[name], device="cpu", seed=0), 3)
@@ -67,7 +68,7 @@ def test_model_family_matches_single_device(name: str, shape, method: str, abstr
 
 
 @pytest.mark.parametrize("method,abstract", [("auto", True), ("megatron", False)])
-@pytest.mark.parametrize("shape", [(1, 2), (1, 4)], ids=["2", "4"])
+@pytest.mark.parametrize("shape", [(1, 2), (1, 4), (2, 2)], ids=["2", "4", "2x2"])
 def test_explicit_attention_matches_single_device(shape, method: str, abstract: bool) -> None:
     test_model_family_matches_single_device("explicit-attention", shape, method, abstract)
 

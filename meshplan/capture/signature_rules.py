@@ -34,6 +34,18 @@ def bmm_rule(c: OpCall) -> OpRule:
     return OpRule("bmm", sig, 2.0 * b * i * k * j)
 
 
+def matmul_rule(c: OpCall) -> OpRule | None:
+    """``matmul`` over equal batch dims (what `capture/fold_matmul` leaves): every batch dim an
+    atom of its own, so batch and heads can be split over different mesh axes."""
+    a, b = c.in_shapes
+    if len(a) != len(b) or len(a) < 3 or a[:-2] != b[:-2]:
+        return None
+    lead = "".join(fresh_atoms(len(a) - 2, 700))
+    sig = sized([lead + "ik", lead + "kj"], lead + "ij", c.in_shapes, c.out_shape,
+                "contraction")
+    return OpRule("matmul", sig, 2.0 * math.prod(c.out_shape) * a[-1])
+
+
 def sdpa_rule(c: OpCall) -> OpRule:
     # All device variants of scaled-dot-product attention normalize to one op. Sequence and head
     # dims pass through a softmax, so only batch and heads can be split. A mask (boolean or
@@ -418,7 +430,7 @@ UNTAGGED_ELEMENTWISE = ("_to_copy", "alias", "detach", "native_dropout", "dropou
                         "lift_fresh_copy", "clone")
 
 RULES: dict[str, Rule] = {
-    "mm": mm_rule, "bmm": bmm_rule, "embedding": embedding_rule,
+    "mm": mm_rule, "bmm": bmm_rule, "matmul": matmul_rule, "embedding": embedding_rule,
     "_scaled_dot_product_flash_attention_for_cpu": sdpa_rule,
     "_scaled_dot_product_flash_attention": sdpa_rule,
     "_scaled_dot_product_efficient_attention": sdpa_rule,

@@ -33,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call, functionalize
 
 from meshplan.capture.cse import merge_common_subexpressions
+from meshplan.capture.fold_matmul import fold_batched_matmuls
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
 from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
@@ -157,6 +158,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
         except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
             raise explain_trace_failure(exc, model, modules) from exc
     drop_empty_cat_operands(gm)
+    fold_batched_matmuls(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]

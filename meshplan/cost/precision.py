@@ -63,7 +63,7 @@ def resolve_dtype(name: str, device: DeviceType | None) -> str:
 
 
 # The ops autocast computes at the half type (in its lower-precision list on every device).
-HALF_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
+HALF_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa"})
 # Ops whose output keeps their data operand's dtype under fp32 parameters (torch's mixed-dtype
 # normalization kernels) rather than promoting.
 FOLLOW_DATA_OPS = frozenset({"layer_norm", "batch_norm", "nll_loss"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshplan.plan.plan import Plan
 
-_HEAVY = ("mm", "bmm", "sdpa", "embedding")
+_HEAVY = ("mm", "bmm", "matmul", "sdpa", "embedding")
 
 
 def format_bytes(n: float) -> str:

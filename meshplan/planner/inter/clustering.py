@@ -59,7 +59,7 @@ from meshplan.ir.graph import Graph
 
 DEFAULT_DELTA = 0.5
 MIN_RELAXED_DELTA = 0.125
-HEAVY_OPS = frozenset({"mm", "bmm", "conv", "sdpa"})
+HEAVY_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa"})
 MIN_HEAVY_PER_LAYER = 3
 BALANCES = ("flops", "ops")
 LAYERS_PER_DEVICE = 2
