@@ -27,7 +27,10 @@ from meshplan.runtime.p2p import ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.zoo.spec import build_workload
 
-SPEC = "gpt:hidden=512,layers=4,heads=8,seq=64,vocab=1024,batch=16"
+# Six layers: enough compute per stage that a stage per host beats keeping to one host (with 4
+# layers, on 2 x 4 devices, replicating the work across the hosts and splitting it inside each
+# one is 25 % faster by the calibrated 25 Gb/s Ethernet).
+SPEC = "gpt:hidden=512,layers=6,heads=8,seq=64,vocab=1024,batch=16"
 STEPS = 10
 OPT = OptimizerSpec("sgd", lr=0.1)
 

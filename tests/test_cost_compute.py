@@ -21,10 +21,26 @@ def test_a100_big_matmul_time() -> None:
     a100 = device_type("A100-SXM4-80GB")
     n = 8192
     flops, nbytes = 2 * n**3, 3 * n * n * 2
-    expected = flops / (312e12 * a100.efficiency)
+    half, full = a100.matmul_efficiency("bfloat16"), a100.matmul_efficiency("float32")
+    expected = flops / (312e12 * half)
     assert op_time(flops, nbytes, a100, "bfloat16") == pytest.approx(expected)
-    # the same matmul in strict fp32 is 16x slower (19.5 vs 312 TFLOP/s)
-    assert op_time(flops, 2 * nbytes, a100, "float32") == pytest.approx(16 * expected)
+    # the same matmul in strict fp32: 16x the peak's gap (19.5 vs 312 TFLOP/s), at fp32's
+    # own (uncalibrated, lower) efficiency
+    assert op_time(flops, 2 * nbytes, a100, "float32") == pytest.approx(
+        16 * expected * half / full)
+
+
+def test_efficiency_per_dtype_and_memory_efficiency() -> None:
+    dev = DeviceType("x", {"float32": 100.0, "float16": 400.0}, 1e9, 10.0,
+                     {"float16": 0.5}, memory_efficiency=0.5)
+    assert dev.matmul_efficiency("float16") == 0.5
+    assert dev.matmul_efficiency("float32") == 0.5   # a dtype left out: the smallest given
+    assert op_time(1000, 0, dev, "float16") == pytest.approx(1000 / 200)
+    assert op_time(0, 50, dev) == pytest.approx(50 / 5)   # 10 B/s at half efficiency
+    with pytest.raises(ValueError, match="memory_efficiency"):
+        DeviceType("x", {"float32": 1.0}, 1e9, 1.0, 0.5, memory_efficiency=1.5)
+    with pytest.raises(ValueError, match="efficiency"):
+        DeviceType("x", {"float32": 1.0}, 1e9, 1.0, {"float32": 0.0})
 
 
 def test_train_op_time_backward_factor() -> None:

@@ -63,7 +63,8 @@ def test_logical_mesh_default_shape_and_links() -> None:
     assert mesh.shape == (2, 8)
     assert mesh.alpha == (ethernet.latency, nvlink.latency)
     # 8 axis-0 groups share each host's 25 Gb/s: each ring gets 1/8 of it.
-    assert mesh.beta == pytest.approx((8 / ethernet.bandwidth, 1 / nvlink.bandwidth))
+    assert mesh.beta == pytest.approx((8 / ethernet.effective_bandwidth,
+                                       1 / nvlink.effective_bandwidth))
 
 
 def test_logical_mesh_wrong_size_lists_valid_shapes() -> None:
@@ -76,7 +77,7 @@ def test_single_host_axes_are_intra() -> None:
     for shape in factor_pairs(8):
         mesh = logical_mesh(preset_cluster("dgx-a100", 1), shape)
         assert mesh.alpha == (nvlink.latency, nvlink.latency)
-        assert mesh.beta == (1 / nvlink.bandwidth, 1 / nvlink.bandwidth)
+        assert mesh.beta == (1 / nvlink.effective_bandwidth, 1 / nvlink.effective_bandwidth)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +100,7 @@ def test_two_dgx_hosts_axis_links(
     for axis, (name, sharing) in enumerate((axis0, axis1)):
         link = link_preset(name)
         assert mesh.alpha[axis] == link.latency
-        assert mesh.beta[axis] == pytest.approx(sharing / link.bandwidth)
+        assert mesh.beta[axis] == pytest.approx(sharing / link.effective_bandwidth)
 
 
 def test_axis_one_not_dividing_host_is_inter_host() -> None:
@@ -109,7 +110,7 @@ def test_axis_one_not_dividing_host_is_inter_host() -> None:
     ib = link_preset("dgx-a100-ib")
     assert mesh.alpha[1] == ib.latency
     # host 1 holds devices 2 and 3, one from each axis-1 group
-    assert mesh.beta[1] == pytest.approx(2 / ib.bandwidth)
+    assert mesh.beta[1] == pytest.approx(2 / ib.effective_bandwidth)
 
 
 def test_explicit_alpha_beta_override_both_axes() -> None:

@@ -99,7 +99,7 @@ def test_transfers_take_the_plans_messages(pipelines: dict[str, api.Plan]) -> No
     sent = sum(t.bytes * t.count for t in p.transfers if t.stages == (0, 1)
                and t.kind in ("activation", "gather")) / p.microbatches
     link = link_preset("25gbe")
-    assert first.end - first.start == pytest.approx(link.latency + sent / link.bandwidth)
+    assert first.end - first.start == pytest.approx(link.latency + sent / link.effective_bandwidth)
     # The tied embedding's gradient crosses once per step, before each holder's update.
     from meshplan.cost.cluster import cluster_from_dict
     from meshplan.sim.task_costs import TransferCosts, task_cost

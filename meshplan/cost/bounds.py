@@ -6,7 +6,7 @@ of that and its memory traffic), forward once and backward once (twice for a con
 plan can at best divide that work over all N devices: replication, recomputation, bubbles and
 communication only add. So no plan of the program, by the cost model, is faster than
 
-    Σ_op (1 + backward factor) · FLOPs / (N · peak(dtype) · efficiency).
+    Σ_op (1 + backward factor) · FLOPs / (N · peak(dtype) · matmul efficiency(dtype)).
 
 A plan's distance from it says how much any other plan could still gain; issue 9's benchmark
 prints it next to each plan.
@@ -30,5 +30,5 @@ def compute_bound_s(graph: Graph, cluster: Cluster) -> float:
             continue
         dtype = n.out.dtype if n.out.dtype in _LOW_PRECISION else "float32"
         passes = 3.0 if n.sig is not None and n.sig.kind == "contraction" else 2.0
-        total += passes * n.flops / (device.peak(dtype) * device.efficiency)
+        total += passes * n.flops / device.matmul_flops(dtype)
     return total / cluster.num_devices

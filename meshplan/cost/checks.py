@@ -55,13 +55,16 @@ def key_path(where: str, key: object) -> str:
     return f"{where}.{key}" if where else str(key)
 
 
-def check_keys(data: object, keys: tuple[str, ...], source: str, where: str) -> Mapping[str, Any]:
-    """`data` if it is a mapping with exactly `keys`; ValueError naming a missing or unknown key."""
+def check_keys(data: object, keys: tuple[str, ...], source: str, where: str,
+               optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """`data` if it is a mapping with every one of `keys` and nothing but them and `optional`;
+    ValueError naming a missing or unknown key."""
     if not isinstance(data, Mapping):
         raise fail(source, where or "<top level>", f"a mapping with keys {list(keys)}", data)
     for key in data:
-        if key not in keys:
-            raise ValueError(f"{source}: unknown key {key_path(where, key)!r}; valid keys: {list(keys)}")
+        if key not in keys and key not in optional:
+            valid = list(keys) + [f"{k} (optional)" for k in optional]
+            raise ValueError(f"{source}: unknown key {key_path(where, key)!r}; valid keys: {valid}")
     for key in keys:
         if key not in data:
             raise ValueError(f"{source}: missing key {key_path(where, key)!r} (required: {list(keys)})")

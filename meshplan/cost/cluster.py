@@ -13,10 +13,14 @@ YAML schema (every key required, no other key allowed)::
     #   peak_tflops: {float32: 15.7, float16: 125}   # dense TFLOP/s per dtype (float32/float16/bfloat16)
     #   memory_gb: 16                                # GiB (2^30 bytes), as vendors' HBM "GB"
     #   mem_bandwidth_gbps: 900                      # GB/s (10^9 bytes/s)
-    #   efficiency: 0.6                              # fraction of peak reached by big matmuls, (0, 1]
+    #   efficiency: 0.6                              # fraction of peak reached by big matmuls, (0, 1],
+    #                                                # or per dtype: {float32: 0.6, float16: 0.7}
+    #   memory_efficiency: 0.85                      # optional (default 1): fraction of the memory
+    #                                                # bandwidth memory-bound ops reach, (0, 1]
     intra_host: nvlink-v100     # a preset name (see devices.LINKS), or a mapping:
-    #   bandwidth_gbps: 130     # GB/s per device, one direction
+    #   bandwidth_gbps: 150     # GB/s per device, one direction (nominal)
     #   latency_us: 5           # microseconds, >= 0
+    #   efficiency: 0.87        # optional (default 1): fraction of the bandwidth collectives reach
     inter_host: {bandwidth_gbps: 3.125, latency_us: 50}   # same forms; bandwidth per host
 
 Malformed input raises ValueError naming the file, the key and what was expected.
@@ -182,7 +186,7 @@ def _device_from(data: object, source: str) -> DeviceType:
             expected = f"a device preset in {sorted(DEVICE_TYPES)} or a mapping"
             raise fail(source, "device", expected, data) from err
     keys = ("name", "peak_tflops", "memory_gb", "mem_bandwidth_gbps", "efficiency")
-    d = check_keys(data, keys, source, "device")
+    d = check_keys(data, keys, source, "device", optional=("memory_efficiency",))
     peaks = d["peak_tflops"]
     if not isinstance(peaks, Mapping) or not peaks:
         raise fail(source, "device.peak_tflops", "a mapping dtype -> TFLOP/s", peaks)
@@ -190,13 +194,21 @@ def _device_from(data: object, source: str) -> DeviceType:
         if dtype not in DTYPE_NAMES:
             raise fail(source, f"device.peak_tflops.{dtype}", f"a dtype in {list(DTYPE_NAMES)}", dtype)
     flops = {k: number(peaks, k, source, "device.peak_tflops") * 1e12 for k in peaks}
+    effs = d["efficiency"]
+    if isinstance(effs, Mapping):
+        if not effs:
+            raise fail(source, "device.efficiency", "a number or a mapping dtype -> number", effs)
+        effs = {k: number(effs, k, source, "device.efficiency") for k in effs}
+    else:
+        effs = number(d, "efficiency", source, "device")
     try:
         return DeviceType(
             d["name"],
             flops,
             number(d, "memory_gb", source, "device") * GIB,
             gbps(number(d, "mem_bandwidth_gbps", source, "device")),
-            number(d, "efficiency", source, "device"),
+            effs,
+            number(d, "memory_efficiency", source, "device") if "memory_efficiency" in d else 1.0,
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: key 'device': {err}") from err
@@ -208,9 +220,14 @@ def _link_from(data: object, source: str, key: str) -> Link:
             return link_preset(data)
         except ValueError as err:
             raise fail(source, key, f"a link preset in {sorted(LINKS)} or a mapping", data) from err
-    d = check_keys(data, ("bandwidth_gbps", "latency_us"), source, key)
+    d = check_keys(data, ("bandwidth_gbps", "latency_us"), source, key, optional=("efficiency",))
     bandwidth = gbps(number(d, "bandwidth_gbps", source, key))
-    return Link(bandwidth, microseconds(number(d, "latency_us", source, key, allow_zero=True)))
+    latency = microseconds(number(d, "latency_us", source, key, allow_zero=True))
+    efficiency = number(d, "efficiency", source, key) if "efficiency" in d else 1.0
+    try:
+        return Link(bandwidth, latency, efficiency)
+    except ValueError as err:
+        raise ValueError(f"{source}: key {key!r}: {err}") from err
 
 
 def cluster_from_dict(data: object, source: str = "<cluster dict>") -> Cluster:
@@ -239,12 +256,15 @@ def _device_to(device: DeviceType) -> str | dict[str, Any]:
         "peak_tflops": {k: v / 1e12 for k, v in device.peak_flops},
         "memory_gb": device.memory_bytes / GIB,
         "mem_bandwidth_gbps": device.mem_bandwidth / 1e9,
-        "efficiency": device.efficiency,
+        "efficiency": (dict(device.efficiency) if isinstance(device.efficiency, tuple)
+                       else device.efficiency),
+        "memory_efficiency": device.memory_efficiency,
     }
 
 
 def _link_to(link: Link) -> str | dict[str, float]:
-    return link_name(link) or {"bandwidth_gbps": link.bandwidth / 1e9, "latency_us": link.latency * 1e6}
+    return link_name(link) or {"bandwidth_gbps": link.bandwidth / 1e9,
+                               "latency_us": link.latency * 1e6, "efficiency": link.efficiency}
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:

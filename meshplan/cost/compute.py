@@ -1,6 +1,6 @@
 """Roofline compute time of one op on one device (DESIGN.md §4).
 
-An op takes max(FLOPs / (peak · efficiency), bytes / memory bandwidth) seconds: it is bound either by
+An op takes max(FLOPs / (peak · efficiency), bytes / effective memory bandwidth) seconds: it is bound either by
 arithmetic or by moving its operands through device memory. For training, the backward of a
 contraction (matmul, conv, einsum) does twice the forward work — one product for the input
 gradient and one for the weight gradient — while the backward of any other op is taken as one
@@ -16,12 +16,12 @@ from meshplan.cost.devices import DeviceType
 
 def op_time(flops: float, nbytes: float, device: DeviceType, dtype: str = "float32") -> float:
     """Seconds for one op doing `flops` FLOPs and moving `nbytes` bytes of device memory:
-    max(flops / (peak(dtype) · efficiency), nbytes / mem_bandwidth).
+    max(flops / (peak(dtype) · efficiency(dtype)), nbytes / (mem_bandwidth · memory_efficiency)).
 
     Raises TypeError/ValueError for negative or non-numeric amounts, ValueError for a dtype the
     device has no peak for."""
-    compute = check_nonnegative(flops, "flops") / (device.peak(dtype) * device.efficiency)
-    memory = check_nonnegative(nbytes, "nbytes") / device.mem_bandwidth
+    compute = check_nonnegative(flops, "flops") / device.matmul_flops(dtype)
+    memory = check_nonnegative(nbytes, "nbytes") / device.effective_mem_bandwidth
     return max(compute, memory)
 
 

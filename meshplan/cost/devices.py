@@ -33,41 +33,67 @@ def microseconds(value: float) -> float:
     return value / 1e6
 
 
+def _fraction(value: object, what: str) -> float:
+    value = check_positive(value, what)
+    if value > 1.0:
+        raise ValueError(f"{what} must be in (0, 1], got {value!r}")
+    return value
+
+
+def _per_dtype(value: object, what: str, owner: str) -> tuple[tuple[str, float], ...]:
+    """A Mapping dtype -> number (or pairs) as sorted pairs; ValueError on an unknown dtype."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    out = tuple(sorted((str(k), check_positive(v, f"{what}[{k!r}]")) for k, v in pairs))
+    unknown = [k for k, _ in out if k not in DTYPE_NAMES]
+    if unknown:
+        raise ValueError(f"DeviceType {owner!r}: unknown dtypes {unknown} in {what}; "
+                         f"valid: {list(DTYPE_NAMES)}")
+    return out
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """One kind of accelerator.
 
     `peak_flops` maps a dtype name ("float32", "float16", "bfloat16") to dense peak FLOP/s; it may be
     given as a Mapping and is stored as a sorted tuple of pairs so the type stays hashable.
-    `memory_bytes` is device memory in bytes, `mem_bandwidth` in bytes/s, `efficiency` the fraction
-    of peak that large matmuls reach, in (0, 1]. Raises TypeError/ValueError on bad fields.
+    `memory_bytes` is device memory in bytes, `mem_bandwidth` its peak bandwidth in bytes/s.
+    `efficiency` is the fraction of peak that large matmuls reach, in (0, 1]: one number for
+    every dtype, or a Mapping dtype -> fraction (stored as pairs; a dtype it leaves out gets the
+    smallest given). `memory_efficiency` is the fraction of `mem_bandwidth` that memory-bound
+    ops reach. The presets' figures and where they come from: `docs/calibration.md`. Raises
+    TypeError/ValueError on bad fields.
     """
 
     name: str
     peak_flops: tuple[tuple[str, float], ...]
     memory_bytes: float
     mem_bandwidth: float
-    efficiency: float
+    efficiency: float | tuple[tuple[str, float], ...]
+    memory_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"DeviceType name must be a non-empty string, got {self.name!r}")
-        pairs = self.peak_flops.items() if isinstance(self.peak_flops, Mapping) else self.peak_flops
-        peaks = tuple(sorted((str(k), check_positive(v, f"peak_flops[{k!r}]")) for k, v in pairs))
-        unknown = [k for k, _ in peaks if k not in DTYPE_NAMES]
-        if unknown:
-            raise ValueError(
-                f"DeviceType {self.name!r}: unknown dtypes {unknown} in peak_flops; valid: {list(DTYPE_NAMES)}"
-            )
+        peaks = _per_dtype(self.peak_flops, "peak_flops", self.name)
         if not peaks:
             raise ValueError(f"DeviceType {self.name!r}: peak_flops needs one of {list(DTYPE_NAMES)}")
         object.__setattr__(self, "peak_flops", peaks)
         object.__setattr__(self, "memory_bytes", check_positive(self.memory_bytes, "memory_bytes"))
         object.__setattr__(self, "mem_bandwidth", check_positive(self.mem_bandwidth, "mem_bandwidth"))
-        eff = check_positive(self.efficiency, "efficiency")
-        if eff > 1.0:
-            raise ValueError(f"efficiency must be in (0, 1], got {eff!r}")
-        object.__setattr__(self, "efficiency", eff)
+        if isinstance(self.efficiency, (Mapping, tuple, list)):
+            effs = _per_dtype(self.efficiency, "efficiency", self.name)
+            if not effs:
+                raise ValueError(f"DeviceType {self.name!r}: efficiency needs at least one dtype")
+            for k, v in effs:
+                _fraction(v, f"efficiency[{k!r}]")
+            if len({v for _, v in effs}) == 1 and {k for k, _ in effs} >= {k for k, _ in peaks}:
+                effs = effs[0][1]  # one figure for every dtype: stored as the plain number
+        else:
+            effs = _fraction(self.efficiency, "efficiency")
+        object.__setattr__(self, "efficiency", effs)
+        object.__setattr__(self, "memory_efficiency",
+                           _fraction(self.memory_efficiency, "memory_efficiency"))
 
     def peak(self, dtype_name: str) -> float:
         """Dense peak FLOP/s for `dtype_name`; ValueError naming the dtypes this device knows."""
@@ -77,10 +103,29 @@ class DeviceType:
         known = [name for name, _ in self.peak_flops]
         raise ValueError(f"device {self.name!r} has no peak for dtype {dtype_name!r}; known: {known}")
 
+    def matmul_efficiency(self, dtype_name: str) -> float:
+        """The fraction of `peak(dtype_name)` large matmuls reach (the smallest figure given
+        when `efficiency` names other dtypes only: an uncalibrated dtype is not assumed fast)."""
+        if not isinstance(self.efficiency, tuple):
+            return self.efficiency
+        effs = dict(self.efficiency)
+        return effs.get(dtype_name, min(effs.values()))
+
+    def matmul_flops(self, dtype_name: str) -> float:
+        """FLOP/s large matmuls reach at `dtype_name`: peak × efficiency."""
+        return self.peak(dtype_name) * self.matmul_efficiency(dtype_name)
+
+    @property
+    def effective_mem_bandwidth(self) -> float:
+        """Bytes/s memory-bound ops reach: `mem_bandwidth` × `memory_efficiency`."""
+        return self.mem_bandwidth * self.memory_efficiency
+
 
 @dataclass(frozen=True)
 class Link:
-    """An interconnect level: `bandwidth` in bytes/s (one direction), `latency` in seconds (≥ 0).
+    """An interconnect level: nominal `bandwidth` in bytes/s (one direction), `latency` in
+    seconds (≥ 0), and `efficiency`, the fraction of the nominal bandwidth that collectives and
+    transfers reach on it, in (0, 1] (NCCL's bus bandwidth over the wire's).
 
     Intra-host links are per device (what one device's ring traffic gets); inter-host links are
     per host (all of a host's NICs together) — `meshplan.cost.mesh` divides the latter among the
@@ -89,29 +134,53 @@ class Link:
 
     bandwidth: float
     latency: float
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth", check_positive(self.bandwidth, "Link.bandwidth"))
         object.__setattr__(self, "latency", check_nonnegative(self.latency, "Link.latency"))
+        object.__setattr__(self, "efficiency", _fraction(self.efficiency, "Link.efficiency"))
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Bytes/s a collective or a transfer moves: `bandwidth` × `efficiency`."""
+        return self.bandwidth * self.efficiency
 
 
-def _gpu(name: str, fp32_tf: float, half_tf: float, bf16: bool, mem_gib: float, bw_gbps: float) -> DeviceType:
+# Efficiency figures (docs/calibration.md says where each comes from and how to refit them).
+# Large fp16/bf16 matmuls: fitted once per device type on one published run
+# (benchmarks/calibrate_devices.py); the same chip in another memory size shares its figure.
+_A100_HALF = 0.68  # from Megatron-LM's 1.7B row (32 A100s, data parallel)
+_V100_HALF = 0.76  # from Alpa's 350M row (one V100, no communication)
+# Device types without a published run to fit on, and fp32 everywhere (no published fp32 row
+# with its per-GPU throughput): 0.6, below every fitted half figure. Megatron reaches 44-52 %
+# of peak end to end (perf_tables.md §1), so large matmuls alone sit above that.
+_UNFITTED = 0.6
+# Memory-bound ops: 1, on the op-by-op traffic the cost model counts. The published runs fuse
+# elementwise chains (scale-mask-softmax, bias-GeLU, bias-dropout-add), which move fewer bytes
+# at below-peak bandwidth; lower figures leave the fitted matmul efficiencies implausibly high
+# (V100 above 0.95 at 0.85). docs/calibration.md has the sensitivity.
+_HBM = 1.0
+
+
+def _gpu(name: str, fp32_tf: float, half_tf: float, bf16: bool, mem_gib: float, bw_gbps: float,
+         half_efficiency: float = _UNFITTED) -> DeviceType:
     peaks = {"float32": fp32_tf * 1e12, "float16": half_tf * 1e12}
+    effs = {"float32": _UNFITTED, "float16": half_efficiency}
     if bf16:
         peaks["bfloat16"] = half_tf * 1e12
-    # 0.6: Megatron reaches 44-52 % of peak end to end (perf_tables.md §1), communication and
-    # non-matmul ops included, so large matmuls alone sit above that; calibration refines it.
-    return DeviceType(name, peaks, mem_gib * GIB, gbps(bw_gbps), efficiency=0.6)
+        effs["bfloat16"] = half_efficiency
+    return DeviceType(name, peaks, mem_gib * GIB, gbps(bw_gbps), effs, memory_efficiency=_HBM)
 
 
 # Strict fp32 peaks (no TF32: PyTorch leaves TF32 matmul off by default). P100/V100/T4 have no bf16.
 _DEVICE_LIST: tuple[DeviceType, ...] = (
     _gpu("P100-SXM2-16GB", 10.6, 21.2, False, 16, 732),
-    _gpu("V100-SXM2-16GB", 15.7, 125, False, 16, 900),
-    _gpu("V100-SXM2-32GB", 15.7, 125, False, 32, 900),
+    _gpu("V100-SXM2-16GB", 15.7, 125, False, 16, 900, _V100_HALF),
+    _gpu("V100-SXM2-32GB", 15.7, 125, False, 32, 900, _V100_HALF),
     _gpu("T4", 8.1, 65, False, 16, 320),
-    _gpu("A100-SXM4-40GB", 19.5, 312, True, 40, 1555),
-    _gpu("A100-SXM4-80GB", 19.5, 312, True, 80, 2039),
+    _gpu("A100-SXM4-40GB", 19.5, 312, True, 40, 1555, _A100_HALF),
+    _gpu("A100-SXM4-80GB", 19.5, 312, True, 80, 2039, _A100_HALF),
     _gpu("H100-SXM", 67, 989, True, 80, 3350),
     _gpu("H200", 67, 989, True, 141, 4800),
     # A modest CPU core running one test process; half types get no speed-up without AMX.
@@ -126,20 +195,25 @@ _DEVICE_LIST: tuple[DeviceType, ...] = (
 
 DEVICE_TYPES: Mapping[str, DeviceType] = MappingProxyType({d.name: d for d in _DEVICE_LIST})
 
+# Nominal bandwidths (perf_tables.md §4) with the fraction collectives reach on them.
+_NVSWITCH = 0.78  # A100 node all-reduce bus bandwidth 235 GB/s of NVLink3's 300 (perf_tables §4)
+_RDMA = 0.85  # p4d's EFA: ~340 of 400 Gb/s effective (perf_tables §4); taken for InfiniBand too
+
 LINKS: Mapping[str, Link] = MappingProxyType(
     {
         # NVLink2 peak is 6 links x 25 GB/s = 150 GB/s per V100, but the hybrid cube-mesh of a
-        # p3.16xlarge / DGX-1 has no switch, so NCCL rings cannot keep every link busy; 130 GB/s
-        # (~87 % of peak, like the ~80 % measured for NVLink3 in perf_tables.md) is our estimate.
-        "nvlink-v100": Link(gbps(130), microseconds(5)),
-        # NVLink3/4 peaks per GPU through NVSwitch; measured bus bandwidth is ~80 % of these.
-        "nvlink3": Link(gbps(300), microseconds(5)),
-        "nvlink4": Link(gbps(450), microseconds(5)),
-        "pcie3": Link(gbps(12), microseconds(10)),  # ~16 GB/s x16 peak, ~12 achieved
-        "ib-hdr": Link(gbps(25), microseconds(10)),  # one 200 Gb/s HDR port
-        "dgx-a100-ib": Link(gbps(200), microseconds(10)),  # 8 x 200 Gb/s per host
-        "dgx-h100-ib": Link(gbps(400), microseconds(10)),  # 8 x 400 Gb/s per host
-        "25gbe": Link(gbps(3.125), microseconds(50)),  # 25 Gb/s Ethernet per host
+        # p3.16xlarge / DGX-1 has no switch, so NCCL rings cannot keep every link busy; ~87 %
+        # (130 GB/s) is our estimate, a little above NVSwitch's measured 78 %.
+        "nvlink-v100": Link(gbps(150), microseconds(5), 0.87),
+        # NVLink3/4 peaks per GPU through NVSwitch.
+        "nvlink3": Link(gbps(300), microseconds(5), _NVSWITCH),
+        "nvlink4": Link(gbps(450), microseconds(5), _NVSWITCH),
+        "pcie3": Link(gbps(16), microseconds(10), 0.75),  # ~16 GB/s x16 peak, ~12 achieved
+        "ib-hdr": Link(gbps(25), microseconds(10), _RDMA),  # one 200 Gb/s HDR port
+        "dgx-a100-ib": Link(gbps(200), microseconds(10), _RDMA),  # 8 x 200 Gb/s per host
+        "dgx-h100-ib": Link(gbps(400), microseconds(10), _RDMA),  # 8 x 400 Gb/s per host
+        # 25 Gb/s Ethernet per host (p3.16xlarge), NCCL over TCP sockets: as RDMA (estimate).
+        "25gbe": Link(gbps(3.125), microseconds(50), _RDMA),
         "loopback": Link(gbps(5), microseconds(20)),  # gloo between processes on one machine
     }
 )

@@ -105,7 +105,7 @@ def _axis_alpha_beta(cluster: Cluster, shape: tuple[int, int], axis: int) -> tup
 
 
 def _alpha_beta(link: Link, sharing: int) -> tuple[float, float]:
-    return (link.latency, sharing / link.bandwidth)
+    return (link.latency, sharing / link.effective_bandwidth)
 
 
 def logical_mesh(

@@ -63,6 +63,9 @@ class PipelineTrainer:
                  example_batch: Any, comm: Comm, p2p: P2P, *,
                  captured: tuple[Traced, Graph] | None = None,
                  local_gather: bool = True) -> None:
+        if plan.num_stages < 2:
+            raise ValueError(f"plan {plan.model!r} has one stage: train it with "
+                             "meshplan.runtime.trainer.Trainer, not PipelineTrainer")
         self.plan, self.p2p, self.rank = plan, p2p, p2p.rank
         self.program = pipeline_program(plan)
         self.mesh = self.program.mesh_of(self.rank)

@@ -72,13 +72,24 @@ class TransferCosts:
     microbatches: int
     transfers: tuple[TransferEntry, ...]
 
+    def __post_init__(self) -> None:
+        # Messages by (sending, receiving) stage, and SEND times once computed: a pipeline's
+        # program repeats the same few SENDs once per micro-batch.
+        by_pair: dict[tuple, list[TransferEntry]] = defaultdict(list)
+        for t in self.transfers:
+            by_pair[tuple(t.stages)].append(t)
+        object.__setattr__(self, "_by_pair", dict(by_pair))
+        object.__setattr__(self, "_memo", {})
+
     def send_s(self, ins: Instruction) -> float:
         """One SEND instruction: stage ``ins.stage``'s ``ins.kind`` values of one micro-batch
         to stage ``ins.peer``."""
-        pair = (ins.stage, ins.peer)
-        kinds = (ins.kind, "gather")
-        msgs = [t for t in self.transfers if tuple(t.stages) == pair and t.kind in kinds]
-        return self._busiest(msgs, 1.0 / self.microbatches)
+        key = (ins.stage, ins.peer, ins.kind)
+        if key not in self._memo:
+            kinds = (ins.kind, "gather")
+            msgs = [t for t in self._by_pair.get(key[:2], ()) if t.kind in kinds]
+            self._memo[key] = self._busiest(msgs, 1.0 / self.microbatches)
+        return self._memo[key]
 
     def tied_s(self) -> float:
         """The step's tied-gradient messages (once per step, at the update)."""
@@ -95,5 +106,5 @@ class TransferCosts:
             else:
                 per_link[(c.inter_host, "out", src)] += nbytes
                 per_link[(c.inter_host, "in", dst)] += nbytes
-        return max((link.latency + nbytes / link.bandwidth
+        return max((link.latency + nbytes / link.effective_bandwidth
                     for (link, *_), nbytes in per_link.items()), default=0.0)

@@ -426,7 +426,7 @@ class StageProfiler:
         if not nbytes:
             return 0.0
         link = self.cluster.inter_host if self.cluster.num_hosts > 1 else self.cluster.intra_host
-        return link.latency + nbytes / link.bandwidth
+        return link.latency + nbytes / link.effective_bandwidth
 
     # ------------------------------------------------------------------ one logical shape
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
