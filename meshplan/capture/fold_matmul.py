@@ -36,10 +36,11 @@ def _unmerged(view: object, batch: tuple[int, ...]) -> Node | None:
     return src if shape[:-2] == batch and shape[-2:] == flat[1:] else None
 
 
-def fold_batched_matmuls(gm: GraphModule) -> bool:
+def fold_batched_matmuls(gm: GraphModule) -> dict[str, str]:
     """Rewrite every ``view(a) bmm view(b) → view`` that flattened several batch dims into
-    ``aten.matmul(a, b)`` in place; True when the graph changed."""
-    changed = False
+    ``aten.matmul(a, b)`` in place; returns each removed node's name -> the node that holds
+    its value (or its base) now."""
+    renames: dict[str, str] = {}
     for bmm in list(gm.graph.nodes):
         if bmm.target is not aten.bmm.default or len(bmm.users) != 1:
             continue
@@ -57,10 +58,11 @@ def fold_batched_matmuls(gm: GraphModule) -> bool:
             folded = gm.graph.call_function(aten.matmul.default, (a, b))
         folded.meta.update(out_view.meta)
         out_view.replace_all_uses_with(folded)
+        renames.update({out_view.name: folded.name, bmm.name: folded.name,
+                        bmm.args[0].name: a.name, bmm.args[1].name: b.name})
         for dead in (out_view, bmm, *bmm.args[:2]):
             gm.graph.erase_node(dead)
-        changed = True
-    if changed:
+    if renames:
         gm.graph.lint()
         gm.recompile()
-    return changed
+    return renames

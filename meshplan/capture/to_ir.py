@@ -12,6 +12,7 @@ aborts the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from typing import Any
@@ -21,7 +22,7 @@ from torch import fx
 
 from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall, rule_for
 from meshplan.capture.trace import Traced
-from meshplan.ir.graph import Graph, Node, TensorInfo
+from meshplan.ir.graph import ALIASING_OPS, Graph, Node, TensorInfo
 from meshplan.ir.signatures import replicated_signature, signature_fits
 
 
@@ -147,7 +148,22 @@ def to_ir(traced: Traced) -> Graph:
     if loss is None:
         raise AssertionError("meshplan internal error: the traced graph has no output")
     live = _prune_dead(nodes, loss)
+    if traced.saved is not None:
+        live = _mark_kept(live, {alias[n] for n in traced.saved if n in alias})
     return Graph(tuple(live), loss, _warn_unsupported(live))
+
+
+def _mark_kept(nodes: list[Node], saved: set[str]) -> list[Node]:
+    """Set every op node's ``kept``: true for the storage owners of the saved values (a saved
+    view keeps its base)."""
+    by_name = {n.name: n for n in nodes}
+    owners = set()
+    for name in saved:
+        while name in by_name and by_name[name].op in ALIASING_OPS and by_name[name].inputs:
+            name = by_name[name].inputs[0]
+        owners.add(name)
+    return [dataclasses.replace(n, kept=n.name in owners and n.op not in ALIASING_OPS)
+            if n.role == "op" else n for n in nodes]
 
 
 def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from torch.func import functional_call, functionalize
 
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
+from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
 from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
@@ -54,6 +55,8 @@ class Traced:
     graph_module: GraphModule
     placeholders: tuple[tuple[str, str], ...]
     batch: BatchLayout | None = None
+    # Nodes whose values autograd saves for backward (`capture/saved.py`); None: not known.
+    saved: frozenset[str] | None = None
 
 
 def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -107,22 +110,27 @@ def _as_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype)
 
 
-def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list) -> GraphModule:
+def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
+             ) -> tuple[GraphModule, set[str]]:
     """The model traced as eager runs it, then functionalized (in-place and ``out=`` ops in
-    their pure forms) by retracing that aten graph.
+    their pure forms) by retracing that aten graph; and the nodes whose values autograd saved
+    for backward in the first pass (`capture/saved.py`).
 
     Two passes, because functionalizing the model directly hides ``requires_grad`` from it, and
     code that reads it (a custom op's "compute the input's gradient" flag, embedding_bag's
     variant) would bake in the choice of a model without gradients. Where functionalization has
     no rule the plain trace is kept: its in-place elementwise ops have signatures of their own."""
+    saved = SavedForBackward()
     with mode:
-        plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
+        with saved.recording():
+            plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
         try:
-            return make_fx(functionalize(plain, remove="mutations"))(state, batch)
+            pure = make_fx(functionalize(plain, remove="mutations"))(state, batch)
+            return pure, same_nodes(saved.names, plain, pure)
         except RuntimeError as exc:
             if "Functionalize" not in str(exc):
                 raise
-    return plain
+    return plain, saved.names
 
 
 def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
@@ -152,13 +160,13 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
 
     with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
         try:
-            gm = _make_fx(step, mode, list(fake_state.values()), fake_batch)
+            gm, saved = _make_fx(step, mode, list(fake_state.values()), fake_batch)
         except (TypeError, ValueError):
             raise
         except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
             raise explain_trace_failure(exc, model, modules) from exc
     drop_empty_cat_operands(gm)
-    fold_batched_matmuls(gm)
+    renames = fold_batched_matmuls(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
         loss = loss[0]
@@ -169,7 +177,8 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
              + [("target" if k == "target" and layout.has_target else "input", k)
                 for k in batch])
-    return Traced(merge_common_subexpressions(gm), tuple(roles), layout)
+    gm = merge_common_subexpressions(gm)
+    return Traced(gm, tuple(roles), layout, renamed(saved, renames, gm))
 
 
 def drop_empty_cat_operands(gm: GraphModule) -> None:

@@ -42,6 +42,11 @@ class TensorInfo:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
 
+# Ops whose output shares its operand's storage: what a saved view keeps alive is its base.
+ALIASING_OPS = frozenset({"view", "t", "transpose", "permute", "expand", "slice", "split",
+                          "unbind", "select", "alias", "detach", "as_strided", "diagonal"})
+
+
 @dataclass(frozen=True)
 class Node:
     """One op of the forward + loss program.
@@ -50,7 +55,9 @@ class Node:
     (``"mm"``, ``"add"``, ``"sdpa"``…; the role for sources). ``inputs`` are the names of the
     tensor operands in argument order. ``flops`` counts forward FLOPs; ``nbytes`` the bytes the
     op reads and writes. ``requires_grad`` is true when the value depends on a parameter.
-    ``state_name`` is the state-dict name of a parameter or buffer.
+    ``state_name`` is the state-dict name of a parameter or buffer. ``kept``: whether the
+    value's storage stays alive for backward (autograd saves it, or a view of it); None when
+    capture could not tell, and the memory model assumes every differentiable value is kept.
     """
 
     name: str
@@ -63,6 +70,7 @@ class Node:
     nbytes: float = 0.0
     requires_grad: bool = False
     state_name: str | None = None
+    kept: bool | None = None
 
     @property
     def is_source(self) -> bool:

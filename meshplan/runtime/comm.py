@@ -132,12 +132,17 @@ class Comm(ABC):
         """My position in my group over ``axes``."""
         return self.group_ranks(axes).index(self.rank)
 
-    def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, phase: str) -> torch.Tensor:
-        """Sum of ``t`` over the group (same shape on every member)."""
+    def all_reduce(self, t: torch.Tensor, axes: Sequence[int], *, phase: str,
+                   scratch: bool = False) -> torch.Tensor:
+        """Sum of ``t`` over the group (same shape on every member). ``scratch``: ``t`` is a
+        contiguous buffer the caller gives up (a gradient bucket), which the sum may overwrite
+        instead of a copy — one bucket of memory at the synchronization, not two."""
         ax = self._begin(t, axes, phase)
         if not ax:
             return t
         self._record("all_reduce", _nbytes(t), ax, phase)
+        if scratch and t.is_contiguous() and not t.requires_grad:
+            return self._all_reduce(t, ax)
         return self._all_reduce(t.detach().clone(memory_format=torch.contiguous_format), ax)
 
     def all_gather(

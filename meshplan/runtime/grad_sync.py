@@ -34,7 +34,7 @@ def all_reduce_grads(comm: Comm, grads: Sequence[torch.Tensor], axes: Sequence[i
         for bucket in _dtype_buckets(grads):
             tensors = [grads[i] for i in bucket]
             flat = torch.cat([g.reshape(-1) for g in tensors])
-            summed = comm.all_reduce(flat, axes, phase="update")
+            summed = comm.all_reduce(flat, axes, phase="update", scratch=True)
             for g, piece in zip(tensors, summed.split([g.numel() for g in tensors])):
                 g.copy_(piece.view(g.shape))
 

@@ -76,10 +76,13 @@ def param_roots(graph: Graph) -> dict[str, str]:
 
 def is_kept(node: Node) -> bool:
     """Whether a value takes memory of its own for the step: batch tensors, and op outputs
-    autograd may keep for backward. A view (reshape, permute, slice) shares its base's storage,
-    which is charged where the base is."""
+    autograd keeps for backward (``node.kept``, from capture; where capture could not tell,
+    every differentiable op output). A view (reshape, permute, slice) shares its base's
+    storage, which is charged where the base is."""
     if node.role in ("input", "target"):
         return True
+    if node.role == "op" and node.kept is not None:
+        return node.kept
     return node.role == "op" and node.requires_grad and not (
         node.sig is not None and node.sig.kind == "view")
 
