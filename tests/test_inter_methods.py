@@ -263,3 +263,14 @@ def test_candidates_solved_whole_never_lose_to_the_dps_own_pick(tiny, monkeypatc
     assert chosen.predicted["step_time_s"] <= own.predicted["step_time_s"] * (1 + 1e-12)
     assert chosen.predicted["peak_memory_bytes"] <= 0.004 * 2**30
     assert chosen.ilp["estimated_step_s"] == own.ilp["estimated_step_s"]
+
+
+def test_inter_only_skips_submeshes_its_restriction_cannot_plan() -> None:
+    """Inter-only stages are data parallel only: at one sample per micro-batch a stage on two
+    devices has no plan at all, which rules that option out instead of ending the search
+    (it raised InfeasibleIlpError from the lean-memory pricing)."""
+    w = build_workload("wresnet:preset=500m,batch=1536", device="meta")
+    p = api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x2",
+                 method="inter-only", dtype="fp32")
+    assert p.num_stages >= 2
+    assert sorted({d for s in p.stages for d in s.devices}) == [0, 1]

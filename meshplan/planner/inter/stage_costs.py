@@ -472,7 +472,10 @@ class StageProfiler:
             if budget == "free":
                 self._free[free] = s
         else:
-            limit = min_memory(form.problem) * 1.05
+            try:
+                limit = min_memory(form.problem) * 1.05
+            except InfeasibleIlpError:
+                return None   # no plan of this kind at all (a method's restriction forbids it)
             s = self._free.get(free)
             # The fastest plan of all is the fastest within the limit when it fits it: the
             # same objective, one constraint more.
