@@ -149,16 +149,20 @@ NO_LIMIT = " (no memory limit)"   # suffix of a baseline re-planned without the 
 
 
 def run_plan(row: Row, method: str, timeout_s: float) -> dict:
-    """Plan ``row`` with ``method`` in a fresh process (its own session, so a timeout ends the
-    planner's forked workers too); the child's JSON record, or a timeout / crash record."""
-    t0 = time.perf_counter()
+    """Plan ``row`` with ``method`` in a fresh process (`run_child`)."""
     base = method.removesuffix(NO_LIMIT)
-    proc = subprocess.Popen([sys.executable, "-c", _ONE_PLAN, row.spec, row.cluster, base,
-                             row.dtype, json.dumps(row.optimizer),
-                             "none" if base != method else "device",
-                             "bound" if method == _baseline(row) else "-"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return run_child([_ONE_PLAN, row.spec, row.cluster, base, row.dtype,
+                      json.dumps(row.optimizer), "none" if base != method else "device",
+                      "bound" if method == _baseline(row) else "-"], timeout_s)
+
+
+def run_child(args: list[str], timeout_s: float) -> dict:
+    """``python -c *args`` in a fresh process (its own session, so a timeout ends the
+    planner's forked workers too): the JSON record on its last stdout line, or a timeout /
+    crash record; ``wall_s`` is added when the child does not give one."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -170,7 +174,7 @@ def run_plan(row: Row, method: str, timeout_s: float) -> dict:
     if proc.returncode != 0 or not lines:
         return {"status": "error", "wall_s": time.perf_counter() - t0,
                 "error": f"exit code {proc.returncode}: {err.strip()[-2000:]}"}
-    return json.loads(lines[-1])
+    return {"wall_s": time.perf_counter() - t0, **json.loads(lines[-1])}
 
 
 def _baseline(row: Row) -> str | None:
