@@ -23,10 +23,19 @@ when any stage recomputes.
 Usage:
   python benchmarks/weak_scaling.py [--suite gpt|moe|wresnet ...] [--row NAME ...]
                                     [--method NAME ...] [--json PATH] [--timeout 600]
-                                    [--table-only] [--plot PATH] [--num-layers L]
+                                    [--table-only] [--plot PATH] [--num-layers L] [--jobs J]
 Results are merged into the JSON file by (row, method), so suites can be run one at a time;
 ``--table-only`` prints the table (and ``--plot`` draws the figure) from that file without
 planning. ``--num-layers`` overrides L for every pipeline search (to measure its cost).
+
+``--jobs J`` (default 1) plans J rows at once, each child on one core (``MESHPLAN_WORKERS=1``:
+the stage profiler's forked workers are off), so a plan's ``search_s`` is its search on one
+core, not on the machine's; records and the run note carry ``jobs``. The plans start longest
+first by the ``--json`` file's earlier wall times (`longest_first`). With the default each
+child may fork a worker per core (prefetching stage costs), and ``search_s`` is the search on
+the whole machine. The two are not comparable: a one-core search of a pipeline row is slower,
+but J of them share the wall time. Single-stage searches whose refinement has a wall-clock
+limit (`api._refine`, e.g. MoE-70B intra-only) may end differently when the cores are shared.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plan_quality as pq  # noqa: E402  (the suites' rows, clusters and optimizers)
@@ -127,6 +138,31 @@ def run_plan(row: pq.Row, method: str, layers: int | None, timeout_s: float) -> 
     return pq.run_child([_ONE_PLAN, row.spec, row.cluster, method, row.dtype,
                          json.dumps(row.optimizer), "-" if layers is None else str(layers)],
                         timeout_s)
+
+
+def planned(tasks: list[tuple[str, str, int | None]], timeout_s: float, jobs: int
+            ) -> Iterator[tuple[str, str, int | None, dict]]:
+    """``(name, method, layers, record)`` of each task ``(name, method, layers)``, in the
+    tasks' order, with ``jobs`` children running at a time."""
+    if jobs == 1:
+        for name, method, layers in tasks:
+            yield name, method, layers, run_plan(ROWS[name], method, layers, timeout_s)
+        return
+    with ThreadPoolExecutor(jobs) as pool:   # threads only wait on their child processes
+        futures = [pool.submit(run_plan, ROWS[name], method, layers, timeout_s)
+                   for name, method, layers in tasks]
+        for (name, method, layers), future in zip(tasks, futures):
+            yield name, method, layers, future.result()
+
+
+def longest_first(tasks: list[tuple[str, str, int | None]], earlier: dict[str, dict]
+                  ) -> list[tuple[str, str, int | None]]:
+    """``tasks`` by their earlier record's ``wall_s``, longest (or never run) first: with
+    several children at a time the run then does not end waiting on one long plan."""
+    def wall(task: tuple[str, str, int | None]) -> float:
+        r = earlier.get(f"{task[0]}/{task[1]}")
+        return r["wall_s"] if r and "wall_s" in r else float("inf")
+    return sorted(tasks, key=wall, reverse=True)
 
 
 def load_results(path: str | None) -> tuple[dict[str, dict], dict]:
@@ -305,29 +341,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-only", action="store_true", help="print the table from --json")
     ap.add_argument("--plot", metavar="PATH", help="draw the figure (PNG) from the results")
     ap.add_argument("--num-layers", type=int, help="L of every pipeline search (measuring)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="plans at once, each on one core (see the module docstring)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
     names = selected_rows(args.suite, args.row)
     results, runs = load_results(args.json)
     if not args.table_only:
         t_start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
         commit = git_commit()
-        for name in names:
+        if args.jobs > 1:
+            os.environ["MESHPLAN_WORKERS"] = "1"   # inherited by the children: one core each
+        tasks = [(name, method, num_layers_for(ROWS[name], method, args.num_layers))
+                 for name in names for method in METHODS[ROWS[name].suite]
+                 if not args.method or method in args.method]
+        if args.jobs > 1:
+            tasks = longest_first(tasks, results)
+        for name, method, layers, r in planned(tasks, args.timeout, args.jobs):
             row = ROWS[name]
-            for method in METHODS[row.suite]:
-                if args.method and method not in args.method:
-                    continue
-                layers = num_layers_for(row, method, args.num_layers)
-                r = run_plan(row, method, layers, args.timeout)
-                r = {"row": name, "method": method, "gpus": row.gpus, "cluster": row.cluster,
-                     "num_layers_arg": layers, "timeout_s": args.timeout,
-                     "commit": git_commit(), **r}
-                results[f"{name}/{method}"] = r
-                save_results(args.json, results, runs)
-                print(progress_line(t_start, name, method, r), file=sys.stderr, flush=True)
+            r = {"row": name, "method": method, "gpus": row.gpus, "cluster": row.cluster,
+                 "num_layers_arg": layers, "timeout_s": args.timeout, "jobs": args.jobs,
+                 "commit": git_commit(), **r}
+            results[f"{name}/{method}"] = r
+            save_results(args.json, results, runs)
+            print(progress_line(t_start, name, method, r), file=sys.stderr, flush=True)
         total = time.perf_counter() - t_start
         runs[started] = {"argv": sys.argv[1:] if argv is None else argv, "rows": names,
                          "commit": commit, "commit_at_end": git_commit(),
-                         "total_wall_s": total}
+                         "total_wall_s": total, "jobs": args.jobs}
         save_results(args.json, results, runs)
         print(f"total wall time {total:.0f} s ({total / 60:.1f} min)", file=sys.stderr,
               flush=True)
