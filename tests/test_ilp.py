@@ -189,7 +189,12 @@ def random_problem(rng: random.Random) -> IlpProblem:
     live = tuple(tuple(rng.sample(range(n), rng.randint(1, n))) for _ in range(rng.randint(0, 3)))
     budget = float(rng.randint(5, 25)) if live and rng.random() < 0.7 else None
     max_cost = float(rng.randint(0, 60)) if rng.random() < 0.2 else None
-    return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost)
+    # Half the problems have working sets (held one node at a time: the largest chosen adds
+    # to every live set), on some nodes' strategies.
+    working = tuple(tuple(float(rng.choice((0, 0, rng.randint(1, 8)))) for _ in range(k))
+                    for k in counts) if rng.random() < 0.5 else None
+    return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost,
+                      node_working=working)
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)

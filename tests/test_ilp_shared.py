@@ -70,3 +70,34 @@ def test_shared_cost_validation_names_the_problem() -> None:
         IlpProblem(node_costs=((0.0,),), shared=(SharedCost(1.0, ((((0, (3,)),),),)),))
     with pytest.raises(ValueError, match="edges"):  # unrelated checks still run
         IlpProblem(node_costs=((0.0,), (0.0,)), edges=(IlpEdge(0, 1, ((0.0, 1.0),)),))
+
+
+def test_a_clause_naming_two_aliased_nodes_solves_with_highs() -> None:
+    """Aliased nodes share their variables, so a clause naming both puts two entries in one
+    (row, column) of the model; HiGHS 1.15 never finished presolving such a matrix. The
+    backend sums them: the solve ends, with the brute-force optimum."""
+    from meshplan.planner.intra.ilp import reduce_for_costs
+    from meshplan.planner.intra.ilp_backends import _to_csc
+    from meshplan.planner.intra.ilp_model import build_model
+
+    # Found by the random test below (seed 77, second problem): 2 aliased nodes, 4 shared costs.
+    inf = math.inf
+    problem = IlpProblem(
+        node_costs=((1.0, 7.0), (12.0, 18.0)),
+        edges=(IlpEdge(1, 0, ((0.0, 3.0), (13.0, 0.0))), IlpEdge(1, 0, ((0.0, 2.0), (inf, 0.0))),
+               IlpEdge(0, 1, ((0.0, inf), (3.0, 0.0))), IlpEdge(1, 0, ((0.0, 24.0), (28.0, 0.0)))),
+        aliases=((0, 1),),
+        shared=(SharedCost(30.0, ((((1, (1,)), (0, (0,))), ((1, (0,)),)), (((0, (1,)),),),
+                                  (((0, (1,)), (1, (1,))),))),
+                SharedCost(37.0, ((((1, (1,)),),), (((1, (0,)),), ((1, (0,)),)),
+                                  (((0, (0,)), (1, (0, 1))), ((0, (0, 1)), (1, (1,)))))),
+                SharedCost(19.0, ((((1, (0,)),), ((1, (0, 1)), (0, (1,)))),
+                                  (((0, (0, 1)),), ((1, (0, 1)), (0, (0, 1)))))),
+                SharedCost(32.0, ((((1, (0, 1)), (0, (0, 1))),),))))
+    model = build_model(reduce_for_costs(problem))
+    start, index, value = _to_csc(model)
+    pairs = [(c, int(r)) for c in range(model.num_cols) for r in index[start[c]:start[c + 1]]]
+    assert len(pairs) == len(set(pairs)) < len(model.rows)   # a duplicate existed and was summed
+    assert value.sum() == model.vals.sum()
+    for solver in ("highs", "scipy"):
+        assert solve(problem, solver=solver).objective == brute_force(problem)[0] == 131.0

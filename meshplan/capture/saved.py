@@ -39,11 +39,16 @@ class SavedForBackward:
 
 
 def same_nodes(names: set[str], before: GraphModule, after: GraphModule) -> set[str]:
-    """The ``names`` of ``before`` that ``after`` (a retrace of it) has as the same op: a
-    retrace that rewrote in-place ops may give a name to another op."""
-    old = {n.name: n.target for n in before.graph.nodes}
-    new = {n.name: n.target for n in after.graph.nodes}
-    return {name for name in names if name in new and new[name] == old.get(name)}
+    """The ``names`` of ``before`` as ``after`` (a retrace of it) names the same values: an op
+    under its name if ``after`` has the same op there (a retrace that rewrote in-place ops may
+    give a name to another op), a placeholder (a parameter autograd saves itself, a layer
+    norm's weight) under the name of the placeholder in its position."""
+    old = {n.name: n.target for n in before.graph.nodes if n.op != "placeholder"}
+    new = {n.name: n.target for n in after.graph.nodes if n.op != "placeholder"}
+    inputs = dict(zip((n.name for n in before.graph.nodes if n.op == "placeholder"),
+                      (n.name for n in after.graph.nodes if n.op == "placeholder")))
+    return {inputs.get(name, name) for name in names
+            if name in inputs or (name in new and new[name] == old.get(name))}
 
 
 def renamed(names: set[str], renames: Mapping[str, str], traced: GraphModule) -> frozenset[str]:

@@ -154,8 +154,9 @@ def to_ir(traced: Traced) -> Graph:
 
 
 def _mark_kept(nodes: list[Node], saved: set[str]) -> list[Node]:
-    """Set every op node's ``kept``: true for the storage owners of the saved values (a saved
-    view keeps its base)."""
+    """Set every op and parameter node's ``kept``: true for the storage owners of the saved
+    values (a saved view keeps its base; a ZeRO-3 parameter kept is gathered again in
+    backward)."""
     by_name = {n.name: n for n in nodes}
     owners = set()
     for name in saved:
@@ -163,7 +164,7 @@ def _mark_kept(nodes: list[Node], saved: set[str]) -> list[Node]:
             name = by_name[name].inputs[0]
         owners.add(name)
     return [dataclasses.replace(n, kept=n.name in owners and n.op not in ALIASING_OPS)
-            if n.role == "op" else n for n in nodes]
+            if n.role in ("op", "param") else n for n in nodes]
 
 
 def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:

@@ -11,8 +11,10 @@ The program's signature is ``(comm, rng, *params, *buffers, *inputs, target) -> 
 (a pipeline stage's program: its sources in graph order, values received from earlier stages
 among them, returning ``(local loss or None, *values it sends)``);
 ``rng`` is the step's dropout generator (the same seed on every rank); for a parameter the
-trainer passes its local compute tensor (gathered first under ZeRO-3). Parameter
-gradients are not synchronized here: the trainer does that once per step, in buckets.
+trainer passes its local compute tensor, for a ZeRO-3 parameter its shard, which the program
+gathers right before its first use (`meshplan.runtime.zero3`: its gradient is reduce-scattered
+in backward). Other parameter gradients are not synchronized here: the trainer does that once
+per step, in buckets.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from meshplan.planner.intra.formulate import param_roots
 from meshplan.planner.intra.layout import Layout
 from meshplan.planner.intra.reshard import Step, reshard
 from meshplan.runtime import collectives as C
+from meshplan.runtime import zero3
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
+        # ZeRO-3 parameters not yet gathered (-> their ZeRO axes), and the gathered values.
+        self.to_gather: dict[str, tuple[int, ...]] = {}
+        self.gathers: set[fx.Node] = set()
         self.constants: dict[str, torch.Tensor] = {}   # the program's tensor constants
         self.comm = self.out.placeholder("comm")
         # Under mixed precision the contractions run at the half type on every device (CPU
@@ -135,7 +141,10 @@ class _Lowerer:
             return
         self.env[node.name] = self.out.placeholder(node.name)
         if node.role == "param":
-            spec = self.params[node.name].spec
+            dec = self.params[node.name]
+            spec = dec.spec
+            if dec.update == "zero3" and dec.sync_axes:
+                self.to_gather[node.name] = tuple(dec.sync_axes)
         elif node.role == "buffer":
             spec = Layout.replicated(len(node.out.shape)).spec()
         else:
@@ -153,8 +162,8 @@ class _Lowerer:
             operands.append(fxn)
             shardeds.append(val)
         if self.half is not None and node.op in HALF_OPS:
-            operands = [self.out.call_function(local_ops.cast_float, (o, self.half))
-                        for o in operands]
+            cast = zero3.cast if self.gathers else local_ops.cast_float
+            operands = [self.out.call_function(cast, (o, self.half)) for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
         self.values[node.name] = result
@@ -204,6 +213,8 @@ class _Lowerer:
                  ) -> tuple[Sharded, fx.Node]:
         """``name`` moved into ``want``, once per distinct recipe: consumers that need the same
         move share it, so its collectives run once (the ILP charges them once, `fanout.py`)."""
+        if name in self.to_gather:
+            self._gather(name)
         producer = self.graph.by_name[name]
         recipe = reshard(self.values[name].layout, want, producer.out.nbytes,
                          self.plan.mesh_shape, tuple(grad_partial), producer.requires_grad,
@@ -219,6 +230,16 @@ class _Lowerer:
                 val, fxn = self._step(step, val, fxn)
             self.moved[key] = (val, fxn)
         return self.moved[key]
+
+    def _gather(self, name: str) -> None:
+        """A ZeRO-3 parameter gathered from its shards, emitted before its first use so that it
+        is whole only from there to its last use."""
+        axes = self.to_gather.pop(name)
+        rows = local_shape(self.values[name], self.pos)[0]
+        sizes = C.shard_sizes(rows, self.pos.group(axes))
+        self.env[name] = self.out.call_function(zero3.gather, (self.comm, self.env[name], axes,
+                                                              sizes))
+        self.gathers.add(self.env[name])
 
     def _param_use(self, name: str, use_axes: tuple[int, ...]) -> fx.Node:
         """A parameter's use whose gradient is partial over ``use_axes`` while the update phase

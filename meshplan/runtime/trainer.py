@@ -2,14 +2,16 @@
 
 One `Trainer` per rank. It traces the model (cheap: fake tensors), checks the trace is the
 program the plan was made for, lowers the plan to this rank's local program, and keeps only the
-rank's shards of every parameter. A step runs the local forward (ZeRO-3 parameters gathered
-first), autograd's backward through the program's collectives, one bucketed synchronization per
-(update mode, mesh axes), and the optimizer on the local update tensors.
+rank's shards of every parameter. A step runs the local forward (ZeRO-3 parameters gathered at
+their first use, `runtime/zero3.py`), autograd's backward through the program's collectives
+(ZeRO-3 gradients reduce-scattered there), one bucketed synchronization per (update mode, mesh
+axes) of the other parameters, and the optimizer on the local update tensors.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,6 +32,7 @@ from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
 from meshplan.runtime.step_modes import autocast_for, recomputed
+from meshplan.runtime.zero3 import Rematerializer
 
 
 class _Param:
@@ -49,6 +52,12 @@ class _Param:
             self.update = shard.requires_grad_(True)
             if mode == "zero2":
                 self.compute = local.detach().clone().requires_grad_(True)
+
+    @property
+    def program_arg(self) -> torch.Tensor:
+        """What the local program takes: the compute tensor, or a ZeRO-3 parameter's shard
+        (the program gathers it)."""
+        return self.update if self.mode == "zero3" else self.compute
 
 
 class Trainer:
@@ -92,6 +101,7 @@ class Trainer:
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
         self._steps = 0
+        self._zero3 = Rematerializer() if any(p.mode == "zero3" for p in self.params) else None
 
     def _make_optimizer(self, spec: OptimizerSpec) -> Any:
         tensors = [p.update for p in self.params]
@@ -132,20 +142,17 @@ class Trainer:
         args = []
         for n in self.graph.nodes:
             if n.role == "param":
-                args.append(self._by_node[n.name].compute)
+                args.append(self._by_node[n.name].program_arg)
             elif n.role == "buffer":
                 args.append(self.buffers[n.name])
             elif n.role in ("input", "target"):
                 args.append(next(pieces) if n.state_name else (received or {})[n.name])
         return args
 
-    def _compute_tensor(self, p: _Param) -> torch.Tensor:
-        if p.mode != "zero3":
-            return p.compute
+    def _whole(self, p: _Param) -> torch.Tensor:
+        """A ZeRO-3 parameter's local tensor gathered from its shards."""
         sizes = shard_sizes(p.full_shape[0], self.comm.group_size(p.axes))
-        full = self.comm.all_gather(p.update.detach(), p.axes, 0, sizes, phase="forward")
-        p.compute = full.requires_grad_(True)
-        return p.compute
+        return self.comm.all_gather(p.update.detach(), p.axes, 0, sizes, phase="update")
 
     def step(self, batch: Any, *, seed: int | None = None) -> float:
         """One training step on the global ``batch``; returns the global loss.
@@ -187,14 +194,10 @@ class Trainer:
                 seen.add(g.untyped_storage().data_ptr())
 
     def begin_step(self, seed: int | None = None) -> torch.Generator:
-        """Before a step's micro-batches: ZeRO-3 parameters gathered (once, kept for every
-        micro-batch); returns the step's dropout generator (seeded ``seed``, default the step
-        number)."""
+        """Before a step's micro-batches: the step's dropout generator (seeded ``seed``,
+        default the step number)."""
         rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
         self._steps += 1
-        for p in self.params:
-            if p.mode == "zero3":
-                self._compute_tensor(p)
         return rng
 
     def apply_gradients(self, between: Callable[[], None] | None = None,
@@ -231,7 +234,8 @@ class Trainer:
         def program(*a: torch.Tensor) -> torch.Tensor:
             return self.program.graph_module(self.comm, rng, *a)
 
-        with autocast_for(self.plan.dtype, args[0].device.type if args else "cpu"):
+        keep_shards = self._zero3.hooks() if self._zero3 is not None else nullcontext()
+        with keep_shards, autocast_for(self.plan.dtype, args[0].device.type if args else "cpu"):
             if not self.plan.recompute:
                 return program(*args)
             return recomputed(program, args, rng, self.comm)
@@ -274,7 +278,7 @@ class Trainer:
     def _groups(self) -> list[tuple[tuple[str, tuple[int, ...]], list[_Param]]]:
         groups: dict[tuple[str, tuple[int, ...]], list[_Param]] = defaultdict(list)
         for p in self.params:
-            if p.axes:
+            if p.axes and p.mode != "zero3":   # ZeRO-3 synchronizes in backward
                 groups[(p.mode, p.axes)].append(p)
         return sorted(groups.items())
 
@@ -286,12 +290,9 @@ class Trainer:
             grads = [p.compute.grad for p in ps]
             if mode == "replicated":
                 all_reduce_grads(self.comm, grads, axes)
-                continue
-            for p, g in zip(ps, reduce_scatter_grads(self.comm, grads, axes)):
-                p.update.grad = g
-        for p in self.params:
-            if p.mode == "zero3" and not p.axes:
-                p.update.grad = p.compute.grad
+            else:
+                for p, g in zip(ps, reduce_scatter_grads(self.comm, grads, axes)):
+                    p.update.grad = g
 
     def _refresh_zero2(self) -> None:
         for (mode, axes), ps in self._groups():
@@ -319,7 +320,7 @@ class Trainer:
         n = len(self.comm.records)
         out = {}
         for p in self.params:
-            t = self._compute_tensor(p).detach() if p.mode == "zero3" else \
+            t = self._whole(p) if p.mode == "zero3" else \
                 p.update.detach() if p.mode == "replicated" else p.compute.detach()
             out[p.name] = self._gather_spec(t, p.node)
         del self.comm.records[n:]

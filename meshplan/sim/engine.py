@@ -30,14 +30,16 @@ from meshplan.lower.instructions import Instruction
 class TaskCost:
     """What one virtual stage's tasks cost on its mesh, per device: seconds of one
     micro-batch's forward and backward (collectives and any recomputation included) and of
-    the update; the parameter, gradient and optimizer state it holds; and the activations one
-    micro-batch keeps from its forward to its backward."""
+    the update; the parameter, gradient and optimizer state it holds; the activations one
+    micro-batch keeps from its forward to its backward; and what a pass holds only while it
+    runs (``working_bytes``: a ZeRO-3 parameter gathered whole, with its whole gradient)."""
 
     forward_s: float
     backward_s: float
     update_s: float
     state_bytes: float
     activation_bytes: float
+    working_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,9 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
                     start, clock[m] = clock[m], clock[m] + took
                     if forward:
                         note(m, start, c.activation_bytes)
+                    if c.working_bytes:
+                        note(m, start, c.working_bytes)
+                        note(m, clock[m], -c.working_bytes)
                     spans.append(Span(m, ins.stage, ins.microbatch, ins.kind, start, clock[m]))
                 elif ins.op == "FREE":
                     note(m, clock[m], -costs[ins.stage].activation_bytes)

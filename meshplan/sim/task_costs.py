@@ -61,7 +61,8 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     if stage is not None:
         kept = max(stage.memory_bytes - state, 0.0) / max(stage.in_flight, 1)
     return TaskCost(forward_s=forward, backward_s=backward, update_s=per_pass["update"],
-                    state_bytes=state, activation_bytes=kept)
+                    state_bytes=state, activation_bytes=kept,
+                    working_bytes=p.predicted.get("working_bytes", 0.0))
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import recompute_extra_s
-from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, peak_memory
+from meshplan.planner.intra.ilp_problem import (IlpProblem, IlpSolution, peak_memory,
+                                                working_peak)
 from meshplan.progress import progress
 
 
@@ -609,7 +610,7 @@ class StageProfiler:
         return StageSolution(form, sol, self.stage(start, end))
 
     def _latency(self, s: StageSolution) -> float:
-        tie = s.form.ctx.tie_break * sum(_memory_parts(s))
+        tie = s.form.ctx.tie_break * sum(_memory_parts(s, working=False))
         return (s.solution.objective - tie) / self.microbatches
 
     def _recompute_latency(self, s: StageSolution) -> float:
@@ -642,15 +643,19 @@ def _usable_cores() -> int:
         (os.cpu_count() or 1)
 
 
-def _memory_parts(s: StageSolution) -> tuple[float, float, float]:
-    """(state, activations, received inputs) bytes per device of a solved stage."""
+def _memory_parts(s: StageSolution, working: bool = True) -> tuple[float, float, float]:
+    """(state, activations, received inputs) bytes per device of a solved stage; the state
+    includes the ZeRO-3 working set (held once whatever is in flight) unless ``working`` is
+    false (what the ILP's objective charged)."""
     mem, roots, by = s.form.problem.node_memory, s.form.roots, s.graph.by_name
     parts = {"param": 0.0, "act": 0.0, "in": 0.0}
     for i, r in enumerate(roots):
         role = by[r].role
         part = "param" if role == "param" else "in" if role in ("input", "target") else "act"
         parts[part] += mem[i][s.solution.choices[i]]
-    return parts["param"], parts["act"], parts["in"]
+    state = parts["param"] + (working_peak(s.form.problem, s.solution.choices) if working
+                               else 0.0)
+    return state, parts["act"], parts["in"]
 
 
 def _in_flight_problem(form: Formulation, stage: Graph, where: Mapping[str, int],

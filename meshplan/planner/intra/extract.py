@@ -15,7 +15,9 @@ from meshplan.cost.collectives import collective_cost
 from meshplan.lower.factored_stats import factored_buckets, update_dims
 from meshplan.planner.intra.fanout import param_sync, use_charges
 from meshplan.planner.intra.formulate import Formulation
-from meshplan.planner.intra.op_costs import CostContext, OpCosts, local_bytes, step_cost
+from meshplan.planner.intra.op_costs import (CostContext, OpCosts, local_bytes, step_cost,
+                                             zero3_counts)
+from meshplan.planner.intra.ilp_problem import working_peak
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
@@ -99,6 +101,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                               s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
                               reshard[node.name], costs.memory(node, choice), s.sync_axes))
     params = _params(form, idx, sync, counts)
+    working = working_peak(form.problem, choices)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())
                     for n in g.nodes if n.role in ("input", "target"))
@@ -111,10 +114,10 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
-               "activation_bytes": memory - state,
+               "activation_bytes": memory - state, "working_bytes": working,
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
-    return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory,
+    return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory + working,
                        compute + comm_time, figures)
 
 
@@ -167,12 +170,12 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
             counts[("all_reduce", nbytes, extra, "backward")] += form.ctx.microbatches
         if axes and mode == "replicated":
             buckets[("all_reduce", axes, "update", mode)] += nbytes
-        elif axes:
+        elif mode == "zero2":
             buckets[("reduce_scatter", axes, "update", mode)] += nbytes
-            if mode == "zero2":
-                buckets[("all_gather", axes, "update", mode)] += nbytes
-            else:  # gathered once per step, before the first micro-batch
-                counts[("all_gather", nbytes, axes, "forward")] += 1
+            buckets[("all_gather", axes, "update", mode)] += nbytes
+        elif axes:   # ZeRO-3: one parameter at a time, in the passes (`zero3_counts`)
+            for kind, phase, count in zero3_counts(form.ctx, n.kept is not False):
+                counts[(kind, nbytes, axes, phase)] += count
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
         shapes.append(n.out.shape)

@@ -64,6 +64,7 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
     operands = charge_operands(costs)
     node_costs = operands.node_costs
     memory = {r: [0.0] * len(nc.choices[r]) for r in roots}
+    working = {r: [0.0] * len(nc.choices[r]) for r in roots}
     for node in nc.graph.nodes:
         r = nc.root_of[node.name]
         for p, choice in enumerate(nc.choices[node.name]):
@@ -71,12 +72,15 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
             node_costs[r][p] += costs.stat_sync_cost(node, choice)
             mem = costs.memory(node, choice)
             memory[r][p] += mem
+            working[r][p] = max(working[r][p], costs.working(node, choice))
             node_costs[r][p] += ctx.tie_break * mem
     problem = IlpProblem(
         node_costs=tuple(tuple(node_costs[r]) for r in roots),
         edges=tuple(IlpEdge(index[a], index[r], tuple(tuple(row) for row in m))
                     for (a, r), m in operands.edges.items()),
         node_memory=tuple(tuple(memory[r]) for r in roots),
+        node_working=tuple(tuple(working[r]) for r in roots)
+        if any(any(w) for w in working.values()) else None,
         aliases=block_aliases(nc, index) if share_blocks else (),
         live_sets=(tuple(range(len(roots))),) if memory_budget is not None else (),
         memory_budget=memory_budget, shared=shared_costs(operands, index))

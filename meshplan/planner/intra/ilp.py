@@ -9,7 +9,8 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
     s.t.  sum_p s_v[p] = 1                          for every node v     build_choice_rows
           sum_q e_uv[p,q] = s_u[p]                  for every p          build_edge_rows
           sum_p e_uv[p,q] = s_v[q]                  for every q          build_edge_rows
-          sum_{v in L} sum_p mem_v[p] s_v[p] <= budget   per live set L  build_memory_rows
+          sum_{v in L} sum_p mem_v[p] s_v[p] + W <= budget   per live set L  build_memory_rows
+          W >= sum_p work_v[p] s_v[p]               per node v with a working set
           y_k >= sum_{c in b} [c] - (|b| - 1)     per block b of shared cost k  build_shared_rows
           z_c >= sum_{p in P} s_v[p]                per condition (v, P) of a clause c
           objective <= max_cost                     (when given)         build_max_cost_row
@@ -32,8 +33,10 @@ over each class's ``s``: exact, and about 3x fewer variables on sharding-like pr
 Before building, exact reductions (``meshplan.planner.intra.ilp_reduce``) merge aliased nodes
 into one set of variables, sum parallel edges, fold a node with one allowed strategy into
 constants, turn an edge with a fixed end or a separable matrix into node costs, and forbid a
-strategy with no allowed partner. ``min_memory`` solves ``min M`` subject to
-``sum_{v in L} mem_v^T s_v <= M`` over the same feasible set, ignoring costs.
+strategy with no allowed partner. ``W`` (continuous) is the largest working set chosen:
+memory a node holds only while a pass runs, one node at a time (a ZeRO-3 parameter gathered
+whole). ``min_memory`` solves ``min M`` subject to ``sum_{v in L} mem_v^T s_v + W <= M`` over
+the same feasible set, ignoring costs.
 """
 
 from __future__ import annotations
@@ -120,7 +123,9 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
 def _memory_spec(problem: IlpProblem, budget: float | None) -> MemorySpec:
     assert problem.node_memory is not None  # IlpProblem validation requires it with live sets
     memory = tuple(np.asarray(row, dtype=np.float64) for row in problem.node_memory)
-    return MemorySpec(memory, problem.live_sets, budget)
+    working = None if problem.node_working is None else tuple(
+        np.asarray(row, dtype=np.float64) for row in problem.node_working)
+    return MemorySpec(memory, problem.live_sets, budget, working)
 
 
 def _check_options(time_limit_s: float | None, solver: str) -> None:

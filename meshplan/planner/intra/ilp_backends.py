@@ -89,11 +89,19 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def _to_csc(model: MilpModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Column-wise (start, index, value) arrays of the constraint matrix."""
+    """Column-wise (start, index, value) arrays of the constraint matrix, entries of the same
+    (row, column) summed: the model may list one twice (a clause naming two aliased nodes),
+    which HiGHS 1.15 reports and then never finishes presolving (scipy sums them itself)."""
     order = np.lexsort((model.rows, model.cols))
-    counts = np.bincount(model.cols, minlength=model.num_cols)
+    rows, cols, vals = model.rows[order], model.cols[order], model.vals[order]
+    first = np.ones(rows.size, dtype=bool)
+    first[1:] = (rows[1:] != rows[:-1]) | (cols[1:] != cols[:-1])
+    starts = np.flatnonzero(first)
+    vals = np.add.reduceat(vals, starts) if vals.size else vals
+    rows, cols = rows[starts], cols[starts]
+    counts = np.bincount(cols, minlength=model.num_cols)
     start = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
-    return start, model.rows[order].astype(np.int32), model.vals[order]
+    return start, rows.astype(np.int32), vals
 
 
 def _highs_lp(model: MilpModel) -> highspy.HighsLp:

@@ -8,8 +8,10 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
 - ``build_edge_rows``: marginal form (default) or the 3-inequality McCormick form (kept only to
   measure against). Strategies whose matrix rows (columns) are identical share a *class*, and edge
   variables exist per finite class pair, which is exact and often much smaller;
-- ``build_memory_rows``: ``sum_{v in L} sum_p mem[v, p] s[v, p] <= budget`` per live set ``L``
-  (or ``<= M`` when minimizing memory); rows that can never bind are skipped;
+- ``build_memory_rows``: ``sum_{v in L} sum_p mem[v, p] s[v, p] + W <= budget`` per live set
+  ``L`` (or ``<= M`` when minimizing memory), where the continuous ``W >= sum_p work[g, p]
+  s[g, p]`` for every group bounds the largest working set chosen (held only while a pass runs,
+  by one node at a time: a maximum, not a sum); rows that can never bind are skipped;
 - ``build_shared_rows``: one continuous ``y`` per shared (fan-out) cost, paid when any of its
   blocks holds: ``y >= sum_{clause in block} [clause] - (|block| - 1)`` per block, where a
   clause's indicator is ``sum_{p in P} s[g, p]`` for one condition ``(g, P)`` and a continuous
@@ -34,11 +36,14 @@ class MemorySpec:
     """Memory data for the model: per-node bytes per strategy and the live sets.
 
     ``budget`` in bytes caps every live set; None means "minimize the largest live set" instead.
+    ``node_working``: per-node bytes per strategy held only while a pass runs; the largest one
+    chosen adds to every live set (None: none).
     """
 
     node_memory: tuple[np.ndarray, ...]
     live_sets: tuple[tuple[int, ...], ...]
     budget: float | None
+    node_working: tuple[np.ndarray, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -295,20 +300,57 @@ def build_memory_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     """
     m_col = -1 if memory.budget is not None else coo.add_cols(np.ones(1), np.inf, False)
     unit = max([1.0] + [float(np.abs(m).max()) for m in memory.node_memory if m.size])
+    w_col, w_least, w_most = _working_column(coo, reduced, choice_cols, memory, unit)
     for live in dict.fromkeys(frozenset(s) for s in memory.live_sets):
         const, cols, coefs = _live_set_terms(live, reduced, choice_cols, memory)
+        if w_col >= 0:
+            cols, coefs = cols + [np.array([w_col])], coefs + [np.array([unit])]
+        else:
+            const += w_least
         if m_col >= 0:
             # M counts in units of the largest memory coefficient (one unit for every row): it
             # then enters each scaled row with a coefficient near 1, not 1/bytes, which a
             # solver would read as zero.
             _add_row(coo, cols + [np.array([m_col])], coefs + [np.array([-unit])], -const)
             continue
-        least = const + sum(float(c.min()) for c in coefs)
+        choices = coefs[:-1] if w_col >= 0 else coefs
+        least = const + sum(float(c.min()) for c in choices) + (w_least if w_col >= 0 else 0.0)
         if least > memory.budget * (1 + 1e-12):
             raise InfeasibleIlpError(f"live set {sorted(live)} needs at least {least:.6g} "
                                      f"bytes > budget {memory.budget:.6g}")
-        if const + sum(float(c.max()) for c in coefs) > memory.budget:
+        most = const + sum(float(c.max()) for c in choices) + (w_most if w_col >= 0 else 0.0)
+        if most > memory.budget:
             _add_row(coo, cols, coefs, memory.budget - const)
+
+
+def _working_column(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                    memory: MemorySpec, unit: float) -> tuple[int, float, float]:
+    """The column ``W`` (in units of ``unit`` bytes, like ``M``) bounding the chosen working
+    sets, with its rows; -1 when no free group has one. Also the least and the most bytes it
+    can stand for: the fixed groups' largest, and the largest of all."""
+    if memory.node_working is None:
+        return -1, 0.0, 0.0
+    per_group: dict[int, np.ndarray] = {}
+    for v, work in enumerate(memory.node_working):
+        if work.size and work.max() > 0:
+            g = int(reduced.group_of_node[v])
+            per_group[g] = np.maximum(per_group.get(g, 0.0), work)
+    fixed, free = 0.0, []
+    for g, work in per_group.items():
+        allowed = reduced.allowed(g)
+        if choice_cols[g] < 0:
+            fixed = max(fixed, float(work[allowed[0]]))
+        elif work[allowed].max() > 0:
+            free.append((g, work[allowed]))
+    if not free:
+        return -1, fixed, fixed
+    w_col = coo.add_cols(np.zeros(1), np.inf, False)
+    for g, work in free:   # W >= the group's chosen working set
+        _add_row(coo, [choice_cols[g] + np.arange(work.size), np.array([w_col])],
+                 [work, np.array([-unit])], 0.0)
+    if fixed > 0:
+        _add_row(coo, [np.array([w_col])], [np.array([-unit])], -fixed)
+    return w_col, fixed, max(fixed, max(float(w.max()) for _, w in free))
 
 
 def _live_set_terms(live: frozenset[int], reduced: ReducedIlp, choice_cols: np.ndarray,

@@ -83,7 +83,9 @@ class IlpProblem:
     ``node_costs[v][p]`` is node ``v``'s cost under strategy ``p`` (``math.inf`` forbids it).
     ``aliases`` pairs must pick the same strategy index (they need equal strategy counts).
     ``node_memory[v][p]`` is bytes held by ``v`` under ``p``; each live set's chosen memory must
-    not exceed ``memory_budget`` (bytes) when that is given. ``max_cost`` caps the objective.
+    not exceed ``memory_budget`` (bytes) when that is given. ``node_working[v][p]`` (optional)
+    is bytes ``v`` holds only while a pass runs (a ZeRO-3 parameter gathered whole): nodes take
+    turns, so the largest one chosen adds to every live set. ``max_cost`` caps the objective.
     ``shared`` costs are paid once each when one of their blocks holds (see `SharedCost`).
     Raises ValueError naming the bad index for wrong matrix sizes, out-of-range node indices,
     aliases between nodes with different strategy counts, or memory settings without
@@ -98,6 +100,7 @@ class IlpProblem:
     memory_budget: float | None = None
     max_cost: float | None = None
     shared: tuple[SharedCost, ...] = ()
+    node_working: Matrix | None = None
 
     def __post_init__(self) -> None:
         _check_matrix(self.node_costs, "node_costs")
@@ -186,7 +189,14 @@ def peak_memory(problem: IlpProblem, choices: tuple[int, ...]) -> float:
         return 0.0
     memory = problem.node_memory
     assert memory is not None  # guaranteed by IlpProblem validation
-    return max(math.fsum(memory[v][choices[v]] for v in live) for live in problem.live_sets)
+    return max(math.fsum(memory[v][choices[v]] for v in live) for live in problem.live_sets) \
+        + working_peak(problem, choices)
+
+
+def working_peak(problem: IlpProblem, choices: tuple[int, ...]) -> float:
+    """The largest ``node_working`` entry an assignment chooses (0.0 without)."""
+    work = problem.node_working
+    return max((work[v][p] for v, p in enumerate(choices)), default=0.0) if work else 0.0
 
 
 def _check_choices(problem: IlpProblem, choices: tuple[int, ...]) -> None:
@@ -272,14 +282,18 @@ def _check_memory(problem: IlpProblem, counts: tuple[int, ...]) -> None:
         if problem.live_sets or problem.memory_budget is not None:
             raise ValueError("live_sets/memory_budget need node_memory (bytes per strategy)")
         return
-    _check_matrix(problem.node_memory, "node_memory", finite=True)
-    if len(problem.node_memory) != len(counts):
-        raise ValueError(f"node_memory has {len(problem.node_memory)} rows; expected one per "
-                         f"node ({len(counts)})")
-    for v, row in enumerate(problem.node_memory):
-        if len(row) != counts[v]:
-            raise ValueError(f"node_memory[{v}] has {len(row)} entries; node {v} has "
-                             f"{counts[v]} strategies")
+    for name in ("node_memory", "node_working"):
+        matrix = getattr(problem, name)
+        if matrix is None:
+            continue
+        _check_matrix(matrix, name, finite=True)
+        if len(matrix) != len(counts):
+            raise ValueError(f"{name} has {len(matrix)} rows; expected one per node "
+                             f"({len(counts)})")
+        for v, row in enumerate(matrix):
+            if len(row) != counts[v]:
+                raise ValueError(f"{name}[{v}] has {len(row)} entries; node {v} has "
+                                 f"{counts[v]} strategies")
     _check_tuple(problem.live_sets, "live_sets")
     for i, live in enumerate(problem.live_sets):
         _check_tuple(live, f"live_sets[{i}]")
