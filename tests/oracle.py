@@ -78,8 +78,9 @@ def make_plan(spec: str, shape: tuple[int, int], method: str, opt: OptimizerSpec
                     mesh_shape=shape, method=method, memory_budget_gb=0, name=spec, **extra, **kw)
 
 
-UPDATE_KINDS = {"replicated": ("all_reduce",), "zero2": ("reduce_scatter", "all_gather"),
-                "zero3": ("reduce_scatter",)}
+# The update-phase collectives of each mode (bucketed by the runtime; ZeRO's reduce-scatters
+# and ZeRO-3's gathers run per parameter in the passes, listed one by one).
+UPDATE_KINDS = {"replicated": ("all_reduce",), "zero2": ("all_gather",), "zero3": ()}
 
 
 def alpha_beta_sum(plan: Plan) -> float:

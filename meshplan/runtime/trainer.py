@@ -4,12 +4,14 @@ One `Trainer` per rank. It traces the model (cheap: fake tensors), checks the tr
 program the plan was made for, lowers the plan to this rank's local program, and keeps only the
 rank's shards of every parameter. A step runs the local forward (ZeRO-3 parameters gathered at
 their first use, `runtime/zero3.py`), autograd's backward through the program's collectives
-(ZeRO-3 gradients reduce-scattered there), one bucketed synchronization per (update mode, mesh
-axes) of the other parameters, and the optimizer on the local update tensors.
+(ZeRO-2 and ZeRO-3 gradients reduce-scattered there, each as soon as it is complete), one
+bucketed all-reduce per mesh axes of the replicated ones, the optimizer on the local update
+tensors, and one bucketed all-gather per mesh axes refreshing the ZeRO-2 parameters.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
@@ -26,8 +28,7 @@ from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
 from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm
-from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads,
-                                        reduce_scatter_grads)
+from meshplan.runtime.grad_sync import all_gather_params, all_reduce_grads
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
@@ -102,6 +103,9 @@ class Trainer:
         self._layout = traced.batch
         self._steps = 0
         self._zero3 = Rematerializer() if any(p.mode == "zero3" for p in self.params) else None
+        for p in self.params:
+            if p.mode == "zero2":
+                p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
 
     def _make_optimizer(self, spec: OptimizerSpec) -> Any:
         tensors = [p.update for p in self.params]
@@ -275,29 +279,42 @@ class Trainer:
                 if p.update.grad is not None:
                     p.update.grad.mul_(scale)
 
-    def _groups(self) -> list[tuple[tuple[str, tuple[int, ...]], list[_Param]]]:
-        groups: dict[tuple[str, tuple[int, ...]], list[_Param]] = defaultdict(list)
+    def _groups(self, mode: str) -> list[tuple[tuple[int, ...], list[_Param]]]:
+        """The synchronized parameters of update ``mode`` by mesh axes (one bucket each)."""
+        groups: dict[tuple[int, ...], list[_Param]] = defaultdict(list)
         for p in self.params:
-            if p.axes and p.mode != "zero3":   # ZeRO-3 synchronizes in backward
-                groups[(p.mode, p.axes)].append(p)
+            if p.axes and p.mode == mode:
+                groups[p.axes].append(p)
         return sorted(groups.items())
 
+    def _scatter_hook(self, p: _Param) -> Callable[[torch.Tensor], None]:
+        """ZeRO-2: once a micro-batch's gradient of ``p`` is complete, reduce-scatter it into
+        the update shard's gradient, so the whole gradient lives only until then."""
+        comm, sizes = self.comm, shard_sizes(p.full_shape[0], self.comm.group_size(p.axes))
+        # Weakly: the tensor keeps its hook, and a strong reference back to the parameter
+        # would be a cycle through C++ that Python's collector cannot free.
+        ref = weakref.ref(p)
+
+        def hook(param: torch.Tensor) -> None:
+            mine = ref()
+            assert mine is not None   # the hook's tensor belongs to it
+            with torch.no_grad():
+                piece = comm.reduce_scatter(param.grad, mine.axes, 0, sizes, phase="backward")
+                mine.update.grad = piece if mine.update.grad is None else \
+                    mine.update.grad.add_(piece)
+            param.grad = None
+        return hook
+
     def _synchronize(self) -> None:
+        # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward.
         for p in self.params:
-            if p.compute is not None and p.compute.grad is None:
+            if p.mode == "replicated" and p.compute.grad is None:
                 p.compute.grad = torch.zeros_like(p.compute)
-        for (mode, axes), ps in self._groups():
-            grads = [p.compute.grad for p in ps]
-            if mode == "replicated":
-                all_reduce_grads(self.comm, grads, axes)
-            else:
-                for p, g in zip(ps, reduce_scatter_grads(self.comm, grads, axes)):
-                    p.update.grad = g
+        for axes, ps in self._groups("replicated"):
+            all_reduce_grads(self.comm, [p.compute.grad for p in ps], axes)
 
     def _refresh_zero2(self) -> None:
-        for (mode, axes), ps in self._groups():
-            if mode != "zero2":
-                continue
+        for axes, ps in self._groups("zero2"):
             fulls = all_gather_params(self.comm, [p.update.detach() for p in ps],
                                       [p.full_shape for p in ps], axes)
             with torch.no_grad():

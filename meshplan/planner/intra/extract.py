@@ -16,7 +16,7 @@ from meshplan.lower.factored_stats import factored_buckets, update_dims
 from meshplan.planner.intra.fanout import param_sync, use_charges
 from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, local_bytes, step_cost,
-                                             zero3_counts)
+                                             zero_counts)
 from meshplan.planner.intra.ilp_problem import working_peak
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
@@ -170,12 +170,12 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
             counts[("all_reduce", nbytes, extra, "backward")] += form.ctx.microbatches
         if axes and mode == "replicated":
             buckets[("all_reduce", axes, "update", mode)] += nbytes
-        elif mode == "zero2":
-            buckets[("reduce_scatter", axes, "update", mode)] += nbytes
-            buckets[("all_gather", axes, "update", mode)] += nbytes
-        elif axes:   # ZeRO-3: one parameter at a time, in the passes (`zero3_counts`)
-            for kind, phase, count in zero3_counts(form.ctx, n.kept is not False):
-                counts[(kind, nbytes, axes, phase)] += count
+        elif axes:   # ZeRO: one parameter at a time in the passes, the update's bucketed
+            for kind, phase, count in zero_counts(mode, form.ctx, n.kept is not False):
+                if phase == "update":
+                    buckets[(kind, axes, phase, mode)] += nbytes
+                else:
+                    counts[(kind, nbytes, axes, phase)] += count
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
         shapes.append(n.out.shape)

@@ -26,7 +26,7 @@ from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.ilp_problem import SharedCost
 from meshplan.planner.intra.layout import Axes
 from meshplan.planner.intra.op_costs import (OpCosts, local_bytes, recipe_cost, sync_cost,
-                                             zero3_counts)
+                                             zero_counts)
 
 Charge = tuple[Hashable, tuple, float]   # (unit, key, cost)
 Use = tuple[str, int]                    # (consumer node, operand position)
@@ -59,10 +59,10 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
         choice = costs.nc.choices[param][p]
         lay = choice.strategy.output
         nbytes = local_bytes(costs.g.by_name[param], lay, costs.shape)
-        zero3 = zero3_counts(costs.ctx, costs.g.by_name[param].kept is not False) \
-            if choice.mode == "zero3" else ()
+        zero = zero_counts(choice.mode, costs.ctx, costs.g.by_name[param].kept is not False) \
+            if choice.mode != "replicated" else ()
         out.append((("p", param), ("sync", param, choice.mode, lay, recipe.sync_axes),
-                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero3)))
+                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero)))
     return out
 
 

@@ -106,31 +106,32 @@ def recipe_cost(recipe: Recipe, needs_grad: bool, mesh: LogicalMesh,
     return sum(step_cost(s, needs_grad, mesh, weights) for s in recipe.steps)
 
 
-def zero3_counts(ctx: CostContext, kept: bool) -> tuple[tuple[str, str, int], ...]:
-    """``(kind, phase, count)`` per step of one ZeRO-3 parameter's collectives, as the runtime
-    issues them (`meshplan.runtime.zero3`): gathered in every forward (and its replay), gathered
-    again in every backward when autograd keeps it (not under recomputation: the replayed
-    forward gathered it), its gradient reduce-scattered in every backward."""
+def zero_counts(mode: str, ctx: CostContext, kept: bool) -> tuple[tuple[str, str, int], ...]:
+    """``(kind, phase, count)`` per step of one ZeRO parameter's collectives, as the runtime
+    issues them. Both reduce-scatter the gradient in every backward, as soon as it is
+    complete. ZeRO-2 then gathers the updated shards once per step (bucketed, `runtime/
+    trainer.py`); ZeRO-3 (`runtime/zero3.py`) gathers the parameter in every forward (and its
+    replay), and again in every backward when autograd keeps it (not under recomputation: the
+    replayed forward gathered it)."""
+    scatter = ("reduce_scatter", "backward", ctx.microbatches)
+    if mode == "zero2":
+        return scatter, ("all_gather", "update", 1)
     out = [("all_gather", label, n) for label, n in ctx.phase_counts("forward")]
     if kept and not ctx.recompute:
         out.append(("all_gather", "backward", ctx.microbatches))
-    out.append(("reduce_scatter", "backward", ctx.microbatches))
-    return tuple(out)
+    return (*out, scatter)
 
 
 @lru_cache(maxsize=None)
 def sync_cost(mode: str, axes: Axes, nbytes: int, mesh: LogicalMesh,
-              zero3: tuple[tuple[str, str, int], ...] = ()) -> float:
-    """Gradient synchronization of one parameter's local tensor over ``axes``: once per step
-    for a replicated or ZeRO-2 update, ``zero3`` (`zero3_counts`) for ZeRO-3."""
+              zero: tuple[tuple[str, str, int], ...] = ()) -> float:
+    """Gradient synchronization of one parameter's local tensor over ``axes``: an all-reduce
+    once per step for a replicated update, ``zero`` (`zero_counts`) for ZeRO-2 and -3."""
     if not axes:
         return 0.0
     if mode == "replicated":
         return collective_cost("all_reduce", mesh, axes, nbytes)
-    if mode == "zero3":
-        return sum(n * collective_cost(kind, mesh, axes, nbytes) for kind, _, n in zero3)
-    return (collective_cost("reduce_scatter", mesh, axes, nbytes)
-            + collective_cost("all_gather", mesh, axes, nbytes))
+    return sum(n * collective_cost(kind, mesh, axes, nbytes) for kind, _, n in zero)
 
 
 def local_bytes(node: Node, layout: Layout, mesh_shape: tuple[int, ...]) -> int:
@@ -212,9 +213,10 @@ class OpCosts:
         return 0.0
 
     def working(self, node: Node, choice: Choice) -> float:
-        """Bytes held only while a pass runs: a ZeRO-3 parameter whole, twice (gathered, and
-        its whole gradient until the reduce-scatter; `meshplan.runtime.zero3`)."""
+        """Bytes held only while a pass runs: a ZeRO parameter's whole gradient until its
+        reduce-scatter, and under ZeRO-3 the parameter whole too (`meshplan.runtime.zero3`)."""
         lay = choice.strategy.output
-        if node.role != "param" or choice.mode != "zero3" or not dp_axes(lay, self.shape):
+        if node.role != "param" or choice.mode not in ("zero2", "zero3") \
+                or not dp_axes(lay, self.shape):
             return 0.0
-        return 2.0 * local_bytes(node, lay, self.shape)
+        return (2.0 if choice.mode == "zero3" else 1.0) * local_bytes(node, lay, self.shape)
