@@ -80,7 +80,7 @@ from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.precision import DTYPES
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.runtime.optim import OptimizerSpec
-from meshplan.sim.simulate import simulate
+from meshplan.sim.simulate import recomputed_stages, simulate
 from meshplan.sim.task_costs import stage_plans
 from meshplan.zoo.spec import build_workload
 spec, cluster, method, dtype, optimizer, layers = sys.argv[1:7]
@@ -104,8 +104,9 @@ if out.get("status") is None:
         sim = simulate(p)
         n, peak = cl.num_devices, cl.device.peak(DTYPES[p.dtype])
         flops = sum(s.predicted["forward_flops"] for s in stage_plans(p)) * p.microbatches
-        passes = 4 if p.recompute else 3
-        counted = passes * flops / (sim.step_time_s * n) / 1e12   # simulate()'s own figure
+        passes = [4 if rc else 3 for rc in recomputed_stages(p)]
+        counted = sum(k * s.predicted["forward_flops"] for k, s in zip(passes, stage_plans(p))) \
+            * p.microbatches / (sim.step_time_s * n) / 1e12   # simulate()'s own figure
         out.update(
             status="ok", planner_step_s=p.predicted["step_time_s"], step_s=sim.step_time_s,
             tflops=sim.tflops_per_device, mfu=sim.mfu, bubble=sim.bubble_fraction,

@@ -4,6 +4,7 @@ prints the figures and writes the timeline files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,3 +175,20 @@ def test_published_orderings_hold() -> None:
     across = step(wide, "dgx-a100:2", "megatron:dp=1,tp=16,pp=1,mb=4")[0]
     assert step(wide, "dgx-a100:2", "megatron:dp=2,tp=8,pp=1,mb=4")[0] < across
     assert step(wide, "dgx-a100:2", "megatron:dp=1,tp=8,pp=2,mb=4")[0] < across
+
+
+def test_recomputation_is_counted_per_stage(pipelines: dict[str, api.Plan]) -> None:
+    """Megatron-LM counts a fourth pass of model FLOPs where the forward is recomputed: in a
+    pipeline whose first stage alone recomputes, that stage's FLOPs count four times and the
+    others' three (not four for every stage because one does)."""
+    p = pipelines["1f1b"]
+    first = p.stages[0]
+    mixed = dataclasses.replace(p, recompute=True, stages=(
+        dataclasses.replace(first, recompute=True,
+                            plan=dataclasses.replace(first.plan, recompute=True)),
+        *p.stages[1:]))
+    sim = simulate(mixed)
+    flops = [s.plan.predicted["forward_flops"] * p.microbatches for s in p.stages]
+    got = sim.tflops_per_device * 1e12 * sim.step_time_s * p.num_devices
+    assert got == pytest.approx(4 * flops[0] + 3 * sum(flops[1:]), rel=1e-9)
+    assert len(flops) > 1 and flops[0] > 0

@@ -4,8 +4,9 @@ The per-mesh instruction lists are the ones the runtime executes (`lower/pipelin
 a single-stage plan runs its micro-batches one after another, forward then backward, as
 `runtime/trainer.py` does), executed by `engine.simulate_programs` with the durations of
 `task_costs.py`. FLOPs are counted as Megatron-LM counts them: a training step does three
-forward passes' worth of model FLOPs (forward, and twice that in backward), four where the
-forward is recomputed; MFU counts three whatever the plan recomputes.
+forward passes' worth of model FLOPs (forward, and twice that in backward), four for a stage
+that recomputes its forward (stage by stage: in a pipeline only some may); MFU counts three
+whatever the plan recomputes.
 """
 
 from __future__ import annotations
@@ -76,19 +77,27 @@ def simulate(plan: Plan) -> Simulation:
     for m, ranks in enumerate(meshes):
         for r in ranks:
             per_device[r] = peaks[m]
-    forward_flops = sum(p.predicted.get("forward_flops", 0.0) for p in plans) * \
-        plan.microbatches
+    flops = [p.predicted.get("forward_flops", 0.0) * plan.microbatches for p in plans]
+    forward_flops = sum(flops)
+    counted = sum(f * (4 if rc else 3) for f, rc in zip(flops, recomputed_stages(plan)))
     devices = cluster.num_devices
-    passes = 4 if plan.recompute else 3
     peak = cluster.device.peak(DTYPES[plan.dtype])
     batch = plans[0].predicted.get("batch_size", 0)
     return Simulation(
         timeline=timeline, step_time_s=step,
         samples_per_s=batch / step if step else 0.0,
-        tflops_per_device=passes * forward_flops / (step * devices) / 1e12 if step else 0.0,
+        tflops_per_device=counted / (step * devices) / 1e12 if step else 0.0,
         mfu=3 * forward_flops / (step * devices * peak) if step else 0.0,
         bubble_fraction=timeline.bubble_fraction(),
         peak_memory_bytes=tuple(per_device))
+
+
+def recomputed_stages(plan: Plan) -> list[bool]:
+    """Whether each (virtual) stage of ``plan`` recomputes its forward, in `stage_plans`
+    order."""
+    if len(plan.stages) <= 1:
+        return [plan.recompute]
+    return [s.recompute for s in plan.stages]
 
 
 def _holders(plans: list[Plan]) -> set[int]:
