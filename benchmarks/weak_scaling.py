@@ -17,8 +17,9 @@ L=48 default 67 s; Wide-ResNet-13B L=18 255 s, L=35 default 125 s; MoE-70B L=8 o
 L=16 default 412 s), and a larger one splits the repeated blocks and finds worse pipelines
 (MoE-70B L=32: 97 s but an estimated step of 43 s against 16 s). The other methods keep the
 planner's own L (Megatron's grid: one layer per block; single-stage methods have none).
-TFLOP/s per GPU are `Simulation.tflops_per_device`, which counts a fourth pass for every stage
-when any stage recomputes.
+TFLOP/s per GPU are `Simulation.tflops_per_device`, which counts a fourth pass for the stages
+that recompute (results recorded before 2026-11-25 12:00 counted it for every stage of a
+pipeline where any stage recomputed).
 
 Usage:
   python benchmarks/weak_scaling.py [--suite gpt|moe|wresnet ...] [--row NAME ...]
