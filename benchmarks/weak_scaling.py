@@ -18,8 +18,8 @@ L=16 default 412 s), and a larger one splits the repeated blocks and finds worse
 (MoE-70B L=32: 97 s but an estimated step of 43 s against 16 s). The other methods keep the
 planner's own L (Megatron's grid: one layer per block; single-stage methods have none).
 TFLOP/s per GPU are `Simulation.tflops_per_device`, which counts a fourth pass for the stages
-that recompute (results/weak_scaling_2026-11-25.json was recorded before, counting it for every stage of a
-pipeline where any stage recomputed).
+that recompute (results/weak_scaling_2026-11-25.json was recorded before that: it counts one
+for every stage of a pipeline where any stage recomputes).
 
 Usage:
   python benchmarks/weak_scaling.py [--suite gpt|moe|wresnet ...] [--row NAME ...]
