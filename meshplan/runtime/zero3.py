@@ -88,7 +88,7 @@ class Rematerializer:
     (emulated ranks are threads, and autograd's hooks are per thread too)."""
 
     def __init__(self) -> None:
-        # id(tensor) -> (weak reference to it, its entry, the dtype it is a cast to or None):
+        # id(tensor) -> (weak reference to it, its entry, how it derives from the parameter):
         # weak, so the registry never keeps a gathered tensor alive.
         self._known: dict[int, tuple[weakref.ref, _Gathered, Derivation]] = {}
 
