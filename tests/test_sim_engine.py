@@ -86,3 +86,20 @@ def test_lists_that_deadlock_are_refused() -> None:
         simulate_programs(progs, costs, lambda s: s, lambda *_: 0.0)
     with pytest.raises(ValueError, match="no task costs for stages \\[1\\]"):
         simulate_programs(progs, {0: costs[0]}, lambda s: s, lambda *_: 0.0)
+
+
+def test_passes_hold_their_temporaries_and_the_first_backward_makes_the_gradients() -> None:
+    """One stage, two micro-batches (f0 b0 f1 b1): 6 of its 10 bytes of state are there
+    from the start, its 4 of gradients from the first backward on, as its activations (1)
+    go; each pass holds its temporaries while it runs: forward 0.5, the first backward 3
+    (the gradients it makes among them), a later one 1."""
+    costs = {0: TaskCost(1.0, 2.0, 0.0, 10.0, 1.0, grad_bytes=4.0, forward_extra_bytes=0.5,
+                         backward_extra_bytes=3.0, backward_held_extra_bytes=1.0)}
+    progs = mesh_programs(make_schedule("1f1b", 1, 2, 1), {})
+    t = simulate_programs(progs, costs, lambda s: 0, lambda *_: 0.0)
+    assert [b for _, b in t.memory[0]] == pytest.approx([
+        6, 7, 7.5, 7,        # f0: its activations, its temporaries while it runs
+        10, 7, 10,           # b0 at its peak; then its activations become the gradients
+        11, 11.5, 11,        # f1
+        12, 11, 10])         # b1 accumulating; its activations go
+    assert t.peak_memory() == [12.0]

@@ -33,13 +33,23 @@ def _plan(spec: str, cluster: str, **kw) -> api.Plan:
 ])
 def test_single_stage_plans_agree_with_the_planner(spec: str, cluster: str, kw: dict) -> None:
     """One stage runs its micro-batches one after another with the planner's own durations,
-    so the simulated step is its estimate (issue 9: within 5 %), and its peak memory the
-    plan's."""
+    so the simulated step is its estimate (issue 9: within 5 %). Its peak memory is the op-by-op
+    walk's (`liveness`): the state without gradients, then the first backward's peak, or once
+    the gradients exist they and the larger of a forward's and a later backward's peak; the
+    planner's sum of everything at once differs from it by the temporaries and the gradients'
+    timing, a few per cent."""
     p = _plan(spec, cluster, **kw)
     sim = simulate(p)
     assert sim.step_time_s == pytest.approx(p.predicted["step_time_s"], rel=0.05)
-    assert max(sim.peak_memory_bytes) == pytest.approx(p.predicted["peak_memory_bytes"],
-                                                       rel=1e-9)
+    f = p.predicted
+    kept = f["activation_bytes"]
+    later = max(f["forward_peak_bytes"], f["backward_held_peak_bytes"]) if p.microbatches > 1 \
+        else f["forward_peak_bytes"] - f["grad_bytes"]
+    want = f["state_bytes"] - f["grad_bytes"] + f["working_bytes"] + max(
+        f["forward_peak_bytes"], f["backward_peak_bytes"], f["grad_bytes"] + later)
+    assert f["backward_peak_bytes"] > kept and f["forward_peak_bytes"] >= kept
+    assert max(sim.peak_memory_bytes) == pytest.approx(want, rel=1e-9)
+    assert max(sim.peak_memory_bytes) == pytest.approx(f["peak_memory_bytes"], rel=0.10)
     assert sim.bubble_fraction == pytest.approx(0.0, abs=1e-12)
     assert len(sim.peak_memory_bytes) == p.num_devices
 
@@ -67,9 +77,9 @@ def pipelines() -> dict[str, api.Plan]:
 
 def test_a_pipeline_runs_its_schedule(pipelines: dict[str, api.Plan]) -> None:
     """Each mesh runs every forward and backward of its stages once per micro-batch and one
-    update per stage; 1F1B's peak per mesh is what the plan says its stage holds, GPipe's is
-    higher (every micro-batch in flight), and the planner's bound is not exceeded under
-    interleaving; meshes idle in the fill and drain."""
+    update per stage; 1F1B's peak per mesh is what the plan says its stage holds with the
+    in-flight micro-batches' activations, give or take a pass's temporaries and the
+    gradients' timing (`liveness`); meshes idle in the fill and drain."""
     for name, p in pipelines.items():
         sim = simulate(p)
         t = sim.timeline
@@ -81,8 +91,13 @@ def test_a_pipeline_runs_its_schedule(pipelines: dict[str, api.Plan]) -> None:
         for s in p.stages[:p.num_meshes]:
             mesh_peak = peaks[s.devices[0]]
             if name == "1f1b":
-                assert mesh_peak == pytest.approx(s.memory_bytes, rel=1e-9)
-        assert max(sim.peak_memory_bytes) <= p.predicted["peak_memory_bytes"] * (1 + 1e-9)
+                f = s.plan.predicted
+                extra = max(f["forward_peak_bytes"], f["backward_peak_bytes"]) \
+                    - f["activation_bytes"]
+                assert s.memory_bytes - f["grad_bytes"] < mesh_peak \
+                    <= s.memory_bytes + extra + f["working_bytes"]
+        assert max(sim.peak_memory_bytes) == pytest.approx(p.predicted["peak_memory_bytes"],
+                                                           rel=0.10)
         assert 0 < sim.bubble_fraction < 0.5
         # Activations and gradients crossed once per micro-batch each way.
         kinds = [x.kind for x in t.transfers]

@@ -49,10 +49,14 @@ class _Param:
             self.update = self.compute
         else:
             n, me = comm.group_size(axes), comm.group_index(axes)
-            shard = torch.tensor_split(local.detach(), n, dim=0)[me].clone()
-            self.update = shard.requires_grad_(True)
             if mode == "zero2":
+                # The optimizer steps my rows of the whole parameter in place (a view, so
+                # ZeRO-2 holds the parameter once, as its memory model says).
                 self.compute = local.detach().clone().requires_grad_(True)
+                shard = torch.tensor_split(self.compute.detach(), n, dim=0)[me]
+            else:
+                shard = torch.tensor_split(local.detach(), n, dim=0)[me].clone()
+            self.update = shard.requires_grad_(True)
 
     @property
     def program_arg(self) -> torch.Tensor:

@@ -30,9 +30,14 @@ from meshplan.lower.instructions import Instruction
 class TaskCost:
     """What one virtual stage's tasks cost on its mesh, per device: seconds of one
     micro-batch's forward and backward (collectives and any recomputation included) and of
-    the update; the parameter, gradient and optimizer state it holds; the activations one
-    micro-batch keeps from its forward to its backward; and what a pass holds only while it
-    runs (``working_bytes``: a ZeRO-3 parameter gathered whole, with its whole gradient)."""
+    the update; the parameter, gradient and optimizer state it holds (``grad_bytes`` of it
+    are gradients, made by the stage's first backward); the activations one micro-batch keeps
+    from its forward to its backward; and what a pass holds only while it runs:
+    ``working_bytes`` (a ZeRO-3 parameter gathered whole, a ZeRO parameter's whole gradient),
+    and beyond the kept activations the forward's temporaries (``forward_extra_bytes``) and
+    the backward's gradients in flight, with the gradients it makes on the first micro-batch
+    (``backward_extra_bytes``) or accumulating into held ones (``backward_held_extra_bytes``).
+    """
 
     forward_s: float
     backward_s: float
@@ -40,6 +45,10 @@ class TaskCost:
     state_bytes: float
     activation_bytes: float
     working_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    forward_extra_bytes: float = 0.0
+    backward_extra_bytes: float = 0.0
+    backward_held_extra_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,10 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
     transfers: list[Transfer] = []
     arrivals: dict[tuple[str, int, int, int], float] = {}
     link_free: dict[tuple[int, int], float] = {}
-    held = [sum(costs[s].state_bytes for s in costs if mesh_of(s) == m) for m in range(n)]
+    held = [sum(costs[s].state_bytes - costs[s].grad_bytes for s in costs if mesh_of(s) == m)
+            for m in range(n)]
+    made_grads: set[int] = set()   # stages whose gradients exist
+    ungrown: set[int] = set()      # ... but are not yet in `held`
     memory = [[(0.0, held[m])] for m in range(n)]
 
     def note(m: int, when: float, delta: float) -> None:
@@ -159,14 +171,25 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
                     forward = ins.kind == "forward"
                     took = c.forward_s if forward else c.backward_s
                     start, clock[m] = clock[m], clock[m] + took
+                    first = not forward and ins.stage not in made_grads
+                    passing = c.working_bytes + (
+                        c.forward_extra_bytes if forward else
+                        c.backward_extra_bytes if first else c.backward_held_extra_bytes)
                     if forward:
                         note(m, start, c.activation_bytes)
-                    if c.working_bytes:
-                        note(m, start, c.working_bytes)
-                        note(m, clock[m], -c.working_bytes)
+                    if passing:
+                        note(m, start, passing)
+                        note(m, clock[m], -passing)
+                    if first:
+                        made_grads.add(ins.stage)
+                        ungrown.add(ins.stage)
                     spans.append(Span(m, ins.stage, ins.microbatch, ins.kind, start, clock[m]))
                 elif ins.op == "FREE":
-                    note(m, clock[m], -costs[ins.stage].activation_bytes)
+                    # The backward's peak counted the gradients it made while it released
+                    # the activations: they change places at once.
+                    grown = costs[ins.stage].grad_bytes if ins.stage in ungrown else 0.0
+                    ungrown.discard(ins.stage)
+                    note(m, clock[m], grown - costs[ins.stage].activation_bytes)
                 elif ins.op == "APPLY_GRAD":
                     c = costs[ins.stage]
                     start, clock[m] = clock[m], clock[m] + c.update_s

@@ -57,12 +57,22 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     if p.recompute:
         backward += p.predicted["forward_s"]
     state = p.predicted["state_bytes"]
-    kept = p.predicted["activation_bytes"]
+    kept = full = p.predicted["activation_bytes"]
     if stage is not None:
         kept = max(stage.memory_bytes - state, 0.0) / max(stage.in_flight, 1)
+    # The op-by-op peaks (`planner/intra/liveness.py`) beyond what the stage holds per
+    # micro-batch: its kept activations, or under recomputation only its layers' inputs,
+    # the replay bringing back the rest during the backward. Plans without them: none.
+    extra = {k: max(p.predicted.get(k, 0.0) - held, 0.0) for k, held in (
+        ("forward_peak_bytes", full), ("backward_peak_bytes", kept),
+        ("backward_held_peak_bytes", kept))}
     return TaskCost(forward_s=forward, backward_s=backward, update_s=per_pass["update"],
                     state_bytes=state, activation_bytes=kept,
-                    working_bytes=p.predicted.get("working_bytes", 0.0))
+                    working_bytes=p.predicted.get("working_bytes", 0.0),
+                    grad_bytes=p.predicted.get("grad_bytes", 0.0),
+                    forward_extra_bytes=extra["forward_peak_bytes"],
+                    backward_extra_bytes=extra["backward_peak_bytes"],
+                    backward_held_extra_bytes=extra["backward_held_peak_bytes"])
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
 from meshplan.lower.factored_stats import factored_buckets, update_dims
+from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.fanout import param_sync, use_charges
 from meshplan.planner.intra.formulate import Formulation
-from meshplan.planner.intra.op_costs import (CostContext, OpCosts, local_bytes, step_cost,
-                                             zero_counts)
+from meshplan.planner.intra.op_costs import (CostContext, OpCosts, is_kept, local_bytes,
+                                             step_cost, zero_counts)
 from meshplan.planner.intra.ilp_problem import working_peak
+from meshplan.planner.intra.liveness import StepPeaks, Value, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
@@ -113,12 +115,31 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     compute = real.microbatches * (forward * (1 + real.recompute) + backward)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
+    peaks = _step_peaks(costs, nc, idx)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
                "activation_bytes": memory - state, "working_bytes": working,
+               "grad_bytes": peaks.grad_bytes, "forward_peak_bytes": peaks.forward_peak,
+               "backward_peak_bytes": peaks.backward_peak,
+               "backward_held_peak_bytes": peaks.backward_held_peak,
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
     return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory + working,
                        compute + comm_time, figures)
+
+
+def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int]) -> StepPeaks:
+    """The op-by-op memory walk (`liveness`) on the chosen layouts."""
+    values = []
+    for node in nc.graph.nodes:
+        choice = nc.choices[node.name][idx[node.name]]
+        lay = choice.strategy.output
+        values.append(Value(
+            node.name, node.role, node.inputs, float(local_bytes(node, lay, costs.shape)),
+            kept=is_kept(node), view=node.sig is not None and node.sig.kind == "view",
+            grad=node.requires_grad,
+            param_grad=costs.param_memory(node, choice).grad_bytes if node.role == "param"
+            else 0.0))
+    return step_peaks(values, nc.graph.loss)
 
 
 def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostContext) -> float:

@@ -15,7 +15,7 @@ from functools import lru_cache
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.compute import forward_backward_times
 from meshplan.cost.devices import DeviceType
-from meshplan.cost.memory import OptimizerState, param_memory_per_device
+from meshplan.cost.memory import OptimizerState, ParamMemory, param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
@@ -197,17 +197,20 @@ class OpCosts:
         forward, backward = self.pass_times(node, choice)
         return self.ctx.microbatches * (forward * (1 + self.ctx.recompute) + backward)
 
+    def param_memory(self, node: Node, choice: Choice) -> ParamMemory:
+        """What a device holds of the parameter ``node`` under ``choice``."""
+        lay = choice.strategy.output
+        dp = 1
+        for a in dp_axes(lay, self.shape):
+            dp *= self.shape[a]
+        return param_memory_per_device(
+            node.out.numel, choice.mode or "replicated", lay.shard_factor(self.shape), dp,
+            optimizer_bytes_per_param=self.ctx.optimizer.bytes_per_element(node.out.shape))
+
     def memory(self, node: Node, choice: Choice) -> float:
         lay = choice.strategy.output
         if node.role == "param":
-            dp = 1
-            for a in dp_axes(lay, self.shape):
-                dp *= self.shape[a]
-            m = param_memory_per_device(node.out.numel, choice.mode or "replicated",
-                                        lay.shard_factor(self.shape), dp,
-                                        optimizer_bytes_per_param=self.ctx.optimizer.bytes_per_element(
-                                            node.out.shape))
-            return m.total
+            return self.param_memory(node, choice).total
         if is_kept(node):
             return float(local_bytes(node, lay, self.shape))
         return 0.0
