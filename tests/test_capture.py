@@ -135,3 +135,40 @@ def test_gpt_1_3b_traces_fast_in_little_memory() -> None:
     assert stats["params"] > 1.3e9
     assert stats["trace_s"] < 10, stats
     assert stats["rss_mb"] < 1024, stats
+
+
+@pytest.mark.parametrize("spec", ["gpt", "moe", "vit", "mlp"])
+def test_a_pure_program_is_not_retraced_and_reads_the_same(spec: str, monkeypatch) -> None:
+    """A trace without in-place ops skips functionalization's retrace (half of tracing a
+    transformer) and is the same program as retraced: same nodes, names, saved values and
+    fingerprint, so plans made either way fit each other."""
+    import meshplan.capture.trace as trace_module
+    from meshplan.zoo.spec import build_workload
+    w = build_workload(spec, device="meta")
+    assert not trace_module._mutates(trace_module.trace(w.model, w.loss_fn,
+                                                        w.example_batch).graph_module)
+    fast = capture(w.model, w.loss_fn, w.example_batch)[1]
+    monkeypatch.setattr(trace_module, "_mutates", lambda gm: True)
+    retraced = capture(w.model, w.loss_fn, w.example_batch)[1]
+    assert fast.fingerprint() == retraced.fingerprint()
+    assert [(n.name, n.op, n.inputs, n.kept) for n in fast.nodes] == \
+        [(n.name, n.op, n.inputs, n.kept) for n in retraced.nodes]
+
+
+def test_a_program_with_in_place_ops_is_functionalized() -> None:
+    import meshplan.capture.trace as trace_module
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.mul_(2.0)
+            return y.relu_()
+
+    traced = trace_module.trace(InPlace(), F.mse_loss, (torch.randn(3, 4), torch.randn(3, 4)))
+    assert not trace_module._mutates(traced.graph_module)
+    ops = {str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
+    assert "aten.mul.Tensor" in ops and "aten.relu.default" in ops

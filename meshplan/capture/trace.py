@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -124,6 +125,8 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
     with mode:
         with saved.recording():
             plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
+        if not _mutates(plain):   # already pure: the retrace would copy it
+            return plain, _name_placeholders_as_retraced(plain, saved.names)
         try:
             pure = make_fx(functionalize(plain, remove="mutations"))(state, batch)
             return pure, same_nodes(saved.names, plain, pure)
@@ -131,6 +134,43 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
             if "Functionalize" not in str(exc):
                 raise
     return plain, saved.names
+
+
+def _mutates(gm: GraphModule) -> bool:
+    """Whether a traced graph may write into a tensor: an aten op whose schema writes an
+    argument (in-place, ``out=``), or a call fx cannot see into."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload):
+                if target._schema.is_mutable:
+                    return True
+            elif target is not operator.getitem:
+                return True
+        elif node.op in ("call_method", "call_module"):
+            return True
+    return False
+
+
+def _name_placeholders_as_retraced(gm: GraphModule, saved: set[str]) -> set[str]:
+    """Name the placeholders as a retrace of ``gm(state, batch)`` would (``arg0_1``... the
+    state, ``arg1_1``... the batch), so a program's node names, and with them its
+    fingerprint, do not depend on whether it needed functionalizing; returns ``saved`` with
+    the new names."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    counts = {"state": 0, "batch": 0}
+    renames = {}
+    for n in holders:
+        which = "state" if n.name.startswith("state") else "batch"
+        counts[which] += 1
+        renames[n.name] = f"arg{0 if which == 'state' else 1}_{counts[which]}"
+    for n in holders:
+        n.name = f"_placeholder_{n.name}"   # free the new names first
+    for n in holders:
+        n.name = renames[n.name.removeprefix("_placeholder_")]
+        n.target = n.name
+    gm.recompile()
+    return {renames.get(x, x) for x in saved}
 
 
 def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
