@@ -23,6 +23,18 @@ YAML schema (every key required, no other key allowed)::
     #   efficiency: 0.87        # optional (default 1): fraction of the bandwidth collectives reach
     inter_host: {bandwidth_gbps: 3.125, latency_us: 50}   # same forms; bandwidth per host
 
+A cluster of mixed device types (HAP's: V100 hosts and P100 hosts) gives ``hosts`` as a list of
+host groups instead of a count, and no top-level ``device``::
+
+    hosts:
+      - {count: 2, device: V100-SXM2-16GB}     # 2 hosts, each device of this type
+      - {count: 6, device: P100-SXM2-16GB}
+      - {count: 1, device: [V100-SXM2-16GB, V100-SXM2-16GB, P100-SXM2-16GB, ...]}
+        # one type per device of the host (devices_per_host of them)
+
+Planned as one type, such a cluster is its `bottleneck_device` (an even share runs at the
+slowest device's pace and must fit the smallest memory).
+
 Malformed input raises ValueError naming the file, the key and what was expected.
 """
 
@@ -30,7 +42,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +57,7 @@ from meshplan.cost.devices import (
     LINKS,
     DeviceType,
     Link,
+    bottleneck_device,
     device_type,
     gbps,
     link_name,
@@ -58,7 +71,10 @@ class Cluster:
     """`num_hosts` hosts of `devices_per_host` devices of type `device`.
 
     `intra_host` links devices of one host (bandwidth per device); `inter_host` links hosts
-    (bandwidth per host). Devices are numbered host-major. Raises TypeError/ValueError on bad fields.
+    (bandwidth per host). Devices are numbered host-major. A cluster of mixed types lists each
+    device's in `device_types` (host-major; `mixed_cluster` builds one), and its `device` is
+    their `bottleneck_device`, what plans of even shards run as. Raises TypeError/ValueError on
+    bad fields.
     """
 
     name: str
@@ -67,6 +83,7 @@ class Cluster:
     device: DeviceType
     intra_host: Link
     inter_host: Link
+    device_types: tuple[DeviceType, ...] = ()   # () = every device is `device`
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -78,6 +95,27 @@ class Cluster:
         for field in ("intra_host", "inter_host"):
             if not isinstance(getattr(self, field), Link):
                 raise TypeError(f"Cluster.{field} must be a Link, got {getattr(self, field)!r}")
+        if self.device_types:
+            types = tuple(self.device_types)
+            object.__setattr__(self, "device_types", types)
+            if len(types) != self.num_devices:
+                raise ValueError(f"Cluster.device_types lists {len(types)} devices; the cluster "
+                                 f"has {self.num_hosts} x {self.devices_per_host}")
+            if not all(isinstance(t, DeviceType) for t in types):
+                raise TypeError("Cluster.device_types must hold DeviceTypes")
+            if self.device != bottleneck_device(types):
+                raise ValueError("Cluster.device of a mixed cluster must be the "
+                                 "bottleneck_device of its device_types")
+
+    @property
+    def types(self) -> tuple[DeviceType, ...]:
+        """Each device's type, host-major."""
+        return self.device_types or (self.device,) * self.num_devices
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the devices are of more than one type."""
+        return len(set(self.types)) > 1
 
     @property
     def num_devices(self) -> int:
@@ -137,6 +175,21 @@ def preset_cluster(preset: str, num_hosts: int, devices_per_host: int | None = N
     )
 
 
+def mixed_cluster(name: str, host_types: Sequence[Sequence[DeviceType]], intra_host: Link,
+                  inter_host: Link) -> Cluster:
+    """A cluster whose host h has devices of the types ``host_types[h]`` (every host as many).
+    Raises ValueError for no hosts or hosts of different sizes."""
+    hosts = [tuple(h) for h in host_types]
+    if not hosts or not hosts[0]:
+        raise ValueError("mixed_cluster needs at least one host with at least one device")
+    if len({len(h) for h in hosts}) != 1:
+        raise ValueError(f"every host needs the same number of devices, got "
+                         f"{[len(h) for h in hosts]}")
+    types = tuple(t for h in hosts for t in h)
+    return Cluster(name, len(hosts), len(hosts[0]), bottleneck_device(types), intra_host,
+                   inter_host, types if len(set(types)) > 1 else ())
+
+
 def local_cluster(num_devices: int) -> Cluster:
     """One host running `num_devices` CPU processes joined by loopback links."""
     return preset_cluster("local", 1, num_devices)
@@ -178,40 +231,40 @@ def parse_cluster_spec(spec: str) -> Cluster:
 # ---------------------------------------------------------------- YAML
 
 
-def _device_from(data: object, source: str) -> DeviceType:
+def _device_from(data: object, source: str, where: str = "device") -> DeviceType:
     if isinstance(data, str):
         try:
             return device_type(data)
         except ValueError as err:
             expected = f"a device preset in {sorted(DEVICE_TYPES)} or a mapping"
-            raise fail(source, "device", expected, data) from err
+            raise fail(source, where, expected, data) from err
     keys = ("name", "peak_tflops", "memory_gb", "mem_bandwidth_gbps", "efficiency")
-    d = check_keys(data, keys, source, "device", optional=("memory_efficiency",))
+    d = check_keys(data, keys, source, where, optional=("memory_efficiency",))
     peaks = d["peak_tflops"]
     if not isinstance(peaks, Mapping) or not peaks:
-        raise fail(source, "device.peak_tflops", "a mapping dtype -> TFLOP/s", peaks)
+        raise fail(source, f"{where}.peak_tflops", "a mapping dtype -> TFLOP/s", peaks)
     for dtype in peaks:
         if dtype not in DTYPE_NAMES:
-            raise fail(source, f"device.peak_tflops.{dtype}", f"a dtype in {list(DTYPE_NAMES)}", dtype)
-    flops = {k: number(peaks, k, source, "device.peak_tflops") * 1e12 for k in peaks}
+            raise fail(source, f"{where}.peak_tflops.{dtype}", f"a dtype in {list(DTYPE_NAMES)}", dtype)
+    flops = {k: number(peaks, k, source, f"{where}.peak_tflops") * 1e12 for k in peaks}
     effs = d["efficiency"]
     if isinstance(effs, Mapping):
         if not effs:
-            raise fail(source, "device.efficiency", "a number or a mapping dtype -> number", effs)
-        effs = {k: number(effs, k, source, "device.efficiency") for k in effs}
+            raise fail(source, f"{where}.efficiency", "a number or a mapping dtype -> number", effs)
+        effs = {k: number(effs, k, source, f"{where}.efficiency") for k in effs}
     else:
-        effs = number(d, "efficiency", source, "device")
+        effs = number(d, "efficiency", source, where)
     try:
         return DeviceType(
             d["name"],
             flops,
-            number(d, "memory_gb", source, "device") * GIB,
-            gbps(number(d, "mem_bandwidth_gbps", source, "device")),
+            number(d, "memory_gb", source, where) * GIB,
+            gbps(number(d, "mem_bandwidth_gbps", source, where)),
             effs,
-            number(d, "memory_efficiency", source, "device") if "memory_efficiency" in d else 1.0,
+            number(d, "memory_efficiency", source, where) if "memory_efficiency" in d else 1.0,
         )
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: key 'device': {err}") from err
+        raise ValueError(f"{source}: key {where!r}: {err}") from err
 
 
 def _link_from(data: object, source: str, key: str) -> Link:
@@ -234,18 +287,39 @@ def cluster_from_dict(data: object, source: str = "<cluster dict>") -> Cluster:
     """Cluster from the YAML schema above, already parsed into plain Python objects.
 
     `source` names the file in error messages. Raises ValueError naming the key and what is expected."""
-    keys = ("name", "hosts", "devices_per_host", "device", "intra_host", "inter_host")
-    d = check_keys(data, keys, source, "")
+    grouped = isinstance(data, Mapping) and isinstance(data.get("hosts"), list)
+    keys = ("name", "hosts", "devices_per_host", "intra_host", "inter_host")
+    d = check_keys(data, keys if grouped else keys + ("device",), source, "")
     if not isinstance(d["name"], str) or not d["name"]:
         raise fail(source, "name", "a non-empty string", d["name"])
-    return Cluster(
-        d["name"],
-        positive_int(d, "hosts", source),
-        positive_int(d, "devices_per_host", source),
-        _device_from(d["device"], source),
-        _link_from(d["intra_host"], source, "intra_host"),
-        _link_from(d["inter_host"], source, "inter_host"),
-    )
+    per_host = positive_int(d, "devices_per_host", source)
+    intra = _link_from(d["intra_host"], source, "intra_host")
+    inter = _link_from(d["inter_host"], source, "inter_host")
+    if grouped:
+        return mixed_cluster(d["name"], _host_types(d["hosts"], per_host, source), intra, inter)
+    return Cluster(d["name"], positive_int(d, "hosts", source), per_host,
+                   _device_from(d["device"], source), intra, inter)
+
+
+def _host_types(groups: list, per_host: int, source: str) -> list[tuple[DeviceType, ...]]:
+    """Each host's device types from the ``hosts`` list of host groups (module docstring)."""
+    if not groups:
+        raise fail(source, "hosts", "a host count or a non-empty list of host groups", groups)
+    hosts = []
+    for i, group in enumerate(groups):
+        where = f"hosts[{i}]"
+        g = check_keys(group, ("count", "device"), source, where)
+        count = positive_int(g, "count", source, where)
+        if isinstance(g["device"], list):
+            if len(g["device"]) != per_host:
+                raise fail(source, f"{where}.device", f"one type per device: a list of "
+                           f"{per_host} (devices_per_host)", g["device"])
+            types = tuple(_device_from(t, source, f"{where}.device[{j}]")
+                          for j, t in enumerate(g["device"]))
+        else:
+            types = (_device_from(g["device"], source, f"{where}.device"),) * per_host
+        hosts += [types] * count
+    return hosts
 
 
 def _device_to(device: DeviceType) -> str | dict[str, Any]:
@@ -268,15 +342,30 @@ def _link_to(link: Link) -> str | dict[str, float]:
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
-    """The YAML-schema dict of `cluster`; preset devices and links are written by name."""
-    return {
-        "name": cluster.name,
-        "hosts": cluster.num_hosts,
-        "devices_per_host": cluster.devices_per_host,
-        "device": _device_to(cluster.device),
-        "intra_host": _link_to(cluster.intra_host),
-        "inter_host": _link_to(cluster.inter_host),
-    }
+    """The YAML-schema dict of `cluster`; preset devices and links are written by name (a
+    mixed cluster's hosts as groups of equal consecutive hosts)."""
+    out: dict[str, Any] = {"name": cluster.name, "hosts": cluster.num_hosts,
+                           "devices_per_host": cluster.devices_per_host,
+                           "device": _device_to(cluster.device)}
+    if cluster.is_mixed:
+        del out["device"]
+        out["hosts"] = _host_groups(cluster)
+    out["intra_host"] = _link_to(cluster.intra_host)
+    out["inter_host"] = _link_to(cluster.inter_host)
+    return out
+
+
+def _host_groups(cluster: Cluster) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = []
+    m = cluster.devices_per_host
+    for h in range(cluster.num_hosts):
+        types = cluster.types[h * m:(h + 1) * m]
+        device = _device_to(types[0]) if len(set(types)) == 1 else [_device_to(t) for t in types]
+        if groups and groups[-1]["device"] == device:
+            groups[-1]["count"] += 1
+        else:
+            groups.append({"count": 1, "device": device})
+    return groups
 
 
 def dump_cluster_yaml(cluster: Cluster) -> str:

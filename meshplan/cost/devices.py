@@ -9,7 +9,7 @@ All peaks are dense (no structured sparsity). Numbers come from `shared/referenc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypeVar
@@ -119,6 +119,28 @@ class DeviceType:
     def effective_mem_bandwidth(self) -> float:
         """Bytes/s memory-bound ops reach: `mem_bandwidth` × `memory_efficiency`."""
         return self.mem_bandwidth * self.memory_efficiency
+
+
+def bottleneck_device(types: Iterable[DeviceType]) -> DeviceType:
+    """The device even shards run as on a mix of ``types``: each dtype's matmul FLOP/s, memory
+    bandwidth and memory are the smallest among them (a synchronous step waits for the slowest
+    device; an even share must fit the smallest memory), with efficiencies folded in (1.0).
+    Dtypes some type lacks are left out. The type itself when ``types`` hold one. Raises
+    ValueError for no types or no dtype all of them know."""
+    kinds = tuple(dict.fromkeys(types))
+    if not kinds:
+        raise ValueError("bottleneck_device needs at least one device type")
+    if len(kinds) == 1:
+        return kinds[0]
+    shared = [d for d, _ in kinds[0].peak_flops
+              if all(d in dict(k.peak_flops) for k in kinds[1:])]
+    if not shared:
+        raise ValueError(f"device types {[k.name for k in kinds]} share no dtype")
+    return DeviceType(
+        "slowest of " + "+".join(k.name for k in kinds),
+        {d: min(k.matmul_flops(d) for k in kinds) for d in shared},
+        min(k.memory_bytes for k in kinds),
+        min(k.effective_mem_bandwidth for k in kinds), 1.0, 1.0)
 
 
 @dataclass(frozen=True)
