@@ -1,0 +1,1 @@
+"""hetero pass: per-device shard ratios and program synthesis on mixed clusters (HAP)."""
