@@ -115,3 +115,61 @@ def test_whole_rows_refuses_bad_input() -> None:
         whole_rows((0.5, 0.5), -1)
     with pytest.raises(ValueError, match="positive sum"):
         whole_rows((0.0, 0.0), 4)
+
+
+def test_segments_get_ratios_of_their_own() -> None:
+    """HAP §5.2: a compute-bound segment splits by speed, a communication-bound one evenly;
+    one ratio for the whole model is worse than both."""
+    devices = [Device(2.0), Device(1.0)]
+    compute = Phase(3.0, beta_s_per_share=0.1, segment=0)
+    comm = Phase(3.0, beta_s_per_share=100.0, segment=1)
+    b = balance([compute, comm], devices)
+    assert b.segments[0] == pytest.approx((2 / 3, 1 / 3))
+    assert b.segments[1] == pytest.approx((0.5, 0.5))
+    one = balance([Phase(3.0, beta_s_per_share=0.1), Phase(3.0, beta_s_per_share=100.0)],
+                  devices)
+    assert b.step_s < one.step_s
+    assert b.step_s == pytest.approx(step_time([compute, comm], devices, b.segments))
+
+
+def test_segments_share_each_devices_memory() -> None:
+    """Every segment's share is held at once: the fast device's room (4 bytes) is split
+    between the two segments' data, not given whole to each as separate LPs would."""
+    devices = [Device(4.0, memory_bytes=10.0, state_bytes=6.0), Device(1.0, 100.0, 6.0)]
+    phases = [Phase(5.0, segment=0), Phase(5.0, segment=1)]
+    b = balance(phases, devices, shared_bytes=(10.0, 10.0))
+    fast_bytes = 10.0 * b.segments[0][0] + 10.0 * b.segments[1][0]
+    assert fast_bytes == pytest.approx(4.0)
+    alone = balance([Phase(5.0)], devices, shared_bytes=10.0).ratios
+    assert alone[0] == pytest.approx(0.4) and b.segments[0][0] < alone[0] + 1e-9
+
+
+def test_segments_need_shared_bytes_each() -> None:
+    phases = [Phase(1.0, segment=0), Phase(1.0, segment=1)]
+    with pytest.raises(ValueError, match="give shared_bytes per segment"):
+        balance(phases, [Device(1.0)] * 2, shared_bytes=4.0)
+    with pytest.raises(ValueError, match="shared_bytes lists 3 segments; the phases fill 2"):
+        balance(phases, [Device(1.0)] * 2, shared_bytes=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="segment must be >= 0"):
+        balance([Phase(1.0, segment=-1)], [Device(1.0)])
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_the_segmented_lp_is_no_worse_than_any_ratios(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    n, g = rng.randint(2, 3), rng.randint(2, 3)
+    devices = [Device(rng.uniform(1, 5), rng.uniform(6, 12), rng.uniform(0, 1))
+               for _ in range(n)]
+    phases = [Phase(rng.uniform(0, 10), (), rng.uniform(0, 1), rng.uniform(0, 20), seg)
+              for seg in range(g) for _ in range(rng.randint(1, 2))]
+    shared = tuple(rng.uniform(1, 6) for _ in range(g))
+    best = balance(phases, devices, shared)
+    for _ in range(400):
+        ratios = []
+        for _ in range(g):
+            w = [rng.random() for _ in range(n)]
+            ratios.append([x / sum(w) for x in w])
+        held = [d.state_bytes + sum(ratios[k][j] * shared[k] for k in range(g))
+                for j, d in enumerate(devices)]
+        if all(h <= d.memory_bytes for h, d in zip(held, devices)):
+            assert best.step_s <= step_time(phases, devices, ratios) + 1e-9

@@ -14,6 +14,12 @@ which is linear once ``c_i >= flops_i r_j / speed_j + fixed_ij`` and ``m >= r_j`
 the maxima: an LP, solved with HiGHS, with ``sum_j r_j = 1``, ``r_j >= 0`` and per device
 ``state_j + r_j · shared_bytes <= memory_j``. Shares of a dimension of ``L`` rows are then
 rounded to whole rows as HAP §5.1 does (`whole_rows`).
+
+Segments (HAP §5.2): the model's phases may be cut into segments, each with ratios of its own
+(an all-to-all at each boundary re-splits the data, priced by the caller as a phase). HAP
+solves each segment alone; with memory rows they share each device's memory — a device holds
+every segment's share at once — so here they are one LP: ``r_kj`` per segment ``k``, each
+segment's shares summing to 1, and ``state_j + sum_k r_kj · shared_k <= memory_j``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Phase:
     fixed_s: tuple[float, ...] = ()
     alpha_s: float = 0.0
     beta_s_per_share: float = 0.0
+    segment: int = 0   # whose ratios split its work (module docstring)
 
 
 @dataclass(frozen=True)
@@ -55,90 +62,120 @@ class Device:
 
 @dataclass(frozen=True)
 class Balance:
-    """The ratios (summing to 1) and the step time they give (`step_time`)."""
+    """Each segment's ratios (each summing to 1) and the step time they give
+    (`step_time`); ``ratios`` is segment 0's."""
 
-    ratios: tuple[float, ...]
+    segments: tuple[tuple[float, ...], ...]
     step_s: float
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return self.segments[0]
 
 
 def step_time(phases: Sequence[Phase], devices: Sequence[Device],
-              ratios: Sequence[float]) -> float:
-    """``T(r)`` of the module docstring, evaluated directly."""
+              ratios: Sequence[float] | Sequence[Sequence[float]]) -> float:
+    """``T(r)`` of the module docstring, evaluated directly; ``ratios`` one list for every
+    phase, or one per segment."""
+    per_segment = [list(r) for r in ratios] if ratios and isinstance(ratios[0], Sequence) \
+        else [list(ratios)]  # type: ignore[arg-type]
     total = 0.0
-    largest = max(ratios)
     for p in phases:
+        r = per_segment[p.segment]
         fixed = p.fixed_s or (0.0,) * len(devices)
-        total += max(p.flops * r / d.speed + f for r, d, f in zip(ratios, devices, fixed))
-        total += p.alpha_s + p.beta_s_per_share * largest
+        total += max(p.flops * x / d.speed + f for x, d, f in zip(r, devices, fixed))
+        total += p.alpha_s + p.beta_s_per_share * max(r)
     return total
 
 
 def balance(phases: Sequence[Phase], devices: Sequence[Device],
-            shared_bytes: float = 0.0) -> Balance:
+            shared_bytes: float | Sequence[float] = 0.0) -> Balance:
     """The ratios minimizing the step (module docstring) with every device's memory held:
-    ``state_bytes + r_j · shared_bytes <= memory_bytes``. Raises ValueError for no devices, a
-    phase whose ``fixed_s`` does not list every device, or memory no ratios can meet (saying
-    how much more would do)."""
+    ``state_bytes + sum_k r_kj · shared_bytes[k] <= memory_bytes`` (``shared_bytes`` one
+    figure per segment, or one for a single segment). Raises ValueError for no devices, a
+    phase whose ``fixed_s`` does not list every device, ``shared_bytes`` not one per segment,
+    or memory no ratios can meet (saying how much more would do)."""
     n = len(devices)
     if n == 0:
         raise ValueError("balance needs at least one device")
     for d in devices:
         check_positive(d.speed, "Device.speed")
         check_nonnegative(d.state_bytes, "Device.state_bytes")
+    if any(p.segment < 0 for p in phases):
+        raise ValueError("a phase's segment must be >= 0")
+    g = max((p.segment for p in phases), default=0) + 1
+    if isinstance(shared_bytes, (int, float)):
+        if g > 1 and shared_bytes:
+            raise ValueError(f"the phases fill {g} segments: give shared_bytes per segment")
+        shared = [float(shared_bytes)] + [0.0] * (g - 1)
+    else:
+        shared = [float(x) for x in shared_bytes]
+        if len(shared) != g:
+            raise ValueError(f"shared_bytes lists {len(shared)} segments; the phases fill {g}")
     for i, p in enumerate(phases):
         if p.fixed_s and len(p.fixed_s) != n:
             raise ValueError(f"phase {i} lists fixed seconds for {len(p.fixed_s)} devices, "
                              f"not {n}")
-    check_nonnegative(shared_bytes, "shared_bytes")
-    _check_memory(devices, shared_bytes)
+    for x in shared:
+        check_nonnegative(x, "shared_bytes")
+    _check_memory(devices, sum(shared))
     k = len(phases)
-    # Columns: r_0..r_{n-1}, c_0..c_{k-1} (each phase's compute), m (the largest share).
-    cols = n + k + 1
+    # Columns: r (segment-major, g x n), c_0..c_{k-1} (each phase's compute), m_0..m_{g-1}
+    # (each segment's largest share).
+    c0, m0 = g * n, g * n + k
+    cols = m0 + g
     cost = np.zeros(cols)
-    cost[n:n + k] = 1.0
-    cost[-1] = sum(p.beta_s_per_share for p in phases)
+    cost[c0:m0] = 1.0
+    for p in phases:
+        cost[m0 + p.segment] += p.beta_s_per_share
     rows, upper = [], []
     for i, p in enumerate(phases):
         fixed = p.fixed_s or (0.0,) * n
         for j, d in enumerate(devices):
-            row = np.zeros(cols)   # flops r_j / speed_j - c_i <= -fixed_ij
-            row[j], row[n + i] = p.flops / d.speed, -1.0
+            row = np.zeros(cols)   # flops r_kj / speed_j - c_i <= -fixed_ij
+            row[p.segment * n + j], row[c0 + i] = p.flops / d.speed, -1.0
             rows.append(row)
             upper.append(-fixed[j])
-    for j in range(n):
-        row = np.zeros(cols)       # r_j - m <= 0
-        row[j], row[-1] = 1.0, -1.0
-        rows.append(row)
-        upper.append(0.0)
-    bounds = [(0.0, _share_cap(d, shared_bytes)) for d in devices] + [(None, None)] * (k + 1)
-    equal = np.zeros((1, cols))
-    equal[0, :n] = 1.0
-    out = linprog(cost, A_ub=np.array(rows) if rows else None,
-                  b_ub=np.array(upper) if upper else None, A_eq=equal, b_eq=[1.0],
-                  bounds=bounds, method="highs")
+    for seg in range(g):
+        for j in range(n):
+            row = np.zeros(cols)   # r_kj - m_k <= 0
+            row[seg * n + j], row[m0 + seg] = 1.0, -1.0
+            rows.append(row)
+            upper.append(0.0)
+    for j, d in enumerate(devices):
+        if math.isfinite(d.memory_bytes) and any(shared):
+            row = np.zeros(cols)   # sum_k r_kj shared_k <= memory_j - state_j
+            row[j:g * n:n] = shared
+            rows.append(row)
+            upper.append(d.memory_bytes - d.state_bytes)
+    equal = np.zeros((g, cols))
+    for seg in range(g):
+        equal[seg, seg * n:(seg + 1) * n] = 1.0
+    bounds = [(0.0, 1.0)] * (g * n) + [(None, None)] * (k + g)
+    out = linprog(cost, A_ub=np.array(rows), b_ub=np.array(upper), A_eq=equal,
+                  b_eq=np.ones(g), bounds=bounds, method="highs")
     if out.status != 0:
         raise RuntimeError(f"the shard-ratio LP did not solve: {out.message}")
-    ratios = tuple(max(float(x), 0.0) for x in out.x[:n])
-    total = math.fsum(ratios)
-    ratios = tuple(r / total for r in ratios)
-    return Balance(ratios, step_time(phases, devices, ratios))
+    segments = []
+    for seg in range(g):
+        r = [max(float(x), 0.0) for x in out.x[seg * n:(seg + 1) * n]]
+        segments.append(tuple(x / math.fsum(r) for x in r))
+    return Balance(tuple(segments), step_time(phases, devices, segments))
 
 
-def _share_cap(device: Device, shared_bytes: float) -> float:
-    if shared_bytes <= 0 or math.isinf(device.memory_bytes):
-        return 1.0
-    return min(max((device.memory_bytes - device.state_bytes) / shared_bytes, 0.0), 1.0)
-
-
-def _check_memory(devices: Sequence[Device], shared_bytes: float) -> None:
+def _check_memory(devices: Sequence[Device], shared: float) -> None:
+    """Refuse memory no ratios meet: a device takes at most its free memory, and at most all
+    of the split data."""
     over = [j for j, d in enumerate(devices) if d.state_bytes > d.memory_bytes]
     if over:
         raise ValueError(f"devices {over} hold more than their memory before any share "
                          f"(state_bytes > memory_bytes): no ratios fit")
-    room = math.fsum(_share_cap(d, shared_bytes) for d in devices)
+    if shared <= 0:
+        return
+    room = math.fsum(min((d.memory_bytes - d.state_bytes) / shared, 1.0) for d in devices)
     if room < 1.0:
         raise ValueError(f"the devices' free memory holds {room:.3f} of the split data "
-                         f"({shared_bytes:.4g} bytes): {1 / room:.2f}x more memory (or a smaller "
+                         f"({shared:.4g} bytes): {1 / room:.2f}x more memory (or a smaller "
                          "batch) would fit")
 
 
