@@ -110,3 +110,20 @@ def test_a_plan_on_a_mixed_cluster_is_priced_on_its_slowest_device() -> None:
                              mesh_shape=(2, 2)).predicted["step_time_s"]
             for c in (mixed, slow, fast)}
     assert step["mix"] == pytest.approx(step["slow"]) and step["mix"] > step["fast"]
+
+
+def test_the_pipeline_search_and_the_simulator_take_a_mixed_cluster(tmp_path: Path) -> None:
+    """Stages are priced on parts of the cluster (of its bottleneck type), and the plan's
+    cluster, written with its host groups, is read back by the simulator."""
+    from meshplan.plan.plan import plan_from_json
+    from meshplan.sim.simulate import simulate
+    w = build_workload("gpt:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=16",
+                       device="meta")
+    link = link_preset("pcie3")
+    mixed = mixed_cluster("mix", [(V100, V100), (P100, P100)], link, link_preset("25gbe"))
+    p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, mixed, num_layers=2,
+                 microbatches=2, memory_budget_gb=0, dtype="fp32")
+    assert p.cluster["hosts"] == [{"count": 1, "device": "V100-SXM2-16GB"},
+                                  {"count": 1, "device": "P100-SXM2-16GB"}]
+    back = plan_from_json(p.to_json())
+    assert simulate(back).step_time_s == pytest.approx(simulate(p).step_time_s)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -111,6 +111,13 @@ class Cluster:
     def types(self) -> tuple[DeviceType, ...]:
         """Each device's type, host-major."""
         return self.device_types or (self.device,) * self.num_devices
+
+    def submesh(self, name: str, num_hosts: int, devices_per_host: int) -> "Cluster":
+        """A part of this cluster of ``num_hosts`` x ``devices_per_host`` devices, with its
+        links. Of a mixed cluster, the part is of its bottleneck type: which devices a stage
+        gets is decided after it is priced."""
+        return replace(self, name=name, num_hosts=num_hosts, devices_per_host=devices_per_host,
+                       device_types=())
 
     @property
     def is_mixed(self) -> bool:

@@ -431,8 +431,7 @@ class StageProfiler:
 
     # ------------------------------------------------------------------ one logical shape
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
-        sub = replace(self.cluster, name=f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]",
-                      num_hosts=submesh[0], devices_per_host=submesh[1])
+        sub = self.cluster.submesh(f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]", *submesh)
         return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_state,
                            microbatches=self.microbatches)
 

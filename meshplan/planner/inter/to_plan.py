@@ -53,8 +53,7 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
     for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
         label = s.option.label
         form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
-        sub = replace(cl, name=f"{cl.name}[stage {i}]", num_hosts=s.submesh[0],
-                      devices_per_host=s.submesh[1])
+        sub = cl.submesh(f"{cl.name}[stage {i}]", *s.submesh)
         plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
                           name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
                           method=req.method, optimizer=req.optimizer, options=req.options,
