@@ -137,8 +137,7 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
     link_free: dict[tuple[int, int], float] = {}
     held = [sum(costs[s].state_bytes - costs[s].grad_bytes for s in costs if mesh_of(s) == m)
             for m in range(n)]
-    made_grads: set[int] = set()   # stages whose gradients exist
-    ungrown: set[int] = set()      # ... but are not yet in `held`
+    made_grads: set[int] = set()   # stages whose gradients exist (in `held`)
     memory = [[(0.0, held[m])] for m in range(n)]
 
     def note(m: int, when: float, delta: float) -> None:
@@ -180,15 +179,12 @@ def simulate_programs(programs: Sequence[Sequence[Instruction]], costs: Mapping[
                     if passing:
                         note(m, start, passing)
                         note(m, clock[m], -passing)
-                    if first:
-                        made_grads.add(ins.stage)
-                        ungrown.add(ins.stage)
                     spans.append(Span(m, ins.stage, ins.microbatch, ins.kind, start, clock[m]))
                 elif ins.op == "FREE":
                     # The backward's peak counted the gradients it made while it released
                     # the activations: they change places at once.
-                    grown = costs[ins.stage].grad_bytes if ins.stage in ungrown else 0.0
-                    ungrown.discard(ins.stage)
+                    grown = 0.0 if ins.stage in made_grads else costs[ins.stage].grad_bytes
+                    made_grads.add(ins.stage)
                     note(m, clock[m], grown - costs[ins.stage].activation_bytes)
                 elif ins.op == "APPLY_GRAD":
                     c = costs[ins.stage]

@@ -101,25 +101,13 @@ def balance(phases: Sequence[Phase], devices: Sequence[Device],
     for d in devices:
         check_positive(d.speed, "Device.speed")
         check_nonnegative(d.state_bytes, "Device.state_bytes")
-    if any(p.segment < 0 for p in phases):
-        raise ValueError("a phase's segment must be >= 0")
-    g = max((p.segment for p in phases), default=0) + 1
-    if isinstance(shared_bytes, (int, float)):
-        if g > 1 and shared_bytes:
-            raise ValueError(f"the phases fill {g} segments: give shared_bytes per segment")
-        shared = [float(shared_bytes)] + [0.0] * (g - 1)
-    else:
-        shared = [float(x) for x in shared_bytes]
-        if len(shared) != g:
-            raise ValueError(f"shared_bytes lists {len(shared)} segments; the phases fill {g}")
     for i, p in enumerate(phases):
         if p.fixed_s and len(p.fixed_s) != n:
             raise ValueError(f"phase {i} lists fixed seconds for {len(p.fixed_s)} devices, "
                              f"not {n}")
-    for x in shared:
-        check_nonnegative(x, "shared_bytes")
+    shared = _per_segment(phases, shared_bytes)
     _check_memory(devices, sum(shared))
-    k = len(phases)
+    g, k = len(shared), len(phases)
     # Columns: r (segment-major, g x n), c_0..c_{k-1} (each phase's compute), m_0..m_{g-1}
     # (each segment's largest share).
     c0, m0 = g * n, g * n + k
@@ -161,6 +149,26 @@ def balance(phases: Sequence[Phase], devices: Sequence[Device],
         r = [max(float(x), 0.0) for x in out.x[seg * n:(seg + 1) * n]]
         segments.append(tuple(x / math.fsum(r) for x in r))
     return Balance(tuple(segments), step_time(phases, devices, segments))
+
+
+def _per_segment(phases: Sequence[Phase], shared_bytes: float | Sequence[float]
+                 ) -> list[float]:
+    """``shared_bytes`` as one figure per segment the phases fill (a single number only for
+    one segment, or 0 for none)."""
+    if any(p.segment < 0 for p in phases):
+        raise ValueError("a phase's segment must be >= 0")
+    g = max((p.segment for p in phases), default=0) + 1
+    if isinstance(shared_bytes, (int, float)):
+        if g > 1 and shared_bytes:
+            raise ValueError(f"the phases fill {g} segments: give shared_bytes per segment")
+        shared = [float(shared_bytes)] + [0.0] * (g - 1)
+    else:
+        shared = [float(x) for x in shared_bytes]
+        if len(shared) != g:
+            raise ValueError(f"shared_bytes lists {len(shared)} segments; the phases fill {g}")
+    for x in shared:
+        check_nonnegative(x, "shared_bytes")
+    return shared
 
 
 def _check_memory(devices: Sequence[Device], shared: float) -> None:
