@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from meshplan.runtime import collectives as C
-from meshplan.runtime.comm import CollectiveRecord, Comm
+from meshplan.runtime.comm import IMPLS, CollectiveRecord, Comm
 from meshplan.runtime.emulated import run_emulated
+from uneven_impls import COPY_KEYS, SUM_KEYS, impl_program, oracle
 
 Mesh = tuple[int, int]
 Axes = tuple[int, ...]
@@ -41,12 +42,17 @@ def rand(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def expected_records(
-    mesh: Mesh, axes: Axes, n: int, *entries: tuple[str, int, str]
+    mesh: Mesh, axes: Axes, n: int, *entries: tuple[str, int, str], impl: str = "padded"
 ) -> list[CollectiveRecord]:
+    """Records of ``entries``; ``impl`` applies to the all-gathers and reduce-scatters."""
     norm = tuple(a for a in axes if mesh[a] > 1)
     if n == 1:
         return []
-    return [CollectiveRecord(kind, nbytes, norm, phase) for kind, nbytes, phase in entries]
+    return [
+        CollectiveRecord(kind, nbytes, norm, phase,
+                         impl if kind in ("all_gather", "reduce_scatter") else "padded")
+        for kind, nbytes, phase in entries
+    ]
 
 
 def run_local(
@@ -112,7 +118,8 @@ def test_grad_all_reduce(mesh: Mesh, axes: Axes) -> None:
 @pytest.mark.parametrize("axes", AXES)
 @pytest.mark.parametrize("backward", ["slice", "reduce_scatter"])
 @pytest.mark.parametrize("dim", [0, 1])
-def test_all_gather(mesh: Mesh, axes: Axes, backward: str, dim: int) -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_gather(mesh: Mesh, axes: Axes, backward: str, dim: int, impl: str) -> None:
     group = groups_of(mesh, axes)
     num = len(group)
     xs = [rand((uneven(len(g))[g.index(r)], 3), r).movedim(0, dim) for r, g in enumerate(group)]
@@ -125,7 +132,9 @@ def test_all_gather(mesh: Mesh, axes: Axes, backward: str, dim: int) -> None:
     ws = [rand(tuple(gathered(xs, r).shape), 100 + wseed[r]) for r in range(num)]
     out = run_local(
         mesh, xs, ws,
-        lambda c, x: C.all_gather(c, x, axes, dim, uneven(c.group_size(axes)), backward=backward),
+        lambda c, x: C.all_gather(
+            c, x, axes, dim, uneven(c.group_size(axes)), backward=backward, impl=impl
+        ),
     )
 
     def global_loss(leaves: Tensors) -> torch.Tensor:
@@ -138,14 +147,15 @@ def test_all_gather(mesh: Mesh, axes: Axes, backward: str, dim: int) -> None:
         torch.testing.assert_close(g, grads[r])
         nbytes = F32 * 3 * sum(uneven(len(group[r])))
         back = [("reduce_scatter", nbytes, "backward")] if backward == "reduce_scatter" else []
-        want = expected_records(mesh, axes, len(group[r]), ("all_gather", nbytes, "forward"), *back)
-        assert records == want
+        entries = [("all_gather", nbytes, "forward"), *back]
+        assert records == expected_records(mesh, axes, len(group[r]), *entries, impl=impl)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("axes", AXES)
 @pytest.mark.parametrize("dim", [0, 1])
-def test_reduce_scatter(mesh: Mesh, axes: Axes, dim: int) -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reduce_scatter(mesh: Mesh, axes: Axes, dim: int, impl: str) -> None:
     group = groups_of(mesh, axes)
     num = len(group)
     xs = [rand((6, 2), r).movedim(0, dim) for r in range(num)]
@@ -156,13 +166,15 @@ def test_reduce_scatter(mesh: Mesh, axes: Axes, dim: int) -> None:
         return torch.split(total, sizes[r], dim)[group[r].index(r)]
 
     ws = [rand(tuple(mine(xs, r).shape), 100 + r) for r in range(num)]
-    out = run_local(mesh, xs, ws, lambda c, x: C.reduce_scatter(c, x, axes, dim, sizes[c.rank]))
+    out = run_local(
+        mesh, xs, ws, lambda c, x: C.reduce_scatter(c, x, axes, dim, sizes[c.rank], impl=impl)
+    )
     grads = reference_grads(xs, lambda ls: sum((mine(ls, r) * ws[r]).sum() for r in range(num)))
     for r, (y, g, records) in enumerate(out):
         torch.testing.assert_close(y, mine(xs, r))
         torch.testing.assert_close(g, grads[r])
         entries = [("reduce_scatter", 48, "forward"), ("all_gather", 48, "backward")]
-        assert records == expected_records(mesh, axes, len(group[r]), *entries)
+        assert records == expected_records(mesh, axes, len(group[r]), *entries, impl=impl)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -227,6 +239,34 @@ def test_all_to_all(mesh: Mesh, axes: Axes) -> None:
         nbytes = F32 * sum(rows[r]) * 2 * 5
         entries = [("all_to_all", nbytes, "forward"), ("all_to_all", nbytes, "backward")]
         assert records == expected_records(mesh, axes, len(group[r]), *entries)
+
+
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 2)])
+def test_broadcast_impl_is_bitwise_the_padded_one(mesh: Mesh) -> None:
+    """Sizes [4, 3, 2, 1] and [2, 0, 3, 1] on 4 ranks, forward and backward: both impls give
+    the oracle's gathers exactly and its member-order sums bitwise (the emulation sums a
+    reduce and a reduce-scatter alike in member order), hence bitwise each other."""
+    want = oracle(4)
+    runs = {impl: run_emulated(impl_program, mesh, impl) for impl in IMPLS}
+    for impl, results in runs.items():
+        for rank, got in enumerate(results):
+            for key in COPY_KEYS + SUM_KEYS:
+                assert torch.equal(got[key], want[rank][key]), f"{impl} rank {rank} {key}"
+            assert {r.impl for r in got["records"]} == {impl}
+    for padded, broadcast in zip(runs["padded"], runs["broadcast"]):
+        assert [(r.kind, r.nbytes, r.axes, r.phase) for r in padded["records"]] == [
+            (r.kind, r.nbytes, r.axes, r.phase) for r in broadcast["records"]
+        ]
+
+
+def test_bad_impl_names_valid_ones() -> None:
+    calls = [
+        lambda comm: C.all_gather(comm, torch.ones(2), (1,), 0, [2, 2], impl="ring"),
+        lambda comm: C.reduce_scatter(comm, torch.ones(4), (1,), 0, [2, 2], impl="ring"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="'padded', 'broadcast'"):
+            run_emulated(call, (1, 2))
 
 
 def test_shard_sizes_match_tensor_split() -> None:

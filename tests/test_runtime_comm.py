@@ -168,6 +168,10 @@ def test_size_one_axes_are_identity_and_record_nothing() -> None:
         (lambda c, x: c.reduce_scatter(x, (1,), 0, [5, -1], phase="forward"), ValueError),
         (lambda c, x: c.all_to_all(x, (1,), 0, [2, 2], 0, phase="forward"), ValueError),
         (lambda c, x: c.all_to_all(x, (1,), 1, [1, 1], 0, phase="forward"), ValueError),
+        (lambda c, x: c.all_gather(x, (1,), 0, [4, 4], phase="forward", impl="ring"), ValueError),
+        (lambda c, x: c.reduce_scatter(x, (1,), 0, [2, 2], phase="forward", impl=""), ValueError),
+        # Checked even where the collective is the identity (size-1 axis).
+        (lambda c, x: c.all_gather(x, (0,), 0, [4], phase="forward", impl="ring"), ValueError),
     ],
 )
 def test_bad_arguments_raise(call: object, error: type[Exception]) -> None:
@@ -180,6 +184,48 @@ def test_record_rejects_unknown_kind_and_phase() -> None:
         CollectiveRecord("broadcast", 4, (0,), "forward")
     with pytest.raises(ValueError, match="later"):
         CollectiveRecord("all_reduce", 4, (0,), "later")
+
+
+def test_record_impl_is_for_gathers_and_scatters_only() -> None:
+    assert CollectiveRecord("all_gather", 4, (0,), "forward").impl == "padded"
+    assert CollectiveRecord("reduce_scatter", 4, (0,), "forward", "broadcast").impl == "broadcast"
+    with pytest.raises(ValueError, match="all_reduce"):
+        CollectiveRecord("all_reduce", 4, (0,), "forward", "broadcast")
+    with pytest.raises(ValueError, match="valid impls"):
+        CollectiveRecord("all_gather", 4, (0,), "forward", "ring")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("axes", AXES)
+def test_broadcast_impl_matches_padded_bitwise(
+    mesh: tuple[int, int], axes: tuple[int, ...]
+) -> None:
+    """Comm level, every group shape: the broadcast impl gives the padded impl's bits (the
+    emulation sums a reduce in member order, like its reduce-scatter) and records the same
+    kind and bytes."""
+    def body(comm: Comm) -> tuple[list[torch.Tensor], list[CollectiveRecord]]:
+        sizes = uneven(comm.group_size(axes))
+        shard = rand((sizes[comm.group_index(axes)], 3), comm.rank)
+        full = rand((3, sum(sizes)), 50 + comm.rank)
+        outs = []
+        for impl in ("padded", "broadcast"):
+            outs.append(comm.all_gather(shard, axes, 0, sizes, phase="forward", impl=impl))
+            outs.append(comm.reduce_scatter(full, axes, 1, sizes, phase="forward", impl=impl))
+        return outs, comm.records
+
+    for rank, ((ag, rs, ag_b, rs_b), records) in enumerate(run_emulated(body, mesh)):
+        group = members(mesh, rank, axes)
+        sizes, me = uneven(len(group)), group.index(rank)
+        expected = torch.cat([rand((s, 3), m) for m, s in zip(group, sizes)])
+        assert torch.equal(ag, expected) and torch.equal(ag_b, ag)
+        total = sum(rand((3, sum(sizes)), 50 + m) for m in group)
+        torch.testing.assert_close(rs, torch.split(total, sizes, dim=1)[me])
+        assert torch.equal(rs_b, rs), f"rank {rank}"
+        ax = norm(mesh, axes)
+        kinds = [("all_gather", 4 * 3 * sum(sizes)), ("reduce_scatter", 4 * 3 * sum(sizes))]
+        want = [CollectiveRecord(k, b, ax, "forward", impl)
+                for impl in ("padded", "broadcast") for k, b in kinds]
+        assert records == (want if len(group) > 1 else [])
 
 
 def test_bad_mesh_shape_raises() -> None:

@@ -19,6 +19,7 @@ from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.launcher import launch
 from meshplan.runtime.pool import WorkerPool
+from uneven_impls import COPY_KEYS, SUM_KEYS, gloo_impl_program, oracle
 
 AXES = [(0,), (1,), (0, 1)]
 
@@ -53,6 +54,10 @@ def program(comm: Comm) -> dict[str, Any]:
         shard, full = rand((2, sizes[me]), comm.rank), rand((sum(sizes), 3), comm.rank)
         out["ag" + tag] = comm.all_gather(shard, axes, 1, sizes, phase="forward")
         out["rs" + tag] = comm.reduce_scatter(full, axes, 0, sizes, phase="update")
+        # Broadcast impl: roots are group ranks (not global ranks in row 1 or the columns).
+        out["agb" + tag] = comm.all_gather(shard, axes, 1, sizes, phase="forward", impl="broadcast")
+        out["rsb" + tag] = comm.reduce_scatter(full, axes, 0, sizes, phase="update",
+                                               impl="broadcast")
         x = rand((sizes[me], 2, 5), comm.rank)
         out["a2a" + tag] = comm.all_to_all(x, axes, 2, cols, 0, phase="forward", concat_sizes=sizes)
         out["a2a?" + tag] = comm.all_to_all(x, axes, 2, cols, 0, phase="backward")
@@ -84,6 +89,34 @@ def test_gloo_matches_emulation(mesh: tuple[int, int], request: pytest.FixtureRe
             torch.testing.assert_close(got[key], want[key], msg=f"rank {rank} {key}")
     # Gloo's sums are bitwise identical on every member of a group.
     assert all(torch.equal(real[0]["ar01"], res["ar01"]) for res in real)
+    # A broadcast all-gather moves the same bits as the padded one.
+    for res in real:
+        assert all(torch.equal(res["agb" + t], res["ag" + t]) for t in ("0", "1", "01"))
+
+
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 2)])
+def test_gloo_impls_on_uneven_shards(mesh: tuple[int, int], pool4: WorkerPool) -> None:
+    """Sizes [4, 3, 2, 1] and [2, 0, 3, 1], forward and backward, both impls on gloo.
+
+    Gathers are exact copies: bitwise the oracle's torch.cat under either impl. Sums are not
+    bitwise across impls on gloo: its reduce-scatter and its reduce add the members in
+    different orders (neither is member order), so they agree to float tolerance only; each is
+    deterministic (a second run repeats its bits)."""
+    want = oracle(4)
+    runs = {impl: pool4.run(gloo_impl_program, mesh, impl) for impl in ("padded", "broadcast")}
+    again = pool4.run(gloo_impl_program, mesh, "broadcast")
+    for rank in range(4):
+        padded, broadcast = runs["padded"][rank], runs["broadcast"][rank]
+        for key in COPY_KEYS:
+            assert torch.equal(padded[key], want[rank][key]), f"padded rank {rank} {key}"
+            assert torch.equal(broadcast[key], want[rank][key]), f"broadcast rank {rank} {key}"
+        for key in SUM_KEYS:
+            torch.testing.assert_close(padded[key], want[rank][key], msg=f"rank {rank} {key}")
+            torch.testing.assert_close(broadcast[key], padded[key], msg=f"rank {rank} {key}")
+            assert torch.equal(again[rank][key], broadcast[key]), f"rank {rank} {key} changed"
+        kinds = [(r.kind, r.nbytes, r.axes, r.phase) for r in padded["records"]]
+        assert kinds == [(r.kind, r.nbytes, r.axes, r.phase) for r in broadcast["records"]]
+        assert {r.impl for r in broadcast["records"]} == {"broadcast"}
 
 
 def raise_mid_collective(rank: int, nprocs: int) -> int:

@@ -16,6 +16,10 @@ Where a backward has two variants, the choice says what the incoming gradient is
   ``"reduce_scatter"``: partial gradients (ZeRO-3 / FSDP gather).
 - ``split(backward="all_gather")``: the input is a replicated tensor whose gradient must be whole
   on every member. ``"none"``: return my gradient zero-padded into place, a partial gradient.
+
+``all_gather`` and ``reduce_scatter`` take ``impl`` ("padded" or "broadcast", see
+:mod:`meshplan.runtime.comm`); their backward twin uses the same impl, since the uneven sizes
+that made the choice are the same in both directions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import FunctionCtx
 
-from meshplan.runtime.comm import Comm
+from meshplan.runtime.comm import Comm, check_impl
 
 _ALL_REDUCE_BACKWARDS = ("identity", "all_reduce")
 _ALL_GATHER_BACKWARDS = ("slice", "reduce_scatter")
@@ -84,18 +88,27 @@ def all_gather(
     sizes: Sequence[int],
     *,
     backward: str = "slice",
+    impl: str = "padded",
 ) -> torch.Tensor:
     """S→R: concatenate the members' shards along ``dim`` (``sizes[m]`` = member m's length).
-    ``backward`` is "slice" or "reduce_scatter" (module doc)."""
+    ``backward`` is "slice" or "reduce_scatter" (module doc); ``impl`` is "padded" or
+    "broadcast", for the forward and a reduce-scatter backward alike. Raises ValueError on
+    a bad choice."""
     _check_choice("backward", backward, _ALL_GATHER_BACKWARDS)
-    return _AllGather.apply(x, comm, tuple(axes), dim, tuple(sizes), backward == "reduce_scatter")
+    check_impl(impl)
+    return _AllGather.apply(
+        x, comm, tuple(axes), dim, tuple(sizes), backward == "reduce_scatter", impl
+    )
 
 
 def reduce_scatter(
-    comm: Comm, x: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int]
+    comm: Comm, x: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *,
+    impl: str = "padded",
 ) -> torch.Tensor:
-    """P→S: sum over the group, keep my piece of ``dim`` cut by ``sizes``; backward all-gather."""
-    return _ReduceScatter.apply(x, comm, tuple(axes), dim, tuple(sizes))
+    """P→S: sum over the group, keep my piece of ``dim`` cut by ``sizes``; backward all-gather,
+    both by ``impl`` ("padded" or "broadcast"). Raises ValueError on an unknown impl."""
+    check_impl(impl)
+    return _ReduceScatter.apply(x, comm, tuple(axes), dim, tuple(sizes), impl)
 
 
 def split(
@@ -180,20 +193,21 @@ class _AllGather(Function):
         dim: int,
         sizes: tuple[int, ...],
         reduce_grad: bool,
+        impl: str,
     ) -> torch.Tensor:
-        out = comm.all_gather(x, axes, dim, sizes, phase="forward")
+        out = comm.all_gather(x, axes, dim, sizes, phase="forward", impl=impl)
         ctx.comm, ctx.axes, ctx.dim, ctx.sizes = comm, axes, dim, sizes
-        ctx.reduce_grad = reduce_grad
+        ctx.reduce_grad, ctx.impl = reduce_grad, impl
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         comm, axes, dim, sizes = ctx.comm, ctx.axes, ctx.dim, ctx.sizes
         if ctx.reduce_grad:
-            piece = comm.reduce_scatter(grad, axes, dim, sizes, phase="backward")
+            piece = comm.reduce_scatter(grad, axes, dim, sizes, phase="backward", impl=ctx.impl)
         else:
             piece = local_slice(grad, dim, sizes, comm.group_index(axes)).contiguous()
-        return piece, None, None, None, None, None
+        return piece, None, None, None, None, None, None
 
 
 class _ReduceScatter(Function):
@@ -205,14 +219,17 @@ class _ReduceScatter(Function):
         axes: tuple[int, ...],
         dim: int,
         sizes: tuple[int, ...],
+        impl: str,
     ) -> torch.Tensor:
-        ctx.comm, ctx.axes, ctx.dim, ctx.sizes = comm, axes, dim, sizes
-        return comm.reduce_scatter(x, axes, dim, sizes, phase="forward")
+        ctx.comm, ctx.axes, ctx.dim, ctx.sizes, ctx.impl = comm, axes, dim, sizes, impl
+        return comm.reduce_scatter(x, axes, dim, sizes, phase="forward", impl=impl)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        whole = ctx.comm.all_gather(grad, ctx.axes, ctx.dim, ctx.sizes, phase="backward")
-        return whole, None, None, None, None
+        whole = ctx.comm.all_gather(
+            grad, ctx.axes, ctx.dim, ctx.sizes, phase="backward", impl=ctx.impl
+        )
+        return whole, None, None, None, None, None
 
 
 class _Split(Function):

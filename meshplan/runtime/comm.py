@@ -8,9 +8,15 @@ are empty is the identity: it returns its input and records nothing.
 The base class :class:`Comm` owns everything that does not depend on the transport: argument
 checks, the record of issued collectives, and the reshaping that turns uneven shards into
 equal-sized buffers (pad every shard to the largest, exchange, trim), so the emulated and the
-gloo backends share it line for line. A backend implements five equal-size primitives on fresh
-contiguous buffers that nobody else references (a backend may keep them, e.g. post them to
-peers); each primitive returns a fresh tensor.
+gloo backends share it line for line. A backend implements five equal-size primitives and two
+rooted ones (broadcast, reduce) on fresh contiguous buffers that nobody else references (a
+backend may keep them, e.g. post them to peers); each primitive returns a fresh tensor.
+
+Uneven all-gather and reduce-scatter come in two implementations (HAP, EuroSys'24 §2.5), chosen
+by ``impl`` in :data:`IMPLS`: ``"padded"`` pads every shard to the largest and makes one
+collective (cost α + n·max(s)·β); ``"broadcast"`` sends each member's shard unpadded, one
+broadcast (all-gather) or one reduce to its owner (reduce-scatter) per member, n·α + Σ s·β.
+Members whose piece is empty skip their round; every member knows ``sizes`` so all agree.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch.distributed as dist
 
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 PHASES: tuple[str, ...] = ("forward", "backward", "update", "recompute")
+IMPLS: tuple[str, ...] = ("padded", "broadcast")
+_IMPL_KINDS = ("all_gather", "reduce_scatter")  # the kinds with a choice of implementation
 
 
 @dataclass(frozen=True)
@@ -34,21 +42,34 @@ class CollectiveRecord:
     ``nbytes`` is B of DESIGN.md §4, the whole tensor involved: the all-reduced tensor; the
     gathered output (real shard bytes, padding not counted); the reduce-scatter input; the sum
     over the group of the all-to-all's local inputs. ``axes`` are normalized (size-1 axes
-    dropped, sorted). Raises ValueError on an unknown kind or phase or a negative size.
+    dropped, sorted). ``impl`` (:data:`IMPLS`) says how an all-gather or reduce-scatter was
+    carried out; the other kinds are always "padded". Raises ValueError on an unknown kind,
+    phase or impl, an impl other kinds lack, or a negative size.
     """
 
     kind: str
     nbytes: int
     axes: tuple[int, ...]
     phase: str
+    impl: str = "padded"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown collective kind {self.kind!r}; valid kinds: {KINDS}")
         if self.phase not in PHASES:
             raise ValueError(f"unknown phase {self.phase!r}; valid phases: {PHASES}")
+        check_impl(self.impl)
+        if self.impl != "padded" and self.kind not in _IMPL_KINDS:
+            raise ValueError(f"impl {self.impl!r} applies only to {_IMPL_KINDS}, not {self.kind!r}")
         if self.nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
+
+
+def check_impl(impl: str) -> str:
+    """Return ``impl``; ValueError naming the valid values unless it is in :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid impls: {IMPLS}")
+    return impl
 
 
 def check_mesh_shape(mesh_shape: Sequence[int]) -> tuple[int, int]:
@@ -146,10 +167,13 @@ class Comm(ABC):
         return self._all_reduce(t.detach().clone(memory_format=torch.contiguous_format), ax)
 
     def all_gather(
-        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str
+        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
+        impl: str = "padded",
     ) -> torch.Tensor:
         """Concatenate the members' shards along ``dim``; ``sizes[m]`` is member m's length of
-        ``dim`` (uneven allowed; shards are padded to the largest for the exchange)."""
+        ``dim`` (uneven allowed). ``impl`` (module doc): shards padded to the largest for one
+        all-gather, or one unpadded broadcast per member; both give bitwise the same result."""
+        check_impl(impl)
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
         sizes = self._check_sizes("sizes", sizes, ax)
@@ -160,15 +184,23 @@ class Comm(ABC):
             )
         if not ax:
             return t
-        self._record("all_gather", _nbytes_along(t, d, sum(sizes)), ax, phase)
+        self._record("all_gather", _nbytes_along(t, d, sum(sizes)), ax, phase, impl)
+        if impl == "broadcast":
+            return self._gather_by_broadcast(t, d, sizes, ax)
         stacked = self._all_gather(_pad_along(t, d, max(sizes)), ax)
         return torch.cat([stacked[m].narrow(d, 0, s) for m, s in enumerate(sizes)], dim=d)
 
     def reduce_scatter(
-        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str
+        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
+        impl: str = "padded",
     ) -> torch.Tensor:
         """Sum ``t`` over the group, then member m keeps the m-th piece of ``dim`` cut by
-        ``sizes`` (uneven allowed; ``sum(sizes)`` must equal ``t.shape[dim]``)."""
+        ``sizes`` (uneven allowed; ``sum(sizes)`` must equal ``t.shape[dim]``). ``impl``
+        (module doc): one padded reduce-scatter, or one unpadded reduce per member to that
+        member. Each is deterministic; whether the two agree bitwise is the backend's affair
+        (the emulation sums both in member order; gloo's orders may differ, see
+        :class:`ProcessGroupComm`)."""
+        check_impl(impl)
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
         sizes = self._check_sizes("sizes", sizes, ax)
@@ -176,7 +208,9 @@ class Comm(ABC):
             raise ValueError(f"reduce_scatter: sizes {sizes} do not sum to {t.shape[d]} (dim {d})")
         if not ax:
             return t
-        self._record("reduce_scatter", _nbytes(t), ax, phase)
+        self._record("reduce_scatter", _nbytes(t), ax, phase, impl)
+        if impl == "broadcast":
+            return self._scatter_by_reduce(t, d, sizes, ax)
         buf = t.new_zeros((len(sizes), *_with_size(t.shape, d, max(sizes))))
         for m, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
             buf[m].narrow(d, 0, size).copy_(t.detach().narrow(d, offset, size))
@@ -249,6 +283,46 @@ class Comm(ABC):
     def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
         """Every member's ``value`` in member order (metadata, not recorded)."""
 
+    # -- rooted primitives: every member passes a buffer of the same shape -------------------
+
+    @abstractmethod
+    def _broadcast(self, buf: torch.Tensor, src: int, axes: tuple[int, ...]) -> torch.Tensor:
+        """Member ``src``'s ``buf`` on every member (``src`` is a member index, not a rank;
+        the other members' ``buf`` only gives the shape)."""
+
+    @abstractmethod
+    def _reduce(self, buf: torch.Tensor, dst: int, axes: tuple[int, ...]) -> torch.Tensor | None:
+        """On member ``dst``: the sum of every member's ``buf``; None on the others."""
+
+    # -- uneven exchanges made of rooted primitives (impl="broadcast") ----------------------
+
+    def _gather_by_broadcast(
+        self, t: torch.Tensor, d: int, sizes: list[int], axes: tuple[int, ...]
+    ) -> torch.Tensor:
+        """One broadcast per member of its unpadded shard, concatenated in member order."""
+        me, pieces = self._index(axes), []
+        for m, size in enumerate(sizes):
+            shape = _with_size(t.shape, d, size)
+            if m == me:
+                buf = t.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                buf = t.new_empty(shape)
+            pieces.append(self._broadcast(buf, m, axes) if math.prod(shape) else buf)
+        return torch.cat(pieces, dim=d)
+
+    def _scatter_by_reduce(
+        self, t: torch.Tensor, d: int, sizes: list[int], axes: tuple[int, ...]
+    ) -> torch.Tensor:
+        """One reduce per member m of piece m of ``t``, to member m; returns my summed piece."""
+        me, mine = self._index(axes), None
+        for m, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
+            piece = t.detach().narrow(d, offset, size).clone(memory_format=torch.contiguous_format)
+            summed = self._reduce(piece, m, axes) if piece.numel() else piece
+            if m == me:
+                mine = summed
+        assert mine is not None, "the reduce to me must return my piece"
+        return mine
+
     # -- shared helpers --------------------------------------------------------------------
 
     def _begin(self, t: torch.Tensor, axes: Sequence[int], phase: str) -> tuple[int, ...]:
@@ -271,10 +345,12 @@ class Comm(ABC):
             raise ValueError(f"{name} must be {n} non-negative ints, one per member; got {sizes!r}")
         return [int(s) for s in sizes]
 
-    def _record(self, kind: str, nbytes: int, axes: tuple[int, ...], phase: str) -> None:
+    def _record(
+        self, kind: str, nbytes: int, axes: tuple[int, ...], phase: str, impl: str = "padded"
+    ) -> None:
         if self.recomputing and phase == "forward":
             phase = "recompute"
-        self.records.append(CollectiveRecord(kind, nbytes, axes, phase))
+        self.records.append(CollectiveRecord(kind, nbytes, axes, phase, impl))
 
 
 class ProcessGroupComm(Comm):
@@ -282,10 +358,15 @@ class ProcessGroupComm(Comm):
 
     Build it on every rank of an initialized world whose size is ``r*c``; the constructor is
     itself collective (every rank creates the same row and column groups in the same order).
-    gloo has no uneven all-gather, so shards are padded to the largest and gathered with
+    gloo has no uneven all-gather, so impl "padded" pads shards to the largest and gathers with
     ``all_gather_single``; reduce-scatter and all-to-all map to ``reduce_scatter_single`` and
-    ``all_to_all_single``. Raises RuntimeError if torch.distributed is not initialized,
-    ValueError if the world size differs from ``r*c``.
+    ``all_to_all_single``; the rooted primitives of impl "broadcast" to ``broadcast`` and
+    ``reduce`` addressed by group rank (``group_src``/``group_dst``: a member's index is its
+    rank in the axis group, not its global rank). gloo sums a reduce-scatter and a reduce in
+    orders of its own (neither is member order, nor each other's): each is deterministic, but
+    a reduce-scatter by "broadcast" matches "padded" to float rounding only, not bitwise
+    (gathers are copies and match bitwise). Raises RuntimeError if torch.distributed is not
+    initialized, ValueError if the world size differs from ``r*c``.
     """
 
     def __init__(self, mesh_shape: Sequence[int]) -> None:
@@ -356,6 +437,15 @@ class ProcessGroupComm(Comm):
         out = mine.new_empty(self._groups[axes].size())
         dist.all_gather_single(out, mine, group=self._groups[axes])
         return [int(v) for v in out.tolist()]
+
+    def _broadcast(self, buf: torch.Tensor, src: int, axes: tuple[int, ...]) -> torch.Tensor:
+        dist.broadcast(buf, group=self._groups[axes], group_src=src)
+        return buf
+
+    def _reduce(self, buf: torch.Tensor, dst: int, axes: tuple[int, ...]) -> torch.Tensor | None:
+        # Only dst's buffer holds the sum; gloo may leave partial sums in the others'.
+        dist.reduce(buf, group=self._groups[axes], group_dst=dst)
+        return buf if self._index(axes) == dst else None
 
 
 def _make_groups(shape: tuple[int, int], ranks: tuple[int, ...]

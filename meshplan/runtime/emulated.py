@@ -104,6 +104,27 @@ class EmulatedComm(Comm):
     def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
         return list(self._rendezvous("gather_ints", axes, value))
 
+    def _broadcast(self, buf: torch.Tensor, src: int, axes: tuple[int, ...]) -> torch.Tensor:
+        # A copy even on the root: a posted buffer is read by peers after the barrier, so it
+        # must not be handed back to a caller who might write to it.
+        return self._rooted("broadcast", axes, src, buf)[src].clone()
+
+    def _reduce(self, buf: torch.Tensor, dst: int, axes: tuple[int, ...]) -> torch.Tensor | None:
+        bufs = self._rooted("reduce", axes, dst, buf)
+        return _sum_in_order(bufs) if self._index(axes) == dst else None
+
+    def _rooted(self, kind: str, axes: tuple[int, ...], root: int, buf: torch.Tensor
+                ) -> list[torch.Tensor]:
+        """Every member's ``buf`` of a broadcast or reduce, after checking that all members
+        named the same root and passed the same shape."""
+        posted = self._rendezvous(kind, axes, (root, buf))
+        roots = [r for r, _ in posted]
+        if len(set(roots)) > 1:
+            raise RuntimeError(f"{kind}: members named different roots {roots}")
+        bufs = [b for _, b in posted]
+        _check_same_shape(kind, bufs)
+        return bufs
+
     def _rendezvous(self, kind: str, axes: tuple[int, ...], payload: Any) -> list[Any]:
         """Post ``payload``, wait for the whole group, return every member's payload in order."""
         ranks = self.group_ranks(axes)
