@@ -17,7 +17,7 @@ from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import Cluster, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
-from meshplan.cost.mesh import LogicalMesh, logical_mesh
+from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
 from meshplan.plan.plan import Plan, StagePlan
@@ -25,6 +25,9 @@ from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
 from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
                                                   parse_megatron_spec)
 from meshplan.planner.inter.search import PipelineRequest, resolve_schedule, search_pipeline
+from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, hetero_context,
+                                               speed_shares)
+from meshplan.planner.hetero.to_plan import HETERO_METHODS, check_mixed_request, plan_mixed
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
@@ -34,7 +37,7 @@ from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
 METHODS = ("auto", "intra-only", "inter-only", "equal-layer", "equal-operator", "data",
-           "zero2", "zero3", "megatron", "megatron-grid", "heuristic", "expert")
+           "zero2", "zero3", "megatron", "megatron-grid", "heuristic", "expert", *HETERO_METHODS)
 PIPELINE_METHODS = ("auto", "inter-only", "equal-layer", "equal-operator", "megatron-grid")
 
 
@@ -68,9 +71,9 @@ def method_options(method: str, *, force_batch_dim: int | None = None,
         method = "megatron"
     opts: dict[str, Any] = {"force_batch_axis": force_batch_dim,
                             "prefer_reduce_scatter": prefer_reduce_scatter}
-    if method not in ("auto", "intra-only", "equal-layer", "equal-operator"):
+    if method not in ("auto", "intra-only", "equal-layer", "equal-operator", "hetero"):
         opts["full_split"] = True
-    if method in ("data", "zero2", "zero3", "inter-only"):
+    if method in ("data", "zero2", "zero3", "inter-only", "dp-even", "dp-proportional"):
         opts["force_data_parallel"] = True
         if method in ("zero2", "zero3"):
             opts["update_mode"] = method
@@ -149,7 +152,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
          num_layers: int | None = None, schedule: str = "auto", name: str = "model",
-         progress: bool = False) -> Plan:
+         progress: bool = False, gather: str = "auto") -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -162,7 +165,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     mesh axis) switch the objective to those abstract units with compute left out, as in Alpa;
     otherwise it is seconds on the cluster. ``memory_budget_gb`` defaults to the device memory;
     0 means no budget. ``axis_weights`` gives uneven shard weights per mesh axis (HAP-style
-    ratios; planned as even). ``share_blocks``: repeated layers share ILP decisions (faster;
+    ratios, priced as uneven; method "hetero" takes them as fixed per-device ratios). ``share_blocks``: repeated layers share ILP decisions (faster;
     the optimum of the unshared problem may be slightly lower).
 
     The training step: ``dtype`` "fp32", "bf16", "fp16" or "auto" (bf16 where the device runs
@@ -176,6 +179,14 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     fits; needs the micro-batches a multiple of the stages).
     ``progress``: progress bars on stderr during long pipeline searches (only when stderr is a
     terminal).
+
+    Clusters of mixed devices (HAP, `planner/hetero/`): method "hetero" — and "auto" on a
+    mixed cluster without a ``mesh_shape`` — plans one SPMD program over all devices as a
+    (1, n) mesh with per-device shard ratios, alternating program synthesis (an A* search)
+    and the ratio LP; "dp-even" and "dp-proportional" are data parallelism with an even batch
+    split or one proportional to the devices' speeds. ``gather`` says how uneven shards are
+    gathered: "padded" all-gathers, "broadcast" (one broadcast per device) or "auto" (the
+    cheaper per tensor).
 
     Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
@@ -200,12 +211,19 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     budget (or no Megatron configuration does) and NoPipelineError when no pipeline does.
     """
     t0 = time.perf_counter()
+    if gather not in GATHER_IMPLS:
+        raise ValueError(f"gather must be one of {', '.join(GATHER_IMPLS)}, got {gather!r}")
     cl = _cluster(cluster)
     real_mesh = logical_mesh(cl, tuple(mesh_shape) if mesh_shape else None)
     abstract = alpha is not None or beta is not None
     if abstract and (alpha is None or beta is None):
         raise ValueError("give both alpha and beta (one value per mesh axis), or neither")
     mesh = LogicalMesh(real_mesh.shape, tuple(alpha), tuple(beta)) if abstract else real_mesh
+    if axis_weights and method not in HETERO_METHODS:
+        # A user's uneven split of a homogeneous mesh, priced as uneven.
+        real_mesh = replace(real_mesh, weights=tuple(tuple(w) for w in axis_weights),
+                            gather_impl=gather)
+        mesh = replace(mesh, weights=real_mesh.weights, gather_impl=gather)
     opt = optimizer_spec(optimizer)
     budget = _budget(memory_budget_gb, cl)
     opts = IntraOptions(**method_options(method, force_batch_dim=force_batch_dim,
@@ -215,6 +233,13 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
     schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
+    if method in HETERO_METHODS or (method == "auto" and cl.is_mixed and mesh_shape is None
+                                    and not abstract):
+        method = "hetero" if method == "auto" else method
+        fixed = check_mixed_request(method, mesh_shape, abstract, cl.num_devices,
+                                    axis_weights)
+        return _plan_mixed(model, loss_fn, opt, example_batch, cl, method, opts, budget, step,
+                           counts, name, gather, t0, fixed)
     if is_pipeline_method(method) and method != "auto" and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
                          "cluster: give no mesh_shape and no alpha/beta")
@@ -256,7 +281,33 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
                         search_time_s=time.perf_counter() - t0, dtype=step.dtype,
                         unsupported_ops=graph.unsupported_ops, axis_weights=weights)
+    result.options["gather_impl"] = gather
     return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+
+def _plan_mixed(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
+                cl: Cluster, method: str, opts: IntraOptions, budget: float | None,
+                step: "_TrainingStep", counts: list[int], name: str, gather: str,
+                t0: float, ratios: tuple[float, ...] | None) -> Plan:
+    """A plan of `HETERO_METHODS` at the fewest micro-batches that fit."""
+    last: InfeasiblePlanError | None = None
+    for num in counts:
+        _, traced = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
+        graph = with_compute_dtype(traced, step.dtype)
+        settings = StepSettings(opt.state(), num, step.recompute, gather)
+        try:
+            found = plan_mixed(graph, traced.fingerprint(), cl, method, opts, settings, budget,
+                               dtype=step.dtype, name=name, optimizer=opt.to_dict(), t0=t0,
+                               ratios=ratios)
+            return replace(found, stages=(_whole_mesh_stage(found, cl),))
+        except InfeasibleIlpError:
+            if budget is None:
+                raise
+            ctx = hetero_context(cl, speed_shares(cl.types, step.dtype), settings)
+            last = _infeasible(formulate(flat_choices(graph, cl, opts), ctx, budget), budget,
+                               cl, method)
+    assert last is not None
+    raise last
 
 
 def _whole_mesh_stage(p: Plan, cl: Cluster) -> StagePlan:

@@ -9,6 +9,12 @@ group of n devices with latency α and inverse bandwidth β:
     all-to-all                   α + (n−1)/n² · B · β
     send/recv                    α + B · β
 
+On a mesh with uneven `weights` (HAP's shard ratios), shards ``s_i = share_i · B`` differ:
+all-gather and reduce-scatter cost the cheaper of a padded collective ``α + (n−1)·max s_i·β``
+and a grouped broadcast (reduce) ``n·α + Σ s_i·β`` (`uneven_gather_impl`, unless the mesh fixes
+one), all-to-all pads every piece to the largest, ``α + (n−1)·max share²·B·β``; an all-reduce
+moves the whole tensor in even chunks whatever the shards.
+
 Axes of size 1 are dropped; with none of size > 1 left the cost is 0. Two axes of size > 1 form one
 ring over all n0·n1 devices with the larger α and the larger β. Costs are in the units of α and β
 (seconds when the mesh comes from a Cluster).
@@ -61,19 +67,54 @@ def all_reduce_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> fl
     return _ring_cost(mesh, axes, nbytes, lambda n: 2 * (n - 1) / n)
 
 
+def _live(mesh: LogicalMesh, axes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(a for a in _check_axes(mesh, axes) if mesh.shape[a] > 1)
+
+
+def uneven_gather_impl(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> str:
+    """How a tensor of `nbytes` split over `axes` is gathered (or reduce-scattered): "ring"
+    when the shards are even, else the mesh's fixed `gather_impl`, or under "auto" the cheaper
+    of "padded" and "broadcast" (ties go to "padded": one collective, not n)."""
+    live = _live(mesh, axes)
+    if not live or mesh.is_even(live):
+        return "ring"
+    if mesh.gather_impl != "auto":
+        return mesh.gather_impl
+    shards = [s * nbytes for s in mesh.shares(live)]
+    padded = padded_all_gather_cost(mesh, live, shards)
+    return "padded" if padded <= grouped_broadcast_cost(mesh, live, shards) else "broadcast"
+
+
+def _gather_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
+    impl = uneven_gather_impl(mesh, axes, check_nonnegative(nbytes, "nbytes"))
+    if impl == "ring":
+        return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) / n)
+    live = _live(mesh, axes)
+    shards = [s * nbytes for s in mesh.shares(live)]
+    cost = padded_all_gather_cost if impl == "padded" else grouped_broadcast_cost
+    return cost(mesh, live, shards)
+
+
 def all_gather_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
-    """α + (n−1)/n·B·β for all-gathering into an output of `nbytes` bytes over `axes`."""
-    return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) / n)
+    """α + (n−1)/n·B·β for all-gathering into an output of `nbytes` bytes over `axes` (uneven
+    shards: the module docstring)."""
+    return _gather_cost(mesh, axes, nbytes)
 
 
 def reduce_scatter_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
-    """α + (n−1)/n·B·β for reduce-scattering an input of `nbytes` bytes over `axes`."""
-    return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) / n)
+    """α + (n−1)/n·B·β for reduce-scattering an input of `nbytes` bytes over `axes` (uneven
+    shards: the module docstring; the twin of the all-gather, priced alike)."""
+    return _gather_cost(mesh, axes, nbytes)
 
 
 def all_to_all_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
-    """α + (n−1)/n²·B·β: each device sends (n−1)/n of its B/n bytes (no Alpa n/2 penalty)."""
-    return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) / n**2)
+    """α + (n−1)/n²·B·β: each device sends (n−1)/n of its B/n bytes (no Alpa n/2 penalty);
+    with uneven shares every piece is padded to the largest, share_max² · B."""
+    live = _live(mesh, axes)
+    if not live or mesh.is_even(live):
+        return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) / n**2)
+    top = max(mesh.shares(live))
+    return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) * top * top)
 
 
 def send_recv_cost(alpha: float, beta: float, nbytes: float) -> float:

@@ -46,16 +46,41 @@ class LogicalMesh:
     `alpha[k]` is the latency of a collective on axis k (seconds, or abstract units) and `beta[k]`
     its inverse bandwidth (seconds per byte, or abstract units per byte). Sequences are stored as
     tuples so the mesh is hashable. Raises TypeError/ValueError on malformed fields.
+
+    `weights` (HAP's shard ratios; empty: even) gives per axis each position's share of a dim
+    split over that axis, stored as fractions summing to 1. Collectives over an uneven axis are
+    priced with the uneven formulas of DESIGN.md §4, and `gather_impl` says how uneven shards
+    are gathered: "padded" (one all-gather of shards padded to the largest), "broadcast" (one
+    broadcast per member) or "auto" (per tensor, whichever is cheaper; `uneven_gather_impl`).
     """
 
     shape: tuple[int, int]
     alpha: tuple[float, float]
     beta: tuple[float, float]
+    weights: tuple[tuple[float, ...], ...] = ()
+    gather_impl: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", _shape_pair(self.shape))
         object.__setattr__(self, "alpha", _cost_pair(self.alpha, "alpha"))
         object.__setattr__(self, "beta", _cost_pair(self.beta, "beta"))
+        object.__setattr__(self, "weights", _fractions(self.weights, self.shape))
+        if self.gather_impl not in GATHER_IMPLS:
+            raise ValueError(f"gather_impl must be one of {GATHER_IMPLS}, got "
+                             f"{self.gather_impl!r}")
+
+    def shares(self, axes: Sequence[int]) -> tuple[float, ...]:
+        """Each member's fraction of a dim split over ``axes`` (outer axis first, the group's
+        member order): products of the axes' weights, or 1/n each on an even mesh."""
+        out = [1.0]
+        for a in axes:
+            w = self.weights[a] if self.weights else (1.0 / self.shape[a],) * self.shape[a]
+            out = [x * y for x in out for y in w]
+        return tuple(out)
+
+    def is_even(self, axes: Sequence[int]) -> bool:
+        """Whether a split over ``axes`` gives every member the same share."""
+        return not self.weights or all(len(set(self.weights[a])) == 1 for a in axes)
 
     @property
     def num_devices(self) -> int:
@@ -67,6 +92,27 @@ class LogicalMesh:
         if axis not in (0, 1) or isinstance(axis, bool):
             raise ValueError(f"mesh axis must be 0 or 1, got {axis!r}")
         return self.shape[axis]
+
+
+GATHER_IMPLS = ("auto", "padded", "broadcast")
+
+
+def _fractions(weights: object, shape: tuple[int, int]) -> tuple[tuple[float, ...], ...]:
+    """Per-axis weights as fractions summing to 1 (empty stays empty: even shares)."""
+    if not weights:
+        return ()
+    if not isinstance(weights, Sequence) or len(weights) != 2:
+        raise ValueError(f"mesh weights must give one list per axis (2), got {weights!r}")
+    out = []
+    for a, w in enumerate(weights):
+        if not isinstance(w, Sequence) or len(w) != shape[a]:
+            raise ValueError(f"mesh weights[{a}] must list {shape[a]} shares (axis {a} of a "
+                             f"{shape} mesh), got {w!r}")
+        vals = [check_nonnegative(x, f"mesh weights[{a}]") for x in w]
+        if sum(vals) <= 0:
+            raise ValueError(f"mesh weights[{a}] must have a positive sum, got {w!r}")
+        out.append(tuple(x / sum(vals) for x in vals))
+    return tuple(out)
 
 
 def factor_pairs(n: int) -> list[tuple[int, int]]:

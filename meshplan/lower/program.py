@@ -27,9 +27,12 @@ from torch import fx
 
 from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
+from meshplan.cost.collectives import uneven_gather_impl
+from meshplan.cost.mesh import LogicalMesh
 from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
+from meshplan.lower.grain import cut_units
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
                                    piece_offsets, source_sharded, split_more, with_partial)
 from meshplan.plan.plan import OpDecision, Plan
@@ -87,6 +90,19 @@ class _Lowerer:
         # autocast leaves aten.convolution in fp32): cast explicitly, as the plan prices them.
         self.half = None if plan.dtype == "fp32" else getattr(torch, DTYPES[plan.dtype])
         self.rng = self.out.placeholder("rng")
+        self.units = cut_units(graph)
+        # How uneven shards are gathered: the plan's choice per tensor, made again here by the
+        # same rule on the same figures (`uneven_gather_impl`).
+        self.mesh = LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta,
+                                () if all(len(set(w)) <= 1 for w in pos.weights)
+                                else pos.weights, plan.options.get("gather_impl", "auto"))
+
+    def _units(self, name: str, ndim: int) -> tuple[int, ...]:
+        return tuple(self.units.get((name, d), 1) for d in range(ndim))
+
+    def _impl(self, s: Step) -> str:
+        impl = uneven_gather_impl(self.mesh, s.axes, s.nbytes)
+        return "padded" if impl == "ring" else impl
 
     def run(self) -> LocalProgram:
         phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
@@ -150,7 +166,8 @@ class _Lowerer:
         else:
             spec = self.sources[node.name]
         self.values[node.name] = source_sharded(node.out.shape,
-                                                _layout(spec, len(node.out.shape)), self.pos)
+                                                _layout(spec, len(node.out.shape)), self.pos,
+                                                self._units(node.name, len(node.out.shape)))
 
     # ---------------------------------------------------------------- ops
     def _op(self, node: Node) -> None:
@@ -165,7 +182,8 @@ class _Lowerer:
             cast = zero3.cast if self.gathers else local_ops.cast_float
             operands = [self.out.call_function(cast, (o, self.half)) for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))
-        result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos)
+        result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos,
+                           self._units(node.name, len(node.out.shape)))
         self.values[node.name] = result
         special = self._class_split(node, dec, operands, shardeds)
         if special is not None:
@@ -227,7 +245,7 @@ class _Lowerer:
             if not through:
                 fxn = self._param_use(name, recipe.sync_axes)
             for step in recipe.steps:
-                val, fxn = self._step(step, val, fxn)
+                val, fxn = self._step(step, val, fxn, name)
             self.moved[key] = (val, fxn)
         return self.moved[key]
 
@@ -256,8 +274,10 @@ class _Lowerer:
         group = self.pos.group(update)
         return self.out.call_function(C.grad_scale, (fxn, 1.0 / group)) if group > 1 else fxn
 
-    def _step(self, s: Step, val: Sharded, x: fx.Node) -> tuple[Sharded, fx.Node]:
+    def _step(self, s: Step, val: Sharded, x: fx.Node, name: str
+              ) -> tuple[Sharded, fx.Node]:
         call, pos, comm = self.out.call_function, self.pos, self.comm
+        units = self._units(name, len(val.shape))
         if s.op == "all_reduce":
             remaining = tuple(a for a in val.layout.partial if a not in s.axes)
             return with_partial(val, remaining), call(C.all_reduce, (comm, x, s.axes),
@@ -265,18 +285,19 @@ class _Lowerer:
         if s.op == "grad_all_reduce":
             return val, call(C.grad_all_reduce, (comm, x, s.axes))
         if s.op == "reduce_scatter":
-            new, sizes = split_more(with_partial(val, ()), s.dim, s.axes, pos)
-            return new, call(C.reduce_scatter, (comm, x, s.axes, s.dim, sizes))
+            new, sizes = split_more(with_partial(val, ()), s.dim, s.axes, pos, units[s.dim])
+            return new, call(C.reduce_scatter, (comm, x, s.axes, s.dim, sizes),
+                             {"impl": self._impl(s)})
         if s.op == "all_gather":
             new, sizes = gathered(val, s.dim, s.axes, pos)
             return new, call(C.all_gather, (comm, x, s.axes, s.dim, sizes),
-                             {"backward": s.backward})
+                             {"backward": s.backward, "impl": self._impl(s)})
         if s.op == "split":
-            new, sizes = split_more(val, s.dim, s.axes, pos)
+            new, sizes = split_more(val, s.dim, s.axes, pos, units[s.dim])
             return new, call(C.split, (comm, x, s.axes, s.dim, sizes), {"backward": s.backward})
         if s.op == "all_to_all":
             mid, concat_sizes = gathered(val, s.dim, s.axes, pos)
-            new, split_sizes = split_more(mid, s.dim2, s.axes, pos)
+            new, split_sizes = split_more(mid, s.dim2, s.axes, pos, units[s.dim2])
             return new, call(C.all_to_all, (comm, x, s.axes, s.dim2, split_sizes, s.dim,
                                             concat_sizes))
         raise AssertionError(f"unknown reshard step {s.op}")

@@ -49,13 +49,24 @@ class MeshPos:
         return math.prod(self.shape[a] for a in axes)
 
 
+def cut(n: int, axes: Axes, weights: Sequence[Sequence[float]], unit: int = 1
+        ) -> tuple[int, ...]:
+    """`canonical_sizes` of a dim of ``n`` whose uneven pieces are whole ``unit`` s
+    (`grain.cut_units`); even splits are cut as before (the planner checked divisibility)."""
+    if unit == 1 or all(len(set(weights[a])) <= 1 for a in axes):
+        return canonical_sizes(n, axes, weights)
+    return tuple(unit * p for p in canonical_sizes(n // unit, axes, weights))
+
+
 def even_weights(shape: tuple[int, int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return (tuple([1.0] * shape[0]), tuple([1.0] * shape[1]))
 
 
-def source_sharded(shape: tuple[int, ...], layout: Layout, pos: MeshPos) -> Sharded:
-    return Sharded(shape, layout, tuple(canonical_sizes(n, ax, pos.weights) if ax else None
-                                        for n, ax in zip(shape, layout.dims)))
+def source_sharded(shape: tuple[int, ...], layout: Layout, pos: MeshPos,
+                   units: Sequence[int] = ()) -> Sharded:
+    units = units or (1,) * len(shape)
+    return Sharded(shape, layout, tuple(cut(n, ax, pos.weights, u) if ax else None
+                                        for n, ax, u in zip(shape, layout.dims, units)))
 
 
 def local_shape(v: Sharded, pos: MeshPos) -> tuple[int, ...]:
@@ -76,11 +87,13 @@ def gathered(v: Sharded, dim: int, axes: Axes, pos: MeshPos) -> tuple[Sharded, t
     return _with_dim(v, dim, keep, new_pieces), tuple(members)
 
 
-def split_more(v: Sharded, dim: int, axes: Axes, pos: MeshPos) -> tuple[Sharded, tuple[int, ...]]:
-    """After cutting ``dim`` further over ``axes``: the new value and my group's piece sizes."""
+def split_more(v: Sharded, dim: int, axes: Axes, pos: MeshPos, unit: int = 1
+               ) -> tuple[Sharded, tuple[int, ...]]:
+    """After cutting ``dim`` further over ``axes`` (in whole ``unit`` s): the new value and my
+    group's piece sizes."""
     cur = v.layout.dims[dim]
     before = v.pieces[dim] or (v.shape[dim],)
-    new = tuple(s for p in before for s in canonical_sizes(p, axes, pos.weights))
+    new = tuple(s for p in before for s in cut(p, axes, pos.weights, unit))
     g = pos.group(axes)
     start = pos.index(cur) * g if cur else 0
     return _with_dim(v, dim, (*cur, *axes), new), new[start:start + g]
@@ -99,8 +112,10 @@ def with_partial(v: Sharded, partial: Axes) -> Sharded:
 
 
 def op_output(sig: Signature, operands: Sequence[Sharded], out_shape: tuple[int, ...],
-              out_layout: Layout, pos: MeshPos) -> Sharded:
-    """Piece sizes of an op's output, carried atom by atom from operands that split the atom."""
+              out_layout: Layout, pos: MeshPos, units: Sequence[int] = ()) -> Sharded:
+    """Piece sizes of an op's output, carried atom by atom from operands that split the atom
+    (else cut anew, in whole ``units``)."""
+    units = units or (1,) * len(out_shape)
     sizes = dict(sig.atom_sizes)
     pieces: list[tuple[int, ...] | None] = []
     for d, axes in enumerate(out_layout.dims):
@@ -120,7 +135,7 @@ def op_output(sig: Signature, operands: Sequence[Sharded], out_shape: tuple[int,
                     found = cand
         scale = out_shape[d] // sizes[atom]
         pieces.append(tuple(p * scale for p in found) if found is not None
-                      else canonical_sizes(out_shape[d], axes, pos.weights))
+                      else cut(out_shape[d], axes, pos.weights, units[d]))
     return Sharded(out_shape, out_layout, tuple(pieces))
 
 

@@ -40,13 +40,24 @@ class Phase:
     of its replicated work on each device (``fixed_s``, one per device; empty: none), and its
     collectives' latency ``alpha_s`` and seconds per byte of the largest share
     ``beta_s_per_share`` (a padded all-gather of ``B`` bytes over ``n`` devices: ``(n - 1) · B
-    · β``; 0 for grouped broadcasts, whose time does not depend on the ratios)."""
+    · β``; 0 for grouped broadcasts, whose time does not depend on the ratios).
+
+    ``split_s`` instead of ``flops``: the seconds each device would take for the whole split
+    work (a roofline time: memory-bound work does not scale with FLOP/s); ``flops`` is then
+    left 0."""
 
     flops: float
     fixed_s: tuple[float, ...] = ()
     alpha_s: float = 0.0
     beta_s_per_share: float = 0.0
     segment: int = 0   # whose ratios split its work (module docstring)
+    split_s: tuple[float, ...] = ()
+
+    def seconds_per_share(self, devices: Sequence["Device"]) -> list[float]:
+        """Seconds device j spends per unit of its share ``r_j``."""
+        if self.split_s:
+            return list(self.split_s)
+        return [self.flops / d.speed for d in devices]
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,8 @@ def step_time(phases: Sequence[Phase], devices: Sequence[Device],
     for p in phases:
         r = per_segment[p.segment]
         fixed = p.fixed_s or (0.0,) * len(devices)
-        total += max(p.flops * x / d.speed + f for x, d, f in zip(r, devices, fixed))
+        per = p.seconds_per_share(devices)
+        total += max(a * x + f for x, a, f in zip(r, per, fixed))
         total += p.alpha_s + p.beta_s_per_share * max(r)
     return total
 
@@ -102,9 +114,10 @@ def balance(phases: Sequence[Phase], devices: Sequence[Device],
         check_positive(d.speed, "Device.speed")
         check_nonnegative(d.state_bytes, "Device.state_bytes")
     for i, p in enumerate(phases):
-        if p.fixed_s and len(p.fixed_s) != n:
-            raise ValueError(f"phase {i} lists fixed seconds for {len(p.fixed_s)} devices, "
-                             f"not {n}")
+        for what, vals in (("fixed", p.fixed_s), ("split", p.split_s)):
+            if vals and len(vals) != n:
+                raise ValueError(f"phase {i} lists {what} seconds for {len(vals)} devices, "
+                                 f"not {n}")
     shared = _per_segment(phases, shared_bytes)
     _check_memory(devices, sum(shared))
     g, k = len(shared), len(phases)
@@ -119,9 +132,9 @@ def balance(phases: Sequence[Phase], devices: Sequence[Device],
     rows, upper = [], []
     for i, p in enumerate(phases):
         fixed = p.fixed_s or (0.0,) * n
-        for j, d in enumerate(devices):
+        for j, a in enumerate(p.seconds_per_share(devices)):
             row = np.zeros(cols)   # flops r_kj / speed_j - c_i <= -fixed_ij
-            row[p.segment * n + j], row[c0 + i] = p.flops / d.speed, -1.0
+            row[p.segment * n + j], row[c0 + i] = a, -1.0
             rows.append(row)
             upper.append(-fixed[j])
     for seg in range(g):

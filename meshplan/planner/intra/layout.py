@@ -81,7 +81,8 @@ def split_sizes(n: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Cut ``n`` into ``len(weights)`` pieces proportional to ``weights``.
 
     Equal weights give ``torch.tensor_split`` sizes (the first ``n % k`` pieces one larger);
-    unequal weights (a heterogeneous cluster, or a user's uneven batch) use largest remainders.
+    unequal weights (a heterogeneous cluster, or a user's uneven batch) use largest remainders,
+    with at least one row for every member of positive weight when ``n`` allows.
     """
     total = float(sum(weights))
     if total <= 0 or any(w < 0 for w in weights):
@@ -92,6 +93,13 @@ def split_sizes(n: int, weights: Sequence[float]) -> tuple[int, ...]:
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - base[i]), i))
     for i in order[:rest]:
         base[i] += 1
+    # Every member with a share gets a row while there are rows enough: an empty shard
+    # saves nothing and some kernels fail on empty tensors (CPU attention over zero heads).
+    if n >= sum(1 for w in weights if w > 0):
+        for i in range(len(base)):
+            if base[i] == 0 and weights[i] > 0:
+                base[base.index(max(base))] -= 1
+                base[i] = 1
     return tuple(base)
 
 

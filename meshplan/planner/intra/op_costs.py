@@ -29,7 +29,11 @@ class CostContext:
 
     A step runs the program once per micro-batch (``microbatches``; the graph is traced at the
     micro-batch's size), with its forward run again during backward under ``recompute``; the
-    update-phase synchronization runs once per step."""
+    update-phase synchronization runs once per step.
+
+    ``devices`` (a mixed cluster: each rank's type, host-major as the mesh numbers them) prices
+    an op at its slowest rank, each rank doing its share of the work (the mesh's weights);
+    empty: every rank is ``device``."""
 
     mesh: LogicalMesh
     device: DeviceType | None
@@ -37,6 +41,17 @@ class CostContext:
     param_reshard: bool = False  # may a parameter be resharded before a use (GSPMD-style)?
     microbatches: int = 1
     recompute: bool = False
+    devices: tuple[DeviceType, ...] = ()
+
+    def rank_shares(self, axes: Axes) -> tuple[tuple[DeviceType, float], ...]:
+        """The distinct (device type, share of the work) of the ranks when work is divided over
+        ``axes``: one entry on an even mesh of one type."""
+        shape = self.mesh.shape
+        types = self.devices or (self.device,) * (shape[0] * shape[1])
+        per_axis = [self.mesh.shares((a,)) if a in axes else (1.0,) * shape[a] for a in (0, 1)]
+        return tuple(dict.fromkeys(
+            (types[i * shape[1] + j], per_axis[0][i] * per_axis[1][j])
+            for i in range(shape[0]) for j in range(shape[1])))
 
     def phase_counts(self, phase: str) -> tuple[tuple[str, int], ...]:
         """How often per step a collective the program issues in ``phase`` runs, by the phase
@@ -145,6 +160,7 @@ class OpCosts:
         self.nc, self.ctx, self.g = nc, ctx, nc.graph
         self.shape = tuple(ctx.mesh.shape)
         self.param_root = param_roots(self.g)
+        self._times: dict[tuple[str, Axes], tuple[float, float]] = {}
 
     def operand_recipe(self, node: Node, j: int, pu: int, qv: int) -> Recipe:
         u = self.g.by_name[node.inputs[j]]
@@ -185,13 +201,18 @@ class OpCosts:
         """Seconds of one micro-batch's forward and backward of ``node`` on one device."""
         if self.ctx.device is None or node.is_source or node.flops == 0:
             return 0.0, 0.0
-        f = 1
-        for a in choice.strategy.work_axes:
-            f *= self.shape[a]
-        return forward_backward_times(
-            node.flops / f, node.nbytes / f, self.ctx.device,
-            node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32",
-            node.sig is not None and node.sig.kind == "contraction")
+        key = (node.name, choice.strategy.work_axes)
+        if key not in self._times:
+            self._times[key] = self._pass_times(node, key[1])
+        return self._times[key]
+
+    def _pass_times(self, node: Node, axes: Axes) -> tuple[float, float]:
+        dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
+        contraction = node.sig is not None and node.sig.kind == "contraction"
+        times = [forward_backward_times(node.flops * share, node.nbytes * share, device, dtype,
+                                        contraction)
+                 for device, share in self.ctx.rank_shares(axes)]
+        return max(t[0] for t in times), max(t[1] for t in times)
 
     def compute_cost(self, node: Node, choice: Choice) -> float:
         forward, backward = self.pass_times(node, choice)
