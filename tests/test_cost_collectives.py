@@ -14,6 +14,7 @@ from meshplan.cost.collectives import (
     padded_all_gather_cost,
     reduce_scatter_cost,
     send_recv_cost,
+    uneven_gather_impl,
 )
 from meshplan.cost.mesh import LogicalMesh
 
@@ -154,3 +155,108 @@ def test_collective_cost_dispatch_and_errors() -> None:
 def test_bad_arguments(axes: object, nbytes: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         all_reduce_cost(ROW4, axes, nbytes)  # type: ignore[arg-type]
+
+
+# HAP's uneven shards (DESIGN.md §4): a (1, 4) mesh whose axis 1 carries 0.4/0.3/0.2/0.1, with
+# large axis-0 figures that must not count (axis 0 has size 1). On axis 1: α = 2, β = 0.5.
+RATIOS = (0.4, 0.3, 0.2, 0.1)
+
+
+def uneven(impl: str = "auto", weights: tuple[float, ...] = RATIOS) -> LogicalMesh:
+    return LogicalMesh((1, 4), (5.0, 2.0), (9.0, 0.5), weights=((1.0,), weights), gather_impl=impl)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_uneven_gather_is_the_cheaper_of_padded_and_broadcast(kind: str) -> None:
+    mesh = uneven()
+    # B = 40: padded α + 3·(0.4·40)·β = 26 beats broadcast 4α + 40·β = 28.
+    assert uneven_gather_impl(mesh, (1,), 40) == "padded"
+    assert collective_cost(kind, mesh, (1,), 40) == pytest.approx(2 + 3 * 16 * 0.5)
+    # B = 400: padded 2 + 3·160·0.5 = 242 loses to broadcast 8 + 400·0.5 = 208.
+    assert uneven_gather_impl(mesh, (1,), 400) == "broadcast"
+    assert collective_cost(kind, mesh, (1,), 400) == pytest.approx(4 * 2 + 400 * 0.5)
+    # The formulas agree with the per-shard functions on the shards 0.4B, 0.3B, 0.2B, 0.1B.
+    shards = [r * 400 for r in RATIOS]
+    assert padded_all_gather_cost(mesh, (1,), shards) == pytest.approx(242)
+    assert grouped_broadcast_cost(mesh, (1,), shards) == pytest.approx(208)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_a_forced_gather_impl_is_obeyed_even_when_dearer(kind: str) -> None:
+    assert uneven_gather_impl(uneven("padded"), (1,), 400) == "padded"
+    assert collective_cost(kind, uneven("padded"), (1,), 400) == pytest.approx(242)
+    assert uneven_gather_impl(uneven("broadcast"), (1,), 40) == "broadcast"
+    assert collective_cost(kind, uneven("broadcast"), (1,), 40) == pytest.approx(28)
+
+
+def test_a_tie_goes_to_the_padded_gather() -> None:
+    # shares 0.5/0.25/0.25/0 (a zero share is allowed): padded 1 + 3·0.5·6 = 10 = 4·1 + 6.
+    mesh = LogicalMesh((1, 4), UNIT, UNIT, weights=((1.0,), (2, 1, 1, 0)))
+    assert padded_all_gather_cost(mesh, (1,), [3, 1.5, 1.5, 0]) == grouped_broadcast_cost(
+        mesh, (1,), [3, 1.5, 1.5, 0]) == 10
+    assert uneven_gather_impl(mesh, (1,), 6) == "padded"
+    assert all_gather_cost(mesh, (1,), 6) == 10
+
+
+def test_uneven_all_to_all_pads_every_piece_to_the_largest() -> None:
+    # α + (n−1)·max_share²·B·β = 2 + 3·0.16·400·0.5, whatever gather_impl says.
+    for impl in ("auto", "padded", "broadcast"):
+        assert all_to_all_cost(uneven(impl), (1,), 400) == pytest.approx(2 + 3 * 0.16 * 400 * 0.5)
+
+
+def test_uneven_all_reduce_is_the_even_ring() -> None:
+    assert all_reduce_cost(uneven(), (1,), 400) == pytest.approx(2 + 1.5 * 400 * 0.5)
+    assert all_reduce_cost(uneven(), (1,), 400) == all_reduce_cost(uneven(weights=(1, 1, 1, 1)),
+                                                                    (1,), 400)
+
+
+@pytest.mark.parametrize("impl", ["auto", "padded", "broadcast"])
+def test_even_weights_give_the_ring_formulas(impl: str) -> None:
+    even, plain = uneven(impl, (1, 1, 1, 1)), LogicalMesh((1, 4), (5.0, 2.0), (9.0, 0.5))
+    assert even.is_even((1,)) and uneven_gather_impl(even, (1,), 400) == "ring"
+    for nbytes in (40, 400):
+        assert all_gather_cost(even, (1,), nbytes) == pytest.approx(2 + 0.75 * nbytes * 0.5)
+        assert reduce_scatter_cost(even, (1,), nbytes) == pytest.approx(2 + 0.75 * nbytes * 0.5)
+        assert all_to_all_cost(even, (1,), nbytes) == pytest.approx(2 + 3 / 16 * nbytes * 0.5)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            assert collective_cost(kind, even, (1,), nbytes) == collective_cost(kind, plain, (1,),
+                                                                                nbytes)
+
+
+def test_uneven_weights_on_one_axis_of_a_two_axis_mesh() -> None:
+    # Axis 0 even, axis 1 3:1; over both axes the shares are products 0.375/0.125/0.375/0.125.
+    mesh = LogicalMesh((2, 2), UNIT, UNIT, weights=((1, 1), (3, 1)))
+    assert mesh.shares((0, 1)) == pytest.approx((0.375, 0.125, 0.375, 0.125))
+    assert uneven_gather_impl(mesh, (0,), 8) == "ring"
+    assert all_gather_cost(mesh, (0,), 8) == pytest.approx(1 + 0.5 * 8)
+    assert all_gather_cost(mesh, (1,), 8) == pytest.approx(1 + 1 * 0.75 * 8)   # padded < 2 + 8
+    assert all_gather_cost(mesh, (0, 1), 8) == pytest.approx(1 + 3 * 0.375 * 8)  # padded < 4 + 8
+    assert all_to_all_cost(mesh, (0, 1), 8) == pytest.approx(1 + 3 * 0.375**2 * 8)
+
+
+def test_mesh_weights_are_stored_as_fractions() -> None:
+    mesh = LogicalMesh((1, 4), UNIT, UNIT, weights=[[2], [4, 3, 2, 1]])
+    assert mesh.weights[0] == (1.0,) and mesh.weights[1] == pytest.approx(RATIOS)
+    assert isinstance(mesh.weights[1], tuple)
+    assert mesh.shares((1,)) == pytest.approx(RATIOS) and not mesh.is_even((1,))
+    assert mesh.is_even((0,)) and hash(mesh) == hash(LogicalMesh((1, 4), UNIT, UNIT,
+                                                                 weights=((2,), (4, 3, 2, 1))))
+    assert ROW4.shares((1,)) == (0.25,) * 4 and ROW4.is_even((0, 1))
+
+
+@pytest.mark.parametrize(
+    ("weights", "impl", "match"),
+    [
+        (((1.0,),), "auto", r"mesh weights must give one list per axis \(2\)"),
+        (((1.0,), (1, 2, 3)), "auto",
+         r"mesh weights\[1\] must list 4 shares \(axis 1 of a \(1, 4\)"),
+        (((1.0, 1.0), (1, 1, 1, 1)), "auto", r"mesh weights\[0\] must list 1 shares"),
+        (((1.0,), (1, -1, 1, 1)), "auto", r"mesh weights\[1\] must be >= 0, got -1"),
+        (((1.0,), (0, 0, 0, 0)), "auto", r"mesh weights\[1\] must have a positive sum"),
+        ((), "ring", r"gather_impl must be one of \('auto', 'padded', 'broadcast'\), got 'ring'"),
+        (((1.0,), RATIOS), "Padded", r"gather_impl must be one of .*got 'Padded'"),
+    ],
+)
+def test_bad_mesh_weights_and_gather_impl(weights: object, impl: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LogicalMesh((1, 4), UNIT, UNIT, weights=weights, gather_impl=impl)  # type: ignore[arg-type]
