@@ -86,6 +86,18 @@ def _method(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0 or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"bad ratios {text!r}: expected comma-separated non-negative numbers with a "
+            "positive sum, one per device, e.g. 0.4,0.3,0.2,0.1")
+    return values
+
+
 def _microbatches(text: str) -> int | str:
     return "auto" if text.strip() == "auto" else _positive_int(text)
 
@@ -132,8 +144,17 @@ def _add_plan_parser(subparsers: Any) -> None:
                         "3-D parallelism as configured (mb: micro-batch size per replica, "
                         "searched if absent); megatron-grid = the fastest such configuration; "
                         "data, zero2, zero3, megatron (one stage: dp on mesh axis 0, tp on "
-                        "axis 1), heuristic, expert = hand-style plans on one mesh "
-                        "(default: auto)")
+                        "axis 1), heuristic, expert = hand-style plans on one mesh; "
+                        "hetero = HAP's program synthesis with per-device shard ratios on a "
+                        "cluster of mixed devices (what auto does on one), dp-even / "
+                        "dp-proportional = data parallel with an even batch split or one by "
+                        "device speed (default: auto)")
+    p.add_argument("--gather", choices=("auto", "padded", "broadcast"), default="auto",
+                   help="how uneven shards are gathered: padded all-gathers, one broadcast "
+                        "per device, or auto = the cheaper per tensor (default: auto)")
+    p.add_argument("--ratios", type=_ratios, metavar="R0,R1,...",
+                   help="with --method hetero: fixed shard ratios, one per device, instead of "
+                        "balancing them")
     p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
                    help="split the batch dim of every op over this mesh axis (0 or 1)")
     p.add_argument("--prefer-reduce-scatter", action="store_true",
@@ -275,7 +296,8 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 memory_budget_gb=args.memory_budget_gb, dtype=args.dtype,
                 microbatches=args.microbatches, recompute=args.recompute,
                 num_layers=args.num_layers, schedule=args.schedule, name=work.name,
-                progress=not args.quiet)
+                progress=not args.quiet, gather=args.gather,
+                axis_weights=((1.0,), args.ratios) if args.ratios else None)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

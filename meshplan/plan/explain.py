@@ -34,6 +34,8 @@ def summary(plan: Plan) -> str:
     ]
     if "megatron" in plan.options:
         lines.append(_megatron(plan.options))
+    if "hetero" in plan.options or any(len(set(w)) > 1 for w in plan.axis_weights):
+        lines.append(_ratios(plan))
     if plan.params:
         lines.append("  parameter updates "
                      + ", ".join(f"{k}: {v}" for k, v in sorted(modes.items())))
@@ -66,8 +68,30 @@ def _megatron(options: dict) -> str:
     return line
 
 
+def _ratios(plan: Plan) -> str:
+    """Each device type's share of every split dim (and how the ratios were found)."""
+    info = plan.options.get("hetero")
+    if not info:
+        return "  shard weights    " + "; ".join(
+            f"axis {a}: " + ", ".join(f"{x:g}" for x in w) for a, w in enumerate(plan.axis_weights))
+    groups: dict[tuple[str, float], int] = {}
+    for name, r in zip(info["device_types"], info["ratios"]):
+        key = (name, round(r, 4))
+        groups[key] = groups.get(key, 0) + 1
+    shares = ", ".join(f"{name} x{n}: {r:.4f}" for (name, r), n in groups.items())
+    line = f"  shard ratios     {shares} (of every split dim, per device)"
+    if info.get("rounds"):
+        line += (f"\n  ratio search     {len(info['rounds'])} round(s) of synthesis "
+                 f"({info['synthesis_s']:.2f} s) and LP ({info['balance_s']:.2f} s); uneven "
+                 f"gathers: {plan.options.get('gather_impl', 'auto')}")
+    return line
+
+
 def _search(plan: Plan) -> str:
     ilp = plan.ilp
+    if "hetero" in plan.options:
+        return (f"program synthesis (A*): {ilp['variables']} decisions, "
+                f"{plan.options['hetero']['search_states']} states, {ilp['solve_time_s']:.2f} s")
     if "variables" in ilp:
         return (f"ILP: {ilp['variables']} variables, {ilp['constraints']} constraints, solved "
                 f"in {ilp['solve_time_s']:.2f} s")

@@ -14,8 +14,9 @@ cheaper *and* uses no more memory prunes another). Communication is decided with
 and paid once (the edge and fan-out costs), which is HAP's second optimization: a value is
 never sent twice the same way.
 
-The score of a partial program is its cost so far plus a lower bound on the rest: each
-undecided variable's cheapest strategy and each undecided edge's cheapest pair. It never
+The score of a partial program is its cost so far plus a lower bound on the rest: for each
+undecided variable, the cheapest of its strategies counting each edge to an earlier variable
+at the cheapest entry of that strategy's column (`_Space.least_step`). It never
 overestimates and never drops by more than a step costs, so A* returns a proven optimum at the
 first complete program it takes from the queue — an exact solver, checked against the ILP.
 Equal scores go deeper first, which crosses the plateaus of equal-cost layouts quickly.
@@ -78,7 +79,7 @@ def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], S
     if budget is None or space.peak(choices) <= budget * (1 + 1e-9):
         return choices, stats
     try:
-        return space.search(max_states // 10, with_memory=True)
+        return space.search(max_states // 40, with_memory=True)
     except SearchLimitError:
         pass
     # A penalty this large per byte outweighs the node costs of the whole program.
@@ -95,8 +96,8 @@ def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], S
     if best is None:
         raise InfeasibleIlpError(f"no program found within the memory budget of {budget:.4g} "
                                  "bytes")
-    for _ in range(30):
-        mid = (low + high) / 2
+    while high > 1.05 * low:   # within 5 % of the least penalty that fits
+        mid = (low + high) / 2 if low else high / 16
         found, stats = space.search(max_states, with_memory=False, penalty=mid)
         if space.peak(found) <= budget * (1 + 1e-9):
             best, high = found, mid
@@ -141,7 +142,6 @@ class _Space:
         self.edges_at: list[list[tuple[int, tuple[tuple[float, ...], ...], bool]]] = [
             [] for _ in members]
         last_use = list(range(self.num_vars))
-        edge_floor = [0.0] * self.num_vars
         for e in problem.edges:
             a, b = self.var_of[e.u], self.var_of[e.v]
             if a == b:
@@ -152,7 +152,6 @@ class _Space:
             # Stored as (earlier variable, matrix, whether rows belong to the later one).
             self.edges_at[late].append((early, e.costs, a == late))
             last_use[early] = max(last_use[early], late)
-            edge_floor[late] += min(min(row) for row in e.costs)
         self.shared_at: list[list[int]] = [[] for _ in members]
         for i, term in enumerate(problem.shared):
             vs = {self.var_of[v] for block in term.blocks for clause in block
@@ -162,10 +161,28 @@ class _Space:
             for v in vs:
                 last_use[v] = max(last_use[v], late)
         self.last_use = last_use
+        # Per earlier variable: its edges to later ones, with the later end's column minima
+        # (what `least_step` counted for them before the earlier end was decided).
+        self.later: list[list[tuple[int, tuple, bool, list[float]]]] = [[] for _ in members]
+        for v, entries in enumerate(self.edges_at):
+            for early, costs, rows_late in entries:
+                mins = [min(costs[q]) if rows_late else min(row[q] for row in costs)
+                        for q in range(len(self.cost[v]))]
+                self.later[early].append((v, costs, rows_late, mins))
         self.floor = [0.0] * (self.num_vars + 1)
         for i in reversed(range(self.num_vars)):
-            self.floor[i] = self.floor[i + 1] + min(self.cost[i]) + edge_floor[i]
+            self.floor[i] = self.floor[i + 1] + min(self.least_step(i))
         self._memory_setup()
+
+    def least_step(self, i: int) -> list[float]:
+        """Per strategy of variable ``i``, the least its decision can cost: its own cost and,
+        per edge to an earlier variable, the cheapest entry of its column (whatever the
+        earlier one chose). Summed over the undecided variables, a lower bound of the rest."""
+        out = list(self.cost[i])
+        for _, costs, rows_late in self.edges_at[i]:
+            for q in range(len(out)):
+                out[q] += min(costs[q]) if rows_late else min(row[q] for row in costs)
+        return out
 
     def _memory_setup(self) -> None:
         p = self.p
@@ -195,7 +212,12 @@ class _Space:
         ``penalty`` adds that much cost per byte a strategy holds."""
         counter = itertools.count()
         with_memory = with_memory and self.budget is not None
-        floor = self.floor if not penalty else self._penalized_floor(penalty)
+        least = [[c + penalty * self._held(i, q) for q, c in enumerate(self.least_step(i))]
+                 for i in range(self.num_vars)] if penalty else \
+            [self.least_step(i) for i in range(self.num_vars)]
+        floor = [0.0] * (self.num_vars + 1)
+        for i in reversed(range(self.num_vars)):
+            floor[i] = floor[i + 1] + min(least[i])
         start_mem = (0.0,) * len(self.sets) if with_memory else ()
         # Queue entries: (score, -depth, tiebreak, cost, depth, props, memory, working, path).
         queue: list = [(floor[0], 0, next(counter), 0.0, 0, (), start_mem, 0.0, None)]
@@ -235,7 +257,8 @@ class _Space:
                         f"{self.num_vars} decisions; plan this model with the ILP (method "
                         "'intra-only') or raise max_states")
                 widest = max(widest, len(new_props))
-                heapq.heappush(queue, (total + floor[k + 1], -(k + 1), next(counter),
+                score = total + floor[k + 1] + self._pending(k + 1, new_props, least)
+                heapq.heappush(queue, (score, -(k + 1), next(counter),
                                        total, k + 1, new_props, new_mem, new_work, (q, path)))
         raise InfeasibleIlpError("no strategy assignment is allowed" + (
             f" within the memory budget of {self.budget:.4g} bytes" if self.budget else ""))
@@ -244,12 +267,22 @@ class _Space:
         return sum(m[q] for m in self.mem[k]) + self.work[k][q] if self.budget is not None \
             else 0.0
 
-    def _penalized_floor(self, penalty: float) -> list[float]:
-        out = [0.0] * (self.num_vars + 1)
-        for i in reversed(range(self.num_vars)):
-            out[i] = out[i + 1] + (self.floor[i] - self.floor[i + 1]) - min(self.cost[i]) + min(
-                c + penalty * self._held(i, q) for q, c in enumerate(self.cost[i]))
-        return out
+    def _pending(self, k: int, props: tuple, least: list[list[float]]) -> float:
+        """How much more than their floor the undecided variables fed by decided ones must
+        pay: each one's cheapest strategy with those edges at the entries the decided ends
+        chose (still a lower bound, per variable, so the sum stays admissible)."""
+        vecs: dict[int, list[float]] = {}
+        for u, p in props:
+            for v, costs, rows_late, mins in self.later[u]:
+                if v < k:
+                    continue
+                vec = vecs.get(v)
+                if vec is None:
+                    vec = vecs[v] = list(least[v])
+                for q in range(len(vec)):
+                    if math.isfinite(mins[q]):   # else vec[q] is already inf
+                        vec[q] += (costs[q][p] if rows_late else costs[p][q]) - mins[q]
+        return math.fsum(min(vec) - min(least[v]) for v, vec in vecs.items())
 
     def _edges(self, k: int, q: int, chosen: dict[int, int]) -> float:
         total = 0.0

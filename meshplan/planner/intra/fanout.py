@@ -62,7 +62,8 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
         zero = zero_counts(choice.mode, costs.ctx, costs.g.by_name[param].kept is not False) \
             if choice.mode != "replicated" else ()
         out.append((("p", param), ("sync", param, choice.mode, lay, recipe.sync_axes),
-                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero)))
+                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero,
+                              bucketed=costs.ctx.device is not None)))
     return out
 
 
