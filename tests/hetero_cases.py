@@ -1,6 +1,7 @@
 """Shared by the heterogeneous-cluster tests: a 4-device cluster of four speeds on a fast
-link (compute dominates, so synthesis splits work unevenly rather than replicating it), the
-models of the issue's acceptance, and a worker that reports which gather implementations ran."""
+link of little latency (compute dominates, and moving activations can beat moving weights, so
+synthesis splits work unevenly, MoE experts and MLP layers with uneven gathers), the models of
+the issue's acceptance, and a worker that reports which gather implementations ran."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 from meshplan.cost.cluster import Cluster, mixed_cluster
-from meshplan.cost.devices import DeviceType, link_preset
+from meshplan.cost.devices import DeviceType, Link
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.zoo.spec import build_workload
 from oracle import train_rank
@@ -26,10 +27,11 @@ def _device(name: str, flops: float) -> DeviceType:
 
 
 def four_speeds() -> Cluster:
-    """Two hosts of two devices, 4:3:2:1 in speed, on loopback links."""
+    """Two hosts of two devices, 4:3:2:1 in speed, on 1 GB/s links of 0.1 µs latency."""
+    link = Link(1e9, 1e-7)
     return mixed_cluster("four-speeds", [[_device("fast", 4e9), _device("mid", 3e9)],
                                          [_device("slow", 2e9), _device("slowest", 1e9)]],
-                         link_preset("loopback"), link_preset("loopback"))
+                         link, link)
 
 
 def impls(comm: Comm) -> Counter:

@@ -48,17 +48,20 @@ class SearchStats:
     generated: int
     widest_state: int
     exact: bool = True
+    penalty: float = 0.0   # cost per byte of memory the program was found under
 
 
 def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
-               max_states: int = 2_000_000) -> tuple[IlpSolution, SearchStats]:
+               max_states: int = 2_000_000, penalty_hint: float | None = None
+               ) -> tuple[IlpSolution, SearchStats]:
     """The optimal assignment of ``problem`` by A* (module docstring). ``order``: the nodes in
     an order where producers come first (default: index order); sources are moved before their
-    first consumer. Raises InfeasibleIlpError when no assignment is allowed (or fits the
+    first consumer. ``penalty_hint``: where to start looking for a memory penalty (a previous
+    search's `SearchStats.penalty`). Raises InfeasibleIlpError when no assignment is allowed (or fits the
     memory budget and ``max_cost``), SearchLimitError past ``max_states`` generated states."""
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
-    choices, stats = _within_budget(space, max_states)
+    choices, stats = _within_budget(space, max_states, penalty_hint)
     node, edge = evaluate(problem, choices)
     if problem.max_cost is not None and node + edge > problem.max_cost * (1 + 1e-9):
         raise InfeasibleIlpError(f"the cheapest assignment costs {node + edge:.6g}, above "
@@ -68,12 +71,15 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
     return sol, stats
 
 
-def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], SearchStats]:
+def _within_budget(space: "_Space", max_states: int, hint: float | None
+                   ) -> tuple[tuple[int, ...], SearchStats]:
     """Memory first relaxed: the cheapest program, if it fits, is the answer. Else the exact
     search with memory in the states (a state prunes another only when no worse in cost and
-    in memory), and if that passes ``max_states`` — trading cost against memory multiplies
-    the states — the cheapest program under a memory penalty, the smallest penalty that fits
-    found by bisection (not proven optimal: ``SearchStats.exact`` is False)."""
+    in memory), and if that passes its share of ``max_states`` — trading cost against memory
+    multiplies the states — the cheapest program under a memory penalty per byte: the least
+    penalty that fits, to within 10 %, bracketed from ``hint`` (the last search's, when the
+    problem changed only a little) or from one that outweighs every node cost. Not proven
+    optimal: ``SearchStats.exact`` is False."""
     budget = space.budget
     choices, stats = space.search(max_states, with_memory=False)
     if budget is None or space.peak(choices) <= budget * (1 + 1e-9):
@@ -82,28 +88,37 @@ def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], S
         return space.search(max_states // 40, with_memory=True)
     except SearchLimitError:
         pass
+
+    def fits(penalty: float) -> tuple[tuple[int, ...], SearchStats] | None:
+        found, st = space.search(max_states, with_memory=False, penalty=penalty)
+        return (found, st) if space.peak(found) <= budget * (1 + 1e-9) else None
+
     # A penalty this large per byte outweighs the node costs of the whole program.
     scale = max(math.fsum(max((c for c in row if math.isfinite(c)), default=0.0)
                           for row in space.cost), 1e-30) / budget
-    low, high = 0.0, scale
-    best = None
-    for _ in range(60):
-        found, stats = space.search(max_states, with_memory=False, penalty=high)
-        if space.peak(found) <= budget * (1 + 1e-9):
-            best = found
+    high = hint or scale
+    best = fits(high)
+    for _ in range(40):
+        if best is not None:
             break
-        low, high = high, high * 4
+        high *= 4
+        best = fits(high)
     if best is None:
         raise InfeasibleIlpError(f"no program found within the memory budget of {budget:.4g} "
                                  "bytes")
-    while high > 1.05 * low:   # within 5 % of the least penalty that fits
-        mid = (low + high) / 2 if low else high / 16
-        found, stats = space.search(max_states, with_memory=False, penalty=mid)
-        if space.peak(found) <= budget * (1 + 1e-9):
+    low = high / 4
+    while (found := fits(low)) is not None and low > scale * 1e-12:
+        best, high, low = found, low, low / 4
+    while high > 1.1 * low:
+        mid = (low * high) ** 0.5
+        found = fits(mid)
+        if found is not None:
             best, high = found, mid
         else:
             low = mid
-    return best, SearchStats(stats.expanded, stats.generated, stats.widest_state, exact=False)
+    choices, stats = best
+    return choices, SearchStats(stats.expanded, stats.generated, stats.widest_state,
+                                exact=False, penalty=high)
 
 
 class _Space:
