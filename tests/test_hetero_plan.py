@@ -240,3 +240,15 @@ def test_requests_a_mixed_method_cannot_honour_are_refused(method: str, kw: dict
                                                            match: str) -> None:
     with pytest.raises(ValueError, match=match):
         plan(TINY, four_speeds(), method, **kw)
+
+
+@pytest.mark.parametrize("model", ["mlp", "moe"])
+def test_the_simulator_prices_uneven_shards_as_the_planner_does(model: str) -> None:
+    # A single-stage plan simulates to the planner's estimate; with uneven shards that holds
+    # only if the simulator prices the gathers with the plan's ratios and gather choice.
+    from meshplan.sim.simulate import simulate
+    for gather in ("padded", "broadcast"):
+        p = plan(MODELS[model], four_speeds(), "hetero", axis_weights=((1.0,), (4, 3, 2, 1)),
+                 gather=gather)
+        assert any(c.kind in ("all_gather", "reduce_scatter") for c in p.collectives)
+        assert simulate(p).step_time_s == pytest.approx(p.predicted["step_time_s"], rel=1e-6)

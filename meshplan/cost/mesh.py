@@ -115,6 +115,16 @@ def _fractions(weights: object, shape: tuple[int, int]) -> tuple[tuple[float, ..
     return tuple(out)
 
 
+def with_shares(mesh: LogicalMesh, weights: Sequence[Sequence[float]], gather_impl: str = "auto"
+                ) -> LogicalMesh:
+    """``mesh`` with a plan's shard weights (none, or every axis even: as it is) and its way of
+    gathering uneven shards: how the planner priced the plan, for whoever prices it again."""
+    if not weights or all(len(set(w)) <= 1 for w in weights):
+        return mesh
+    return LogicalMesh(mesh.shape, mesh.alpha, mesh.beta, tuple(tuple(w) for w in weights),
+                       gather_impl)
+
+
 def factor_pairs(n: int) -> list[tuple[int, int]]:
     """All (r, c) with r·c = n, r ascending: the valid mesh shapes for n devices."""
     return [(r, n // r) for r in range(1, n + 1) if n % r == 0]

@@ -28,7 +28,7 @@ from torch import fx
 from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
 from meshplan.cost.collectives import uneven_gather_impl
-from meshplan.cost.mesh import LogicalMesh
+from meshplan.cost.mesh import LogicalMesh, with_shares
 from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
@@ -93,9 +93,8 @@ class _Lowerer:
         self.units = cut_units(graph)
         # How uneven shards are gathered: the plan's choice per tensor, made again here by the
         # same rule on the same figures (`uneven_gather_impl`).
-        self.mesh = LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta,
-                                () if all(len(set(w)) <= 1 for w in pos.weights)
-                                else pos.weights, plan.options.get("gather_impl", "auto"))
+        self.mesh = with_shares(LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta),
+                                pos.weights, plan.options.get("gather_impl", "auto"))
 
     def _units(self, name: str, ndim: int) -> tuple[int, ...]:
         return tuple(self.units.get((name, d), 1) for d in range(ndim))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from meshplan.cost.cluster import Cluster, cluster_from_dict
 from meshplan.cost.collectives import collective_cost
-from meshplan.cost.mesh import logical_mesh
+from meshplan.cost.mesh import logical_mesh, with_shares
 from meshplan.lower.instructions import Instruction
 from meshplan.plan.plan import Plan, StagePlan, TransferEntry
 from meshplan.sim.engine import TaskCost
@@ -47,7 +47,8 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     if missing:
         raise ValueError(f"plan {p.model!r} lacks {missing} in its predictions: it was made by "
                          "an older meshplan; make the plan again to simulate it")
-    mesh = logical_mesh(cluster_from_dict(p.cluster), tuple(p.mesh_shape))
+    mesh = with_shares(logical_mesh(cluster_from_dict(p.cluster), tuple(p.mesh_shape)),
+                       p.axis_weights, p.options.get("gather_impl", "auto"))
     per_pass: dict[str, float] = defaultdict(float)
     for c in p.collectives:
         per_pass[c.phase] += c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
