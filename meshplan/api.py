@@ -19,7 +19,7 @@ from meshplan.cost.cluster import Cluster, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
-from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError
+from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError, NoPipelineError
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
 from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
@@ -180,10 +180,11 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     ``progress``: progress bars on stderr during long pipeline searches (only when stderr is a
     terminal).
 
-    Clusters of mixed devices (HAP, `planner/hetero/`): method "hetero" — and "auto" on a
-    mixed cluster without a ``mesh_shape`` — plans one SPMD program over all devices as a
-    (1, n) mesh with per-device shard ratios, alternating program synthesis (an A* search)
-    and the ratio LP; "dp-even" and "dp-proportional" are data parallelism with an even batch
+    Clusters of mixed devices (HAP, `planner/hetero/`): method "hetero" plans one SPMD
+    program over all devices as a (1, n) mesh with per-device shard ratios, alternating
+    program synthesis (an A* search) and the ratio LP; "auto" on a mixed cluster without a
+    ``mesh_shape`` returns the faster of that and the uniform search's plan (every device
+    priced as the slowest; ``options["mixed_auto"]`` records both steps); "dp-even" and "dp-proportional" are data parallelism with an even batch
     split or one proportional to the devices' speeds. ``gather`` says how uneven shards are
     gathered: "padded" all-gathers, "broadcast" (one broadcast per device) or "auto" (the
     cheaper per tensor).
@@ -233,13 +234,35 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
     schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
-    if method in HETERO_METHODS or (method == "auto" and cl.is_mixed and mesh_shape is None
-                                    and not abstract):
-        method = "hetero" if method == "auto" else method
-        fixed = check_mixed_request(method, mesh_shape, abstract, cl.num_devices,
-                                    axis_weights)
-        return _plan_mixed(model, loss_fn, opt, example_batch, cl, method, opts, budget, step,
-                           counts, name, gather, t0, fixed)
+    mixed_auto = method == "auto" and cl.is_mixed and mesh_shape is None and not abstract
+    if method in HETERO_METHODS or mixed_auto:
+        fixed = check_mixed_request("hetero" if mixed_auto else method, mesh_shape, abstract,
+                                    cl.num_devices, axis_weights)
+        found = _plan_mixed(model, loss_fn, opt, example_batch, cl,
+                            "hetero" if mixed_auto else method, opts, budget, step, counts,
+                            name, gather, t0, fixed)
+        if not mixed_auto:
+            return found
+        # The uneven program is one row of all devices; the uniform search (pipelines, 2-D
+        # meshes that keep tensor parallelism inside a host) prices every device as the
+        # slowest, which even shares make exact. Either may win (HAP's VGG19: the 2-D plan).
+        uniform_cluster = cl.submesh(f"{cl.name} (as its slowest device)", cl.num_hosts,
+                                     cl.devices_per_host)
+        try:
+            uniform: Plan | None = plan(
+                model, loss_fn, optimizer, example_batch, uniform_cluster,
+                memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
+                prefer_reduce_scatter=prefer_reduce_scatter, share_blocks=share_blocks,
+                dtype=dtype, microbatches=microbatches, recompute=recompute,
+                num_layers=num_layers, schedule=schedule, name=name, progress=progress)
+        except (InfeasiblePlanError, NoPipelineError):
+            uniform = None
+        steps = {"hetero": found.predicted["step_time_s"],
+                 "uniform": uniform.predicted["step_time_s"] if uniform else None}
+        best = found if uniform is None or steps["hetero"] <= steps["uniform"] else uniform
+        best.options["mixed_auto"] = {"chosen": "hetero" if best is found else "uniform",
+                                      "step_s": steps}
+        return replace(best, search_time_s=time.perf_counter() - t0)
     if is_pipeline_method(method) and method != "auto" and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "
                          "cluster: give no mesh_shape and no alpha/beta")

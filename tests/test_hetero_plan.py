@@ -186,12 +186,26 @@ def test_fixed_ratios_skip_balancing() -> None:
     assert balanced.options["hetero"]["ratios"] != pytest.approx([0.25] * 4)
 
 
-def test_auto_on_a_mixed_cluster_plans_with_hetero() -> None:
+def test_auto_on_a_mixed_cluster_is_the_faster_of_hetero_and_uniform() -> None:
     auto = plan(MODELS["mlp"], four_speeds(), "auto")
     hetero = mixed_plan("four-speeds", "mlp", "hetero")
-    assert auto.method == "hetero" and auto.mesh_shape == (1, 4)
-    assert auto.options["hetero"]["ratios"] == pytest.approx(hetero.options["hetero"]["ratios"])
-    assert auto.objective == pytest.approx(hetero.objective)
+    steps = auto.options["mixed_auto"]["step_s"]
+    assert steps["hetero"] == pytest.approx(hetero.predicted["step_time_s"])
+    assert auto.predicted["step_time_s"] == pytest.approx(min(s for s in steps.values() if s))
+    if auto.options["mixed_auto"]["chosen"] == "hetero":
+        assert auto.method == "hetero" and auto.mesh_shape == (1, 4)
+        assert auto.options["hetero"]["ratios"] == pytest.approx(
+            hetero.options["hetero"]["ratios"])
+
+
+def test_auto_takes_the_uniform_2d_plan_where_it_is_faster() -> None:
+    # VGG19's classifier on HAP's cluster: a 2-D mesh keeps its tensor parallelism inside the
+    # PCIe hosts, which the one-row uneven program cannot (benchmarks/hetero_hap.py).
+    spec = "vgg19:channels=16,fc=1024,batch=1024"
+    auto = plan(spec, HAP_CLUSTER, "auto", dtype="fp32", microbatches=1)
+    steps = auto.options["mixed_auto"]["step_s"]
+    assert auto.options["mixed_auto"]["chosen"] == "uniform" and steps["uniform"] < steps["hetero"]
+    assert auto.mesh_shape != (1, 64)
 
 
 @pytest.mark.parametrize("spec", [
