@@ -202,3 +202,39 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFix
     code, _, err = run(capsys, "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=32,batch=4",
                        "--cluster", "p3.16xlarge:1x2", "--microbatches", "2")
     assert code == 0 and "stage costs" not in err
+
+
+HAP = "examples/clusters/hap_v100_p100.yaml"
+SMALL_BERT = "bert:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=128"
+
+
+def test_hetero_plan_shows_each_device_types_share(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, SMALL_BERT, "--cluster", HAP, "--method", "hetero", "--dtype",
+                       "fp32", "-q")
+    assert code == 0
+    assert "on a 1x64 mesh" in out and "method hetero" in out
+    assert "program synthesis (A*)" in out
+    ratios = re.search(r"V100-SXM2-16GB x16: ([0-9.]+), P100-SXM2-16GB x48: ([0-9.]+)", out)
+    assert ratios and float(ratios.group(1)) > float(ratios.group(2)), out
+
+
+def test_hetero_json_carries_the_ratios_and_gather_choice(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    code, out, _ = run(capsys, "mlp", "--cluster", "local:4", "--method", "hetero",
+                       "--ratios", "4,3,2,1", "--gather", "broadcast", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["axis_weights"][1] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    assert doc["options"]["gather_impl"] == "broadcast"
+    assert doc["options"]["hetero"]["ratios"] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (("--ratios", "1,x"), "bad ratios '1,x'"),
+    (("--ratios", "1,2"), "one non-negative ratio per device of the (1, 4) mesh"),
+    (("--gather", "ring"), "invalid choice: 'ring'"),
+    (("--mesh", "2x2"), "give no mesh_shape"),
+])
+def test_bad_hetero_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str],
+                                                  argv: tuple[str, ...], expected: str) -> None:
+    message = run_error(capsys, "mlp", "--cluster", "local:4", "--method", "hetero", *argv)
+    assert expected in message, message

@@ -131,3 +131,28 @@ def test_every_rank_lowers_under_any_mix_of_uneven_axes(name: str,
                 for v in program.values.values():
                     for n, pieces in zip(v.shape, v.pieces):
                         assert pieces is None or sum(pieces) == n, (v, weights)
+
+
+def test_an_op_without_a_signature_is_replicated_not_a_crash() -> None:
+    # `linspace` has no dimension signature: synthesis plans it replicated (as the ILP does)
+    # and the uneven program around it still trains like one device.
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from test_capture_autograd import Ramp
+    from meshplan.zoo.spec import Workload
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [((torch.randn(8, 8, generator=g),), torch.randn(8, 8, generator=g))
+            for _ in range(3)]
+    w = Workload(Ramp(), F.mse_loss, data[0], "ramp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch, four_speeds(),
+                             method="hetero", axis_weights=RATIOS, memory_budget_gb=0)
+    assert "linspace" in plan.options["unsupported_ops"]
+    assert any(o.strategy != "replicated" for o in plan.ops)
+    ref = reference(w, SGD, data)
+    for r in run_emulated(train_rank, (1, 4), plan, w, data, shared_capture(w)):
+        assert_matches(r, ref, plan, SGD)
