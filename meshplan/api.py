@@ -15,7 +15,7 @@ from torch import nn
 
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.to_ir import capture
-from meshplan.cost.cluster import Cluster, parse_cluster_spec
+from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
@@ -259,6 +259,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
             uniform = None
         steps = {"hetero": found.predicted["step_time_s"],
                  "uniform": uniform.predicted["step_time_s"] if uniform else None}
+        if uniform is not None:   # it runs on the mixed cluster, paced by its slowest type
+            uniform = replace(uniform, cluster=cluster_to_dict(cl))
         best = found if uniform is None or steps["hetero"] <= steps["uniform"] else uniform
         best.options["mixed_auto"] = {"chosen": "hetero" if best is found else "uniform",
                                       "step_s": steps}

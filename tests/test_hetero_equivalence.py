@@ -156,3 +156,19 @@ def test_an_op_without_a_signature_is_replicated_not_a_crash() -> None:
     ref = reference(w, SGD, data)
     for r in run_emulated(train_rank, (1, 4), plan, w, data, shared_capture(w)):
         assert_matches(r, ref, plan, SGD)
+
+
+def test_wide_resnet_with_batch_norm_over_an_uneven_batch() -> None:
+    # Batch norm's statistics over a batch cut 0.4/0.3/0.2/0.1, and convolutions split by
+    # channels: in float64 (fp32 Wide-ResNet amplifies summation order, as in
+    # test_equivalence_zoo) every rank trains like one device to 1e-9.
+    import test_equivalence_zoo as zoo
+    meta, w = zoo._workload("wresnet", "meta"), zoo._workload("wresnet", "cpu")
+    data = zoo._double(batches(build_workload(zoo.MODELS["wresnet"], device="cpu", seed=0), 3))
+    sgd = OptimizerSpec("sgd", lr=0.01)
+    plan = meshplan.plan(meta.model, meta.loss_fn, sgd, meta.example_batch, four_speeds(),
+                         method="hetero", axis_weights=RATIOS, memory_budget_gb=0)
+    assert any(o.op == "batch_norm" and o.strategy != "replicated" for o in plan.ops)
+    ref = reference(w, sgd, data)
+    for r in run_emulated(train_rank, (1, 4), plan, w, data, shared_capture(w)):
+        assert_matches(r, ref, plan, sgd, tol=1e-9)
