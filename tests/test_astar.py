@@ -70,3 +70,19 @@ def test_the_state_limit_is_a_clear_error() -> None:
     problem, order = chain(40, 4, 6)
     with pytest.raises(SearchLimitError, match="intra-only"):
         synthesize(problem, order, max_states=10)
+
+
+def test_a_binding_budget_past_the_state_limit_goes_to_the_ilp() -> None:
+    # Memory multiplies the states (cost and memory must both be dominated to prune); past
+    # the limit the problem is the ILP's, which proves the optimum under the budget.
+    rng = random.Random(11)
+    problem, order = chain(60, 4, 7)
+    memory = tuple(tuple(float(rng.randint(1, 9)) for _ in range(4)) for _ in range(120))
+    free = synthesize(problem, order)[0]
+    used = sum(memory[v][p] for v, p in enumerate(free.choices))
+    tight = dataclasses.replace(problem, node_memory=memory, live_sets=(tuple(range(120)),),
+                                memory_budget=used - 25.0)
+    sol, stats = synthesize(tight, order, max_states=2_000)
+    assert stats.solver == "ilp"
+    assert sol.objective == pytest.approx(solve(tight).objective)
+    assert peak_memory(tight, sol.choices) <= used - 25.0

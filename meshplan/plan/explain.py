@@ -90,8 +90,10 @@ def _ratios(plan: Plan) -> str:
 def _search(plan: Plan) -> str:
     ilp = plan.ilp
     if "hetero" in plan.options:
+        info = plan.options["hetero"]
+        via = " (memory-bound: proved by the ILP)" if info.get("solver") == "ilp" else ""
         return (f"program synthesis (A*): {ilp['variables']} decisions, "
-                f"{plan.options['hetero']['search_states']} states, {ilp['solve_time_s']:.2f} s")
+                f"{info['search_states']} states{via}, {ilp['solve_time_s']:.2f} s")
     if "variables" in ilp:
         return (f"ILP: {ilp['variables']} variables, {ilp['constraints']} constraints, solved "
                 f"in {ilp['solve_time_s']:.2f} s")

@@ -107,12 +107,10 @@ def alternate(graph: Graph, cluster: Cluster, opts: IntraOptions, step: StepSett
     rounds: list[Round] = []
     best: tuple[float, Formulation, IlpSolution, tuple[float, ...], SearchStats] | None = None
     synth_s = lp_s = 0.0
-    hint: float | None = None
     for _ in range(max_rounds):
         t0 = time.perf_counter()
         form = formulate(nc, hetero_context(cluster, ratios, step), budget)
-        sol, stats = synthesize(form.problem, penalty_hint=hint)
-        hint = stats.penalty or None
+        sol, stats = synthesize(form.problem)
         t1 = time.perf_counter()
         phases, devices, shared = program_phases(form, sol.choices)
         found = balance(phases, devices, shared)

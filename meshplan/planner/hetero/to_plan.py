@@ -55,7 +55,8 @@ def plan_mixed(graph: Graph, fingerprint: str, cluster: Cluster, method: str,
     plan.options["gather_impl"] = step.gather_impl
     plan.options["hetero"] = {"ratios": list(ratios),
                               "device_types": [t.name for t in cluster.types],
-                              "search_states": found.stats.generated} | extra
+                              "search_states": found.stats.generated,
+                              "solver": found.stats.solver} | extra
     return plan
 
 
