@@ -107,10 +107,12 @@ def alternate(graph: Graph, cluster: Cluster, opts: IntraOptions, step: StepSett
     rounds: list[Round] = []
     best: tuple[float, Formulation, IlpSolution, tuple[float, ...], SearchStats] | None = None
     synth_s = lp_s = 0.0
+    bound = False   # the budget binds: the ILP solves the next rounds' programs
     for _ in range(max_rounds):
         t0 = time.perf_counter()
         form = formulate(nc, hetero_context(cluster, ratios, step), budget)
-        sol, stats = synthesize(form.problem)
+        sol, stats = synthesize(form.problem, memory_bound=bound)
+        bound = stats.solver == "ilp"
         t1 = time.perf_counter()
         phases, devices, shared = program_phases(form, sol.choices)
         found = balance(phases, devices, shared)

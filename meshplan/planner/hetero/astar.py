@@ -52,14 +52,19 @@ class SearchStats:
 
 
 def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
-               max_states: int = 2_000_000) -> tuple[IlpSolution, SearchStats]:
+               max_states: int = 2_000_000, memory_bound: bool = False
+               ) -> tuple[IlpSolution, SearchStats]:
     """The optimal assignment of ``problem`` by A* (module docstring). ``order``: the nodes in
     an order where producers come first (default: index order); sources are moved before their
-    first consumer. Raises InfeasibleIlpError when no assignment is allowed (or fits the
+    first consumer. ``memory_bound``: a search of a like problem found the budget binding
+    (the loop's previous round): go to the ILP at once. Raises InfeasibleIlpError when no assignment is allowed (or fits the
     memory budget and ``max_cost``), SearchLimitError past ``max_states`` generated states."""
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
-    choices, stats = _within_budget(space, max_states)
+    if memory_bound and space.budget is not None:
+        choices, stats = solve(problem).choices, SearchStats(0, 0, 0, solver="ilp")
+    else:
+        choices, stats = _within_budget(space, max_states)
     node, edge = evaluate(problem, choices)
     if problem.max_cost is not None and node + edge > problem.max_cost * (1 + 1e-9):
         raise InfeasibleIlpError(f"the cheapest assignment costs {node + edge:.6g}, above "

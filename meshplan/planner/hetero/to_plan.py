@@ -1,6 +1,7 @@
 """Plans for a cluster of mixed devices: HAP's synthesized program with balanced shard ratios
 (method "hetero"), and its baselines, data parallelism with an even batch split ("dp-even",
-HAP's DP-EV) or one proportional to the devices' speeds ("dp-proportional", DP-CP).
+HAP's DP-EV) or one proportional to the devices' speeds ("dp-proportional", DP-CP) — as HAP
+ran them, PyTorch DDP: replicated updates, no ZeRO.
 
 Each is one SPMD program over all devices as a ``(1, n)`` mesh whose axis 1 carries the
 per-device ratios (the plan's ``axis_weights``; the runtime cuts every split dim by them), and
@@ -40,7 +41,8 @@ def plan_mixed(graph: Graph, fingerprint: str, cluster: Cluster, method: str,
     else:
         n = cluster.num_devices
         ratios = (1.0 / n,) * n if method == "dp-even" else speed_shares(cluster.types, dtype)
-        dp = replace(opts, force_data_parallel=True, full_split=True)
+        # HAP's DP-EV and DP-CP are PyTorch DDP: every parameter replicated, no ZeRO.
+        dp = replace(opts, force_data_parallel=True, full_split=True, update_mode="replicated")
         form = formulate(flat_choices(graph, cluster, dp), hetero_context(cluster, ratios, step),
                          budget)
         sol, stats = synthesize(form.problem)
