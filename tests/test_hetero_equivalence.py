@@ -66,7 +66,7 @@ def test_each_gather_choice_runs_where_the_plan_has_uneven_gathers() -> None:
     assert {"all_gather", "reduce_scatter", "all_to_all"} <= kinds["moe"], kinds
 
 
-RANDOM_CASES = [("mlp", (1, 4), 6), ("bert", (1, 4), 4), ("moe", (1, 4), 4), ("mlp", (2, 2), 4),
+RANDOM_CASES = [("mlp", (1, 4), 4), ("bert", (1, 4), 3), ("moe", (1, 4), 3), ("mlp", (2, 2), 3),
                 ("moe", (2, 2), 2)]
 
 
@@ -121,7 +121,7 @@ def test_every_rank_lowers_under_any_mix_of_uneven_axes(name: str,
     meta = build_workload(spec, device="meta")
     w = build_workload(spec, device="cpu", seed=0)
     traced, graph = shared_capture(w)
-    for seed in range(4):
+    for seed in range(2):   # 501: a MoE plan whose uneven pieces once disagreed
         plan = random_plan(meta.model, meta.loss_fn, SGD, meta.example_batch, (2, 2),
                            500 + seed, monkeypatch, abstract=seed % 2 == 1)
         for a, b in [(1.0, 1.0), (2.0, 1.0), (1.0, 3.0), (5.0, 2.0)]:
