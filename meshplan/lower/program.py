@@ -34,7 +34,8 @@ from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.grain import cut_units
 from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
-                                   piece_offsets, source_sharded, split_more, with_partial)
+                                   piece_offsets, source_sharded, split_more, uneven,
+                                   with_partial)
 from meshplan.plan.plan import OpDecision, Plan
 from meshplan.planner.inter.stage_graph import SINK_OP
 from meshplan.planner.intra.formulate import param_roots
@@ -90,7 +91,8 @@ class _Lowerer:
         # autocast leaves aten.convolution in fp32): cast explicitly, as the plan prices them.
         self.half = None if plan.dtype == "fp32" else getattr(torch, DTYPES[plan.dtype])
         self.rng = self.out.placeholder("rng")
-        self.units = cut_units(graph)
+        # Cut units matter to uneven shards only (`shards.cut`).
+        self.units = cut_units(graph) if uneven(pos.weights) else {}
         # How uneven shards are gathered: the plan's choice per tensor, made again here by the
         # same rule on the same figures (`uneven_gather_impl`).
         self.mesh = with_shares(LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta),

@@ -49,13 +49,18 @@ class MeshPos:
         return math.prod(self.shape[a] for a in axes)
 
 
+def uneven(weights: Sequence[Sequence[float]]) -> bool:
+    """Whether some axis gives its positions different shares."""
+    return any(len(set(w)) > 1 for w in weights)
+
+
 def cut(n: int, axes: Axes, weights: Sequence[Sequence[float]], unit: int = 1
         ) -> tuple[int, ...]:
     """`canonical_sizes` of a dim of ``n`` whose pieces are whole ``unit`` s
     (`grain.cut_units`) on a mesh with uneven weights — on any axis: a piece an uneven axis
     cut may then be cut evenly over another. On an even mesh, as before (the planner checked
     that every split divides)."""
-    if unit == 1 or all(len(set(w)) <= 1 for w in weights):
+    if unit == 1 or not uneven(weights):
         return canonical_sizes(n, axes, weights)
     return tuple(unit * p for p in canonical_sizes(n // unit, axes, weights))
 

@@ -33,6 +33,7 @@ from typing import Sequence
 
 from meshplan.errors import InfeasibleIlpError
 from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp_reduce import merge_aliases
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, evaluate, peak_memory
 
 
@@ -102,20 +103,11 @@ class _Space:
         n = problem.num_nodes
         if sorted(order) != list(range(n)):
             raise ValueError(f"order must list every node 0..{n - 1} once")
-        parent = list(range(n))
-
-        def find(v: int) -> int:
-            while parent[v] != v:
-                parent[v] = parent[parent[v]]
-                v = parent[v]
-            return v
-
-        for a, b in problem.aliases:
-            parent[find(a)] = find(b)
+        group = merge_aliases(n, problem.aliases)
         pos = {v: i for i, v in enumerate(_sources_first(problem, order))}
         groups: dict[int, list[int]] = {}
         for v in sorted(range(n), key=pos.__getitem__):
-            groups.setdefault(find(v), []).append(v)
+            groups.setdefault(int(group[v]), []).append(v)
         members = sorted(groups.values(), key=lambda g: pos[g[0]])
         self.var_of = [0] * n
         for i, g in enumerate(members):
@@ -157,9 +149,10 @@ class _Space:
                 mins = [min(costs[q]) if rows_late else min(row[q] for row in costs)
                         for q in range(len(self.cost[v]))]
                 self.later[early].append((v, costs, rows_late, mins))
+        self.least = [self.least_step(i) for i in range(self.num_vars)]
         self.floor = [0.0] * (self.num_vars + 1)
         for i in reversed(range(self.num_vars)):
-            self.floor[i] = self.floor[i + 1] + min(self.least_step(i))
+            self.floor[i] = self.floor[i + 1] + min(self.least[i])
         self._memory_setup()
 
     def least_step(self, i: int) -> list[float]:
@@ -199,13 +192,9 @@ class _Space:
         """A* (module docstring); ``with_memory`` keeps every live set within the budget."""
         counter = itertools.count()
         with_memory = with_memory and self.budget is not None
-        least = [self.least_step(i) for i in range(self.num_vars)]
-        floor = [0.0] * (self.num_vars + 1)
-        for i in reversed(range(self.num_vars)):
-            floor[i] = floor[i + 1] + min(least[i])
         start_mem = (0.0,) * len(self.sets) if with_memory else ()
         # Queue entries: (score, -depth, tiebreak, cost, depth, props, memory, working, path).
-        queue: list = [(floor[0], 0, next(counter), 0.0, 0, (), start_mem, 0.0, None)]
+        queue: list = [(self.floor[0], 0, next(counter), 0.0, 0, (), start_mem, 0.0, None)]
         seen: dict[tuple, list[tuple[float, tuple[float, ...], float]]] = {}
         expanded = generated = widest = 0
         while queue:
@@ -240,13 +229,13 @@ class _Space:
                         f"{self.num_vars} decisions; plan this model with the ILP (method "
                         "'intra-only') or raise max_states")
                 widest = max(widest, len(new_props))
-                score = total + floor[k + 1] + self._pending(k + 1, new_props, least)
+                score = total + self.floor[k + 1] + self._pending(k + 1, new_props)
                 heapq.heappush(queue, (score, -(k + 1), next(counter),
                                        total, k + 1, new_props, new_mem, new_work, (q, path)))
         raise InfeasibleIlpError("no strategy assignment is allowed" + (
             f" within the memory budget of {self.budget:.4g} bytes" if self.budget else ""))
 
-    def _pending(self, k: int, props: tuple, least: list[list[float]]) -> float:
+    def _pending(self, k: int, props: tuple) -> float:
         """How much more than their floor the undecided variables fed by decided ones must
         pay: each one's cheapest strategy with those edges at the entries the decided ends
         chose (still a lower bound, per variable, so the sum stays admissible)."""
@@ -257,11 +246,11 @@ class _Space:
                     continue
                 vec = vecs.get(v)
                 if vec is None:
-                    vec = vecs[v] = list(least[v])
+                    vec = vecs[v] = list(self.least[v])
                 for q in range(len(vec)):
                     if math.isfinite(mins[q]):   # else vec[q] is already inf
                         vec[q] += (costs[q][p] if rows_late else costs[p][q]) - mins[q]
-        return math.fsum(min(vec) - min(least[v]) for v, vec in vecs.items())
+        return math.fsum(min(vec) - min(self.least[v]) for v, vec in vecs.items())
 
     def _edges(self, k: int, q: int, chosen: dict[int, int]) -> float:
         total = 0.0
