@@ -29,7 +29,7 @@ from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, heter
                                                speed_shares)
 from meshplan.planner.hetero.to_plan import HETERO_METHODS, check_mixed_request, plan_mixed
 from meshplan.planner.intra import baselines
-from meshplan.planner.intra.choices import IntraOptions, resolve_choices
+from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
@@ -152,7 +152,7 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
          num_layers: int | None = None, schedule: str = "auto", name: str = "model",
-         progress: bool = False, gather: str = "auto") -> Plan:
+         progress: bool = False, gather: str = "auto", sfb: str | None = None) -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -187,7 +187,10 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     priced as the slowest; ``options["mixed_auto"]`` records both steps); "dp-even" and "dp-proportional" are data parallelism with an even batch
     split or one proportional to the devices' speeds. ``gather`` says how uneven shards are
     gathered: "padded" all-gathers, "broadcast" (one broadcast per device) or "auto" (the
-    cheaper per tensor).
+    cheaper per tensor). ``sfb``: sufficient-factor broadcasting of matmul weight gradients
+    (`planner/intra/sfb.py`) — "auto" weighs it per weight, "force" uses it wherever it
+    applies, "off" never; default "auto" for method "hetero" (and "auto" on a mixed cluster),
+    "off" otherwise (Alpa's search space). It applies to single-stage plans.
 
     Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
@@ -235,6 +238,9 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
     mixed_auto = method == "auto" and cl.is_mixed and mesh_shape is None and not abstract
+    pipelines = is_pipeline_method(method) and mesh_shape is None and not abstract \
+        and (cl.num_devices > 1 or _is_megatron(method)) and not mixed_auto
+    opts = replace(opts, sfb=_sfb_choice(sfb, "hetero" if mixed_auto else method, pipelines))
     if method in HETERO_METHODS or mixed_auto:
         fixed = check_mixed_request("hetero" if mixed_auto else method, mesh_shape, abstract,
                                     cl.num_devices, axis_weights)
@@ -308,6 +314,22 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         unsupported_ops=graph.unsupported_ops, axis_weights=weights)
     result.options["gather_impl"] = gather
     return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+
+def _sfb_choice(sfb: str | None, method: str, pipelines: bool) -> str:
+    """The SFB option of a request (`plan`'s docstring), or ValueError for one it cannot honour."""
+    if sfb is None:
+        return "auto" if method == "hetero" else "off"
+    if sfb not in SFB_CHOICES:
+        raise ValueError(f"sfb must be one of {', '.join(SFB_CHOICES)}, got {sfb!r}")
+    if sfb != "off" and method in ("dp-even", "dp-proportional"):
+        raise ValueError(f"method {method!r} is data parallelism as PyTorch DDP runs it "
+                         "(gradients all-reduced): give no sfb, or use method 'hetero'")
+    if sfb != "off" and pipelines:
+        raise ValueError(f"sfb={sfb!r} applies to single-stage plans; method {method!r} "
+                         "searches pipelines: give a mesh_shape, or method 'intra-only' or "
+                         "'hetero'")
+    return sfb
 
 
 def _plan_mixed(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,

@@ -12,6 +12,7 @@ data-parallel group of dp devices:
     replicated   params, grads, optimizer state all / tp
     zero2        params / tp; grads and optimizer state / (tp · dp)
     zero3        params, grads, optimizer state all / (tp · dp)
+    sfb          as replicated (sufficient-factor broadcasting computes the gradient whole)
 
 Shards are padded to whole elements (ceil(numel / ways)), as sharded storage does in practice.
 """
@@ -24,7 +25,7 @@ from typing import Iterable
 
 from meshplan.cost.checks import check_count, check_nonnegative
 
-UPDATE_MODES: tuple[str, ...] = ("replicated", "zero2", "zero3")
+UPDATE_MODES: tuple[str, ...] = ("replicated", "zero2", "zero3", "sfb")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor")
 
 
@@ -113,7 +114,7 @@ def param_memory_per_device(
     check_count(grad_bytes, "grad_bytes")
     opt = check_nonnegative(optimizer_bytes_per_param, "optimizer_bytes_per_param")
     param_elems = _shard_numel(numel, tp * dp if mode == "zero3" else tp)
-    state_elems = _shard_numel(numel, tp if mode == "replicated" else tp * dp)
+    state_elems = _shard_numel(numel, tp if mode in ("replicated", "sfb") else tp * dp)
     return ParamMemory(
         float(param_elems * param_bytes), float(state_elems * grad_bytes), float(state_elems * opt)
     )

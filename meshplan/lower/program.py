@@ -14,7 +14,8 @@ among them, returning ``(local loss or None, *values it sends)``);
 trainer passes its local compute tensor, for a ZeRO-3 parameter its shard, which the program
 gathers right before its first use (`meshplan.runtime.zero3`: its gradient is reduce-scattered
 in backward). Other parameter gradients are not synchronized here: the trainer does that once
-per step, in buckets.
+per step, in buckets — except an SFB weight's, computed whole in backward from its gathered
+factors (`meshplan.runtime.sfb`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from meshplan.planner.inter.stage_graph import SINK_OP
 from meshplan.planner.intra.formulate import param_roots
 from meshplan.planner.intra.layout import Layout
 from meshplan.planner.intra.reshard import Step, reshard
+from meshplan.planner.intra.sfb import SfbUse, gather_steps, sfb_uses
 from meshplan.runtime import collectives as C
+from meshplan.runtime import sfb as sfb_runtime
 from meshplan.runtime import zero3
 
 
@@ -97,6 +100,11 @@ class _Lowerer:
         # same rule on the same figures (`uneven_gather_impl`).
         self.mesh = with_shares(LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta),
                                 pos.weights, plan.options.get("gather_impl", "auto"))
+        # Consumers of SFB weights -> how they compute the weight's gradient.
+        self.sfb: dict[str, SfbUse] = {}
+        if any(p.update == "sfb" for p in plan.params):
+            self.sfb = {use.consumer: use for param, use in sfb_uses(graph).items()
+                        if self.params[param].update == "sfb"}
 
     def _units(self, name: str, ndim: int) -> tuple[int, ...]:
         return tuple(self.units.get((name, d), 1) for d in range(ndim))
@@ -200,10 +208,30 @@ class _Lowerer:
                                                          operands[0], self.rng, node.out.shape,
                                                          piece_offsets(result, self.pos))
             return
-        self.env[node.name] = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
-                                             local_shape(result, self.pos),
-                                             bool(out_layout.partial), self.comm,
-                                             tuple(dec.sync_axes))
+        use = self.sfb.get(node.name)
+        weight = operands[use.weight] if use else None
+        if use:   # autograd computes the activation's gradient only; the weight's: below
+            operands[use.weight] = self.out.call_method("detach", (weight,))
+        out = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
+                             local_shape(result, self.pos), bool(out_layout.partial), self.comm,
+                             tuple(dec.sync_axes))
+        if use:
+            a = node.inputs[use.activation]
+            out = self.out.call_function(sfb_runtime.weight_grad, (
+                self.comm, out, weight, operands[use.activation],
+                self._factor_gathers(shardeds[use.activation], a),
+                self._factor_gathers(result, node.name), use.equation))
+        self.env[node.name] = out
+
+    def _factor_gathers(self, val: Sharded, name: str) -> tuple[sfb_runtime.Gather, ...]:
+        """The all-gathers making an SFB factor (a value in layout ``val``) whole, as the plan
+        priced them (`planner/intra/sfb.gather_steps`)."""
+        out = []
+        for step in gather_steps(val.layout, self.graph.by_name[name].out.nbytes,
+                                 self.plan.mesh_shape):
+            val, sizes = gathered(val, step.dim, step.axes, self.pos)
+            out.append((step.dim, tuple(step.axes), tuple(sizes), self._impl(step)))
+        return tuple(out)
 
     def _class_split(self, node: Node, dec: OpDecision, operands: list[fx.Node],
                      shardeds: list[Sharded]) -> fx.Node | None:

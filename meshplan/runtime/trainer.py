@@ -6,7 +6,9 @@ rank's shards of every parameter. A step runs the local forward (ZeRO-3 paramete
 their first use, `runtime/zero3.py`), autograd's backward through the program's collectives
 (ZeRO-2 and ZeRO-3 gradients reduce-scattered there, each as soon as it is complete), one
 bucketed all-reduce per mesh axes of the replicated ones, the optimizer on the local update
-tensors, and one bucketed all-gather per mesh axes refreshing the ZeRO-2 parameters.
+tensors, and one bucketed all-gather per mesh axes refreshing the ZeRO-2 parameters. An SFB
+weight (`meshplan.runtime.sfb`) is kept whole like a replicated one, but its gradient arrives
+whole from backward: nothing to synchronize.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class _Param:
         self.name, self.node, self.mode, self.axes = name, node, mode, axes
         self.full_shape = tuple(local.shape)
         self.compute: torch.Tensor | None = None
-        if mode == "replicated":
+        if self.whole:
             self.compute = local.detach().clone().requires_grad_(True)
             self.update = self.compute
         else:
@@ -57,6 +59,11 @@ class _Param:
             else:
                 shard = torch.tensor_split(local.detach(), n, dim=0)[me].clone()
             self.update = shard.requires_grad_(True)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the optimizer steps the tensor the program uses (no ZeRO shard)."""
+        return self.mode in ("replicated", "sfb")
 
     @property
     def program_arg(self) -> torch.Tensor:
@@ -264,7 +271,7 @@ class Trainer:
             if g is None or p.name in counted_elsewhere:
                 continue
             pieces = self.program.values[p.node].layout.shard_factor((r, c))
-            if p.mode != "replicated":
+            if not p.whole:
                 pieces *= self.comm.group_size(p.axes)
             local = local + g.detach().double().pow(2).sum() / (r * c // pieces)
         n = len(self.comm.records)   # not part of the plan's collectives, like the loss report
@@ -312,7 +319,7 @@ class Trainer:
     def _synchronize(self) -> None:
         # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward.
         for p in self.params:
-            if p.mode == "replicated" and p.compute.grad is None:
+            if p.whole and p.compute.grad is None:
                 p.compute.grad = torch.zeros_like(p.compute)
         for axes, ps in self._groups("replicated"):
             all_reduce_grads(self.comm, [p.compute.grad for p in ps], axes)
@@ -342,7 +349,7 @@ class Trainer:
         out = {}
         for p in self.params:
             t = self._whole(p) if p.mode == "zero3" else \
-                p.update.detach() if p.mode == "replicated" else p.compute.detach()
+                p.update.detach() if p.whole else p.compute.detach()
             out[p.name] = self._gather_spec(t, p.node)
         del self.comm.records[n:]
         return out

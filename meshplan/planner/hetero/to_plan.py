@@ -42,7 +42,8 @@ def plan_mixed(graph: Graph, fingerprint: str, cluster: Cluster, method: str,
         n = cluster.num_devices
         ratios = (1.0 / n,) * n if method == "dp-even" else speed_shares(cluster.types, dtype)
         # HAP's DP-EV and DP-CP are PyTorch DDP: every parameter replicated, no ZeRO.
-        dp = replace(opts, force_data_parallel=True, full_split=True, update_mode="replicated")
+        dp = replace(opts, force_data_parallel=True, full_split=True, update_mode="replicated",
+                     sfb="off")
         form = formulate(flat_choices(graph, cluster, dp), hetero_context(cluster, ratios, step),
                          budget)
         sol, stats = synthesize(form.problem)

@@ -3,7 +3,8 @@
 Contractions, sources (parameters, inputs) and replicated ops are *roots*: each gets a list of
 choices and, in the ILP, one decision. Every other op *follows* its main operand, so its choice
 at index p is derived from its root's choice p (Alpa's follower merging). A parameter's choice is
-its layout *and* its update mode (replicated, ZeRO-2, ZeRO-3): the update mode is a strategy.
+its layout *and* its update mode (replicated, ZeRO-2, ZeRO-3, or SFB where it applies,
+`sfb.py`): the update mode is a strategy.
 
 `resolve_choices` applies the planning options (forced data parallelism, the batch dim pinned to a
 mesh axis, tensor parallelism on one axis, forced update modes) by restricting root choices.
@@ -17,10 +18,12 @@ from typing import Sequence
 
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
+from meshplan.planner.intra.sfb import sfb_uses
 from meshplan.planner.intra.strategies import (Strategy, enumerate_strategies, follow,
                                                replicated_strategy, source_layouts)
 
 UPDATE_MODES = ("replicated", "zero2", "zero3")
+SFB_CHOICES = ("off", "auto", "force")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class IntraOptions:
     compute is left out). ``share_blocks``: repeated blocks share their decisions.
     ``replicated_updates``: parameters (node names) updated replicated whatever the budget: one
     that several pipeline stages share, whose gradient is summed across them whole.
+    ``sfb``: sufficient-factor broadcasting (`sfb.py`) for the weights it applies to: "off",
+    "auto" (one more update mode of a weight kept whole, which the search weighs) or "force"
+    (every weight it applies to is kept whole and updated so).
     """
 
     force_data_parallel: bool = False
@@ -51,6 +57,7 @@ class IntraOptions:
     share_blocks: bool = True
     optimizer: str = "adamw"
     replicated_updates: frozenset[str] = frozenset()
+    sfb: str = "off"
 
     @property
     def heavy_full_split(self) -> bool:
@@ -61,6 +68,8 @@ class IntraOptions:
     def __post_init__(self) -> None:
         if self.update_mode is not None and self.update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
+        if self.sfb not in SFB_CHOICES:
+            raise ValueError(f"sfb must be one of {SFB_CHOICES}, got {self.sfb!r}")
         for name in ("force_batch_axis", "tensor_axis"):
             v = getattr(self, name)
             if v is not None and v not in (0, 1):
@@ -165,8 +174,9 @@ def _source_strategy(layout: Layout) -> Strategy:
     return Strategy((), (), layout, ())
 
 
-def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: IntraOptions
-                    ) -> list[Choice]:
+def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: IntraOptions,
+                    sfb: bool = False) -> list[Choice]:
+    """A source's layouts; a parameter's with its update modes (``sfb``: SFB applies to it)."""
     shape = node.out.shape
     if node.role == "constant" or not axes:
         layouts = [Layout.replicated(len(shape))]
@@ -183,10 +193,15 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
     # one list of collectives then holds on every rank, whose update buckets carry its pieces.
     layouts = [l for l in layouts if all(n % math.prod(mesh_shape[a] for a in ax) == 0
                                          for n, ax in zip(shape, l.dims))]
+    sfb = sfb and bool(axes) and node.name not in opts.replicated_updates
+    if sfb and opts.sfb == "force":   # kept whole, its gradient from the gathered factors
+        return [Choice(_source_strategy(Layout.replicated(len(shape))), "sfb")]
     out = []
     for lay in layouts:
         modes = ["replicated"] if node.name in opts.replicated_updates else \
             param_modes(lay, shape, axes, mesh_shape, opts)
+        if sfb and not lay.split_axes:
+            modes = [*modes, "sfb"]
         for mode in modes:
             out.append(Choice(_source_strategy(lay), mode))
     return out
@@ -222,10 +237,12 @@ def resolve_choices(graph: Graph, mesh_shape: tuple[int, int], opts: IntraOption
     """Roots' choices from signatures and options; followers' choices derived from their root."""
     axes = active_axes(mesh_shape)
     nc = NodeChoices(graph, mesh_shape, batch_dims=batch_dims(graph))
+    sfb = sfb_uses(graph) if opts.sfb != "off" else {}
     for node in graph.nodes:
         if is_root(node):
             nc.root_of[node.name] = node.name
-            nc.choices[node.name] = (_source_choices(node, axes, mesh_shape, opts)
+            nc.choices[node.name] = (_source_choices(node, axes, mesh_shape, opts,
+                                                     node.name in sfb)
                                      if node.is_source else
                                      _op_choices(node, axes, mesh_shape, opts, nc.batch_dims))
             continue

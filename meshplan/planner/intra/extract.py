@@ -22,6 +22,7 @@ from meshplan.planner.intra.ilp_problem import working_peak
 from meshplan.planner.intra.liveness import StepPeaks, Value, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
+from meshplan.planner.intra.sfb import gather_steps
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
 
 
@@ -65,6 +66,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     costs, real_costs = OpCosts(nc, form.ctx), OpCosts(nc, real)
     counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
     sync: dict[str, list[tuple[int, ...]]] = {}
+    sfb: dict[str, tuple[int, ...]] = {}    # SFB weights and the axes their factors gather
     seen: set[tuple] = set()
     memory, state, forward, backward = 0.0, 0.0, 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
@@ -88,6 +90,13 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                     sync.setdefault(key[1], []).append(key[4])
                     if key not in seen:
                         comm[node.name] += cost
+                elif key[0] == "sfb":
+                    sfb[key[1]] = key[2]
+                    axes = choice.strategy.work_axes   # its whole-batch product is compute
+                    comm[node.name] += cost - costs.sfb_extra_s(node, axes)
+                    backward += real_costs.sfb_extra_s(node, axes) / real.microbatches
+                    act = g.by_name[node.inputs[costs.sfb[key[1]].activation]]
+                    _count_sfb(key, act.out.nbytes, node.out.nbytes, form.ctx, counts)
                 elif key not in seen:
                     _count_recipe(key[2], g.by_name[name].requires_grad, form.ctx, counts,
                                   comm, reshard, name, node.name)
@@ -102,7 +111,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                               tuple(lay.spec() for lay in s.inputs), s.output.spec(),
                               s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
                               reshard[node.name], costs.memory(node, choice), s.sync_axes))
-    params = _params(form, idx, sync, counts)
+    params = _params(form, idx, sync, sfb, counts)
     working = working_peak(form.problem, choices)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())
@@ -172,8 +181,19 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
                                                                  ctx.weights)
 
 
+def _count_sfb(key: tuple, act_bytes: int, out_bytes: int, ctx: CostContext, counts: Counter
+               ) -> None:
+    """The all-gathers of an SFB weight's factors (the consumer's activation and output
+    gradient, whole tensors of ``act_bytes`` and ``out_bytes``), in every backward."""
+    _, _, _, act_layout, out_layout = key
+    for lay, nbytes in ((act_layout, act_bytes), (out_layout, out_bytes)):
+        for s in gather_steps(lay, nbytes, tuple(ctx.mesh.shape)):
+            for label, n in ctx.phase_counts("backward"):
+                counts[("all_gather", s.nbytes, s.axes, label)] += n
+
+
 def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],
-            counts: Counter) -> tuple[ParamDecision, ...]:
+            sfb: dict[str, tuple[int, ...]], counts: Counter) -> tuple[ParamDecision, ...]:
     nc, g = form.choices, form.choices.graph
     shape = tuple(form.ctx.mesh.shape)
     # The runtime synchronizes one bucket per (update mode, axes) and collective kind.
@@ -186,6 +206,12 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
         axes, backward = param_sync(sync.get(n.name, ()))
         mode = choice.mode if axes else "replicated"
         spec = choice.strategy.output
+        if n.name in sfb:   # its gradient computed whole from gathered factors: no sync
+            out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(), spec.spec(),
+                                     "sfb", sfb[n.name]))
+            shapes.append(n.out.shape)
+            dims.append(update_dims(spec.dims, "replicated", ()))
+            continue
         nbytes = local_bytes(n, spec, shape)
         for extra in backward:  # uses synchronized apart from the update (`param_sync`)
             counts[("all_reduce", nbytes, extra, "backward")] += form.ctx.microbatches

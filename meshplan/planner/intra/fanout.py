@@ -10,7 +10,9 @@ leave its gradient partial over (see `param_sync`).
 Each use of a value, at a pair of root choices ``(p, q)``, yields *charges* ``(unit, key,
 cost)``: ``("move", value, recipe)`` costs the recipe's collectives; ``("sync", param, mode,
 layout, axes)`` the update-phase synchronization over ``axes`` of a parameter kept in that
-layout and mode. A key is paid once however many uses need it. A key that only one pair of roots
+layout and mode; ``("sfb", param, axes, activation layout, output layout)`` the gathered
+factors and whole-batch gradient of a weight under sufficient-factor broadcasting (`sfb.py`).
+A key is paid once however many uses need it. A key that only one pair of roots
 can need is a function of that pair's choices and stays in the pairwise matrices of Alpa's
 eq. 1 (deduplicated per cell); a key several pairs can need becomes one `SharedCost`.
 """
@@ -25,8 +27,11 @@ from typing import Hashable, Sequence
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.ilp_problem import SharedCost
 from meshplan.planner.intra.layout import Axes
-from meshplan.planner.intra.op_costs import (OpCosts, local_bytes, recipe_cost, sync_cost,
-                                             zero_counts)
+from meshplan.cost.collectives import collective_cost
+from meshplan.planner.intra.op_costs import (OpCosts, dp_axes, local_bytes, recipe_cost,
+                                             sync_cost, zero_counts)
+from meshplan.planner.intra.reshard import Recipe
+from meshplan.planner.intra.sfb import applies, gather_steps
 
 Charge = tuple[Hashable, tuple, float]   # (unit, key, cost)
 Use = tuple[str, int]                    # (consumer node, operand position)
@@ -51,6 +56,9 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
         # A parameter is computed with in the layout it is kept in (its spec); keeping it
         # in another layout is what the ZeRO-3 update mode is for.
         return None
+    if param is not None and costs.nc.choices[param][p].mode == "sfb" \
+            and costs.sfb[param].consumer == node.name:
+        return sfb_charges(costs, node, j, p, q, recipe, param)
     out: list[Charge] = []
     if recipe.steps:
         out.append((("v", u.name), ("move", u.name, recipe),
@@ -65,6 +73,24 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
                     sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero,
                               bucketed=costs.ctx.device is not None)))
     return out
+
+
+def sfb_charges(costs: OpCosts, node: Node, j: int, p: int, q: int, recipe: Recipe,
+                param: str) -> list[Charge] | None:
+    """The weight operand ``j`` of ``node`` under SFB: its factors gathered in every backward
+    and the gradient product over the whole batch (`sfb.py`); None where the consumer's
+    strategy does not let SFB apply."""
+    strat = costs.nc.choices[node.name][q].strategy
+    dp = dp_axes(costs.nc.choices[param][p].strategy.output, costs.shape)
+    if not applies(strat.inputs[j], recipe.sync_axes, dp, bool(recipe.steps)):
+        return None
+    act = costs.g.by_name[node.inputs[1 - j]]
+    mesh, n = costs.ctx.mesh, costs.ctx.microbatches
+    gathers = sum(collective_cost("all_gather", mesh, s.axes, s.nbytes)
+                  for lay, value in ((strat.inputs[1 - j], act), (strat.output, node))
+                  for s in gather_steps(lay, value.out.nbytes, costs.shape))
+    key = ("sfb", param, recipe.sync_axes, strat.inputs[1 - j], strat.output)
+    return [(("p", param), key, n * gathers + costs.sfb_extra_s(node, strat.work_axes))]
 
 
 def operand_cost(costs: OpCosts, node: Node, j: int, p: int, q: int) -> float:
@@ -147,10 +173,12 @@ def _use_classes(costs: OpCosts, node: Node, j: int, num_a: int, num_r: int
             src.append((c.strategy.output, pc.mode, pc.strategy.output))
         else:
             src.append(c.strategy.output)
-    dst = []
+    dst: list[Hashable] = []
+    # An SFB weight's charge depends on the consumer's whole strategy (the factors' layouts).
+    whole = param is not None and param in costs.sfb and costs.sfb[param].consumer == node.name
     for q in range(num_r):
         s = nc.choices[node.name][q].strategy
-        dst.append((s.inputs[j], s.grad_partial[j]))
+        dst.append(s if whole else (s.inputs[j], s.grad_partial[j]))
     return src, dst
 
 

@@ -21,6 +21,7 @@ from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
 from meshplan.planner.intra.reshard import Recipe, Step, reshard
+from meshplan.planner.intra.sfb import SfbUse, sfb_uses
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,14 @@ class OpCosts:
         self.shape = tuple(ctx.mesh.shape)
         self.param_root = param_roots(self.g)
         self._times: dict[tuple[str, Axes], tuple[float, float]] = {}
+        self._sfb: dict[str, SfbUse] | None = None
+
+    @property
+    def sfb(self) -> dict[str, SfbUse]:
+        """The parameters sufficient-factor broadcasting can update, with their use."""
+        if self._sfb is None:
+            self._sfb = sfb_uses(self.g)
+        return self._sfb
 
     def operand_recipe(self, node: Node, j: int, pu: int, qv: int) -> Recipe:
         u = self.g.by_name[node.inputs[j]]
@@ -225,6 +234,20 @@ class OpCosts:
                                         contraction)
                  for device, share in self.ctx.rank_shares(axes)]
         return max(t[0] for t in times), max(t[1] for t in times)
+
+    def sfb_extra_s(self, node: Node, axes: Axes) -> float:
+        """Seconds per step SFB adds to ``node`` whose work is divided over ``axes``: its
+        weight gradient (one forward's FLOPs) over the whole batch on every device instead of
+        over the device's share, at the slowest rank."""
+        if self.ctx.device is None or node.flops == 0:
+            return 0.0
+        dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
+
+        def forward(device: DeviceType, share: float) -> float:
+            return forward_backward_times(node.flops * share, node.nbytes * share, device,
+                                          dtype, True)[0]
+        return self.ctx.microbatches * max(forward(d, 1.0) - forward(d, share)
+                                           for d, share in self.ctx.rank_shares(axes))
 
     def compute_cost(self, node: Node, choice: Choice) -> float:
         forward, backward = self.pass_times(node, choice)
