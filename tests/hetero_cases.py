@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import meshplan
 from meshplan.cost.cluster import Cluster, mixed_cluster
 from meshplan.cost.devices import DeviceType, Link
 from meshplan.runtime.comm import Comm, ProcessGroupComm
@@ -43,3 +44,15 @@ def train_gloo(rank: int, nprocs: int, plan: Any, spec: str, data: list) -> tupl
     comm = ProcessGroupComm(plan.mesh_shape)
     result = train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data)
     return result, impls(comm)
+
+
+def planned(plan: meshplan.Plan) -> Counter:
+    return Counter({(c.kind, c.bytes, tuple(c.mesh_axes), c.phase): c.count
+                    for c in plan.collectives})
+
+
+def without_bytes(counter: Counter) -> Counter:
+    out: Counter = Counter()
+    for (kind, _, axes, phase), n in counter.items():
+        out[(kind, axes, phase)] += n
+    return out

@@ -38,7 +38,7 @@ def randomize(problem: IlpProblem, rng: random.Random) -> IlpProblem:
 
 def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
                 shape: tuple[int, int], seed: int, monkeypatch: Any, *,
-                abstract: bool = False) -> Plan:
+                abstract: bool = False, sfb: str | None = None) -> Plan:
     """A plan of ``model`` on a ``shape`` mesh whose strategies are a random valid assignment.
 
     Its ``objective`` is what the real problem charges for that assignment. ``abstract``: α=β=1
@@ -63,6 +63,6 @@ def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
     try:
         return api.plan(model, loss_fn, optimizer, example_batch,
                         f"local:{shape[0] * shape[1]}", mesh_shape=shape, share_blocks=False,
-                        name=f"random-{seed}", **units)
+                        name=f"random-{seed}", sfb=sfb, **units)
     finally:
         monkeypatch.undo()

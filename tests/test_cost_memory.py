@@ -64,7 +64,7 @@ def test_uneven_shards_are_padded() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"mode": "zero1"}, ValueError, r"unknown update mode 'zero1'; valid modes: \['replicated', 'zero2', 'zero3'\]"),
+        ({"mode": "zero1"}, ValueError, r"unknown update mode 'zero1'; valid modes: \['replicated', 'zero2', 'zero3', 'sfb'\]"),
         ({"tp_size": 0}, ValueError, "tp_size"),
         ({"dp_size": 1.5}, TypeError, "dp_size"),
         ({"numel": -3}, ValueError, "numel"),

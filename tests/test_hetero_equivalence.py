@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import Counter
 
 import pytest
 
@@ -16,7 +15,7 @@ from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.runtime.pool import WorkerPool
 from meshplan.zoo.spec import build_workload
-from hetero_cases import MODELS, RATIOS, four_speeds, train_gloo
+from hetero_cases import MODELS, RATIOS, four_speeds, planned, train_gloo, without_bytes
 from oracle import assert_matches, batches, reference, shared_capture, train_rank
 from random_plans import random_plan
 
@@ -29,20 +28,25 @@ def pool4():
         yield pool
 
 
-def hetero_plan(spec: str, gather: str, ratios=RATIOS) -> meshplan.Plan:
+def hetero_plan(spec: str, gather: str, ratios=RATIOS, sfb: str = "auto") -> meshplan.Plan:
     w = build_workload(spec, device="meta")
     return meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch, four_speeds(),
                          method="hetero", axis_weights=ratios, memory_budget_gb=0,
-                         gather=gather, name=spec)
+                         gather=gather, name=spec, sfb=sfb)
 
 
+@pytest.mark.parametrize("sfb", ["auto", "force"])
 @pytest.mark.parametrize("gather", ["padded", "broadcast"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_synthesized_program_with_uneven_ratios_on_gloo(pool4, name: str, gather: str) -> None:
+def test_synthesized_program_with_uneven_ratios_on_gloo(pool4, name: str, gather: str,
+                                                        sfb: str) -> None:
+    # "auto": the synthesized program as is; "force": every matmul weight by SFB, its factors
+    # gathered unevenly in backward.
     spec = MODELS[name]
-    plan = hetero_plan(spec, gather)
+    plan = hetero_plan(spec, gather, sfb=sfb)
     assert plan.axis_weights[1] == pytest.approx(RATIOS[1]) and plan.mesh_shape == (1, 4)
     assert any(o.strategy != "replicated" for o in plan.ops), "the program splits work"
+    assert (sfb == "force") <= any(p.update == "sfb" for p in plan.params)
     w = build_workload(spec, device="cpu", seed=0)
     data = batches(w, 3)
     ref = reference(w, SGD, data)
@@ -82,8 +86,13 @@ def test_random_programs_with_random_uneven_ratios(name: str, shape, seeds: int,
     captured = shared_capture(w)
     rng = random.Random(f"{name}-{shape}")
     for seed in range(seeds):
+        # SFB: "force" draws the rest of the plan around every weight it applies to; "auto"
+        # draws it among the other modes (rarely on a 2-D mesh: its consumer must split the
+        # batch over both axes).
+        sfb = ("force", None, "auto")[seed % 3]
         plan = random_plan(meta.model, meta.loss_fn, SGD, meta.example_batch, shape,
-                           500 + seed, monkeypatch, abstract=seed % 2 == 1)
+                           500 + seed, monkeypatch, abstract=seed % 2 == 1, sfb=sfb)
+        assert (sfb == "force") <= any(p.update == "sfb" for p in plan.params)
         weights = tuple(tuple(rng.choice((1.0, 2.0, 3.0, 5.0)) for _ in range(n))
                         for n in shape)
         plan = dataclasses.replace(plan, axis_weights=weights,
@@ -96,18 +105,6 @@ def test_random_programs_with_random_uneven_ratios(name: str, shape, seeds: int,
             # rank's piece, not the even size the plan lists: compare all but the bytes.
             for got in per_step:
                 assert without_bytes(got) == without_bytes(planned(plan))
-
-
-def planned(plan: meshplan.Plan) -> Counter:
-    return Counter({(c.kind, c.bytes, tuple(c.mesh_axes), c.phase): c.count
-                    for c in plan.collectives})
-
-
-def without_bytes(counter: Counter) -> Counter:
-    out: Counter = Counter()
-    for (kind, _, axes, phase), n in counter.items():
-        out[(kind, axes, phase)] += n
-    return out
 
 
 @pytest.mark.parametrize("name", list(MODELS))
