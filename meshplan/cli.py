@@ -152,6 +152,11 @@ def _add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--gather", choices=("auto", "padded", "broadcast"), default="auto",
                    help="how uneven shards are gathered: padded all-gathers, one broadcast "
                         "per device, or auto = the cheaper per tensor (default: auto)")
+    p.add_argument("--sfb", choices=("off", "auto", "force"), default=None,
+                   help="sufficient-factor broadcasting of matmul weight gradients (factors "
+                        "gathered instead of the gradient all-reduced): auto = weighed per "
+                        "weight, force = wherever it applies, off (default: auto for method "
+                        "hetero, off otherwise; single-stage plans only)")
     p.add_argument("--ratios", type=_ratios, metavar="R0,R1,...",
                    help="with --method hetero: fixed shard ratios, one per device, instead of "
                         "balancing them")
@@ -296,7 +301,7 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 memory_budget_gb=args.memory_budget_gb, dtype=args.dtype,
                 microbatches=args.microbatches, recompute=args.recompute,
                 num_layers=args.num_layers, schedule=args.schedule, name=work.name,
-                progress=not args.quiet, gather=args.gather,
+                progress=not args.quiet, gather=args.gather, sfb=args.sfb,
                 axis_weights=((1.0,), args.ratios) if args.ratios else None)
 
 

@@ -228,10 +228,21 @@ def test_hetero_json_carries_the_ratios_and_gather_choice(capsys: pytest.Capture
     assert doc["options"]["hetero"]["ratios"] == pytest.approx([0.4, 0.3, 0.2, 0.1])
 
 
+def test_sfb_updates_show_in_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "mlp", "--cluster", "local:4", "--method", "hetero",
+                       "--ratios", "4,3,2,1", "--sfb", "force")
+    assert code == 0
+    assert re.search(r"layers\.0\.weight\s+R,R\s+R,R\s+sfb\s+\(1,\)", out), out
+    message = run_error(capsys, "mlp", "--cluster", "local:4", "--method", "dp-even", "--sfb",
+                        "auto")
+    assert "DDP" in message, message
+
+
 @pytest.mark.parametrize(("argv", "expected"), [
     (("--ratios", "1,x"), "bad ratios '1,x'"),
     (("--ratios", "1,2"), "one non-negative ratio per device of the (1, 4) mesh"),
     (("--gather", "ring"), "invalid choice: 'ring'"),
+    (("--sfb", "sometimes"), "invalid choice: 'sometimes'"),
     (("--mesh", "2x2"), "give no mesh_shape"),
 ])
 def test_bad_hetero_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str],

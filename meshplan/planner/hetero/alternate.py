@@ -143,6 +143,8 @@ def program_phases(form: Formulation, choices: tuple[int, ...]
     split: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * n)
     fixed: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * n)
     state = shared = 0.0
+    whole = {costs.sfb[p.name].consumer for p in nc.graph.params()
+             if nc.choices[p.name][idx[p.name]].mode == "sfb"}
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         held = costs.memory(node, choice)
@@ -153,10 +155,11 @@ def program_phases(form: Formulation, choices: tuple[int, ...]
         if ctx.device is None or node.is_source or node.flops == 0:
             continue
         times = [_op_seconds(node, t, ctx) for t in types]
-        target = split if 1 in choice.strategy.work_axes else fixed
-        key = tuple(round(t / times[0], 9) for t in times) if times[0] else tuple(times)
-        for j, t in enumerate(times):
-            target[key][j] += t
+        if node.name in whole:   # an SFB weight's gradient: over the whole batch everywhere
+            dw = [_op_seconds(node, t, ctx, forward_only=True) for t in types]
+            _add(fixed, dw)
+            times = [t - d for t, d in zip(times, dw)]
+        _add(split if 1 in choice.strategy.work_axes else fixed, times)
     phases = [Phase(0.0, split_s=tuple(v)) for v in split.values()]
     phases += [Phase(0.0, fixed_s=tuple(v)) for v in fixed.values()]
     phases.append(_communication(form, choices, n))
@@ -164,12 +167,21 @@ def program_phases(form: Formulation, choices: tuple[int, ...]
     return phases, devices, shared
 
 
-def _op_seconds(node: Node, device: DeviceType, ctx: CostContext) -> float:
-    """Seconds one device takes for the whole of ``node`` per step."""
+def _add(phases: dict[tuple, list[float]], times: list[float]) -> None:
+    """Add per-device ``times`` to the phase of their speed ratios (one phase per ratio set)."""
+    key = tuple(round(t / times[0], 9) for t in times) if times[0] else tuple(times)
+    for j, t in enumerate(times):
+        phases[key][j] += t
+
+
+def _op_seconds(node: Node, device: DeviceType, ctx: CostContext, *,
+                forward_only: bool = False) -> float:
+    """Seconds one device takes for the whole of ``node`` per step (``forward_only``: one
+    forward per micro-batch, the FLOPs of a contraction's weight gradient)."""
     dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
     f, b = forward_backward_times(node.flops, node.nbytes, device, dtype,
                                   node.sig is not None and node.sig.kind == "contraction")
-    return ctx.microbatches * (f * (1 + ctx.recompute) + b)
+    return ctx.microbatches * (f if forward_only else f * (1 + ctx.recompute) + b)
 
 
 def _communication(form: Formulation, choices: tuple[int, ...], n: int) -> Phase:
