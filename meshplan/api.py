@@ -21,6 +21,7 @@ from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError, NoPipelineError
 from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.device_kinds import host_types
 from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
 from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
                                                   parse_megatron_spec)
@@ -263,13 +264,25 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                 num_layers=num_layers, schedule=schedule, name=name, progress=progress)
         except (InfeasiblePlanError, NoPipelineError):
             uniform = None
-        steps = {"hetero": found.predicted["step_time_s"],
-                 "uniform": uniform.predicted["step_time_s"] if uniform else None}
         if uniform is not None:   # it runs on the mixed cluster, paced by its slowest type
             uniform = replace(uniform, cluster=cluster_to_dict(cl))
-        best = found if uniform is None or steps["hetero"] <= steps["uniform"] else uniform
-        best.options["mixed_auto"] = {"chosen": "hetero" if best is found else "uniform",
-                                      "step_s": steps}
+        # Pipelines whose stages are each of one device type, where the hosts are
+        # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
+        typed = None
+        if host_types(cl) is not None:
+            try:
+                typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
+                                       replace(opts, sfb="off"), budget, step, counts,
+                                       num_layers, name, recompute, "auto", schedule,
+                                       microbatches, progress)
+            except (InfeasiblePlanError, NoPipelineError):
+                typed = None
+        plans = {"hetero": found, "uniform": uniform, "typed stages": typed}
+        steps = {k: p.predicted["step_time_s"] if p is not None else None
+                 for k, p in plans.items()}
+        chosen = min((k for k in plans if plans[k] is not None), key=lambda k: steps[k])
+        best = plans[chosen]
+        best.options["mixed_auto"] = {"chosen": chosen, "step_s": steps}
         return replace(best, search_time_s=time.perf_counter() - t0)
     if is_pipeline_method(method) and method != "auto" and (mesh_shape is not None or abstract):
         raise ValueError(f"method {method!r} searches pipeline stages on submeshes of the "

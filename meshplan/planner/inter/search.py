@@ -52,6 +52,7 @@ from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
+from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
@@ -182,7 +183,8 @@ def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
                 "than 1F1B; use schedule '1f1b' or 'auto', or a larger budget.")
         return best
     if must or chosen[0].total_latency < sol.total_latency:
-        return replace(best, solution=chosen[0], estimated_s=chosen[1])
+        return replace(best, solution=replace(chosen[0], hosts=sol.hosts),
+                       estimated_s=chosen[1])
     return best
 
 
@@ -319,16 +321,24 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     num_layers = req.num_layers or default_num_layers(graph, cl.num_devices)
     layering = cluster_layers(graph, num_layers,
                               balance="ops" if req.method == "equal-operator" else "flops")
-    by_hosts = cl.num_hosts > HOST_GRANULAR_ABOVE
+    # Hosts of several device types: typed stages in whole hosts (`device_kinds.py`).
+    types = host_types(cl)
+    kinds = kind_types(types, req.dtype) if types else ()
+    by_hosts = cl.num_hosts > HOST_GRANULAR_ABOVE or bool(kinds)
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_state, b,
                              req.budget, req.recompute, show_progress=req.progress,
-                             tensor_within_host=by_hosts)
+                             tensor_within_host=by_hosts, kinds=kinds)
     # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a
     # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
     shape = ClusterShape(1, cl.num_hosts) if by_hosts else \
         ClusterShape(cl.num_hosts, cl.devices_per_host)
-    real = (lambda sub: (sub[1], cl.devices_per_host)) if by_hosts else (lambda sub: sub)
-    profiler.prefetch(tuple(real(sub) for sub in submesh_shapes(shape)))
+    real = (lambda sub: (sub[1], cl.devices_per_host, *sub[2:])) if by_hosts else \
+        (lambda sub: sub)
+    layouts = kind_layouts(types, kinds) if kinds else [((), None)]
+    dp_shapes = submesh_shapes(shape)
+    if kinds:
+        dp_shapes = dp_shapes + layouts[0][1].shapes(dp_shapes)
+    profiler.prefetch(tuple(real(sub) for sub in dp_shapes))
     whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
     # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
     # method: by parts their long stages may look slower than they solve.
@@ -336,10 +346,12 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
         partial(_equal_stages, whole, num_layers, n, shape, b, req)
         for n in _stage_counts(num_layers, shape)]
     if req.method != "equal-layer":
-        searches.insert(0, partial(solve_stage_dp, PipelineProblem(
-            shape, num_layers, whole, b, device_memory=req.budget,
-            in_flight=SCHEDULES[req.dp_schedule],
-            table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))))
+        for hosts, layout in layouts:
+            problem = PipelineProblem(
+                shape, num_layers, whole, b, device_memory=req.budget,
+                in_flight=SCHEDULES[req.dp_schedule], kinds=layout,
+                table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))
+            searches.insert(0, partial(_with_hosts, problem, hosts))
     found, errors = [], []
     for search in searches:
         try:
@@ -354,6 +366,11 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     best = min(found, key=lambda s: s.total_latency)
     return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
                      tuple(found))
+
+
+def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:
+    """The stage DP's pipeline, its typed stages laid on ``hosts`` in order."""
+    return replace(solve_stage_dp(problem), hosts=hosts)
 
 
 def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
@@ -398,7 +415,8 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
                                         s.option.label)]) for s in pipeline.stages]
     stages = tuple(replace(s, option=replace(s.option, latency=latency))
                    for s, (latency, _) in zip(pipeline.stages, solved))
-    return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks),
+    return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks,
+                          pipeline.hosts),
             fits_by_mesh([memory for _, memory in solved], pipeline.chunks, budget))
 
 

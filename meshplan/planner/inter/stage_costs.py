@@ -39,6 +39,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from meshplan.cost.cluster import Cluster
+from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import factor_pairs, logical_mesh
 from meshplan.errors import InfeasibleIlpError
@@ -132,6 +133,9 @@ class StageProfiler:
     show_progress: bool = False         # a bar on stderr while pricing (`meshplan.progress`)
     tensor_within_host: bool = False    # multi-host submeshes: only (r, c) with c | M
     logical_shapes: frozenset[tuple[int, int]] | None = None  # None: every (r, c) of a submesh
+    # A mixed cluster's device kinds: a typed submesh (hosts, devices, k) is priced on
+    # ``kinds[k]``, k == len(kinds) (mixed) and an untyped one on the cluster's slowest.
+    kinds: tuple[DeviceType, ...] = ()
     solves: int = 0
 
     def __post_init__(self) -> None:
@@ -430,8 +434,15 @@ class StageProfiler:
         return link.latency + nbytes / link.effective_bandwidth
 
     # ------------------------------------------------------------------ one logical shape
+    def stage_cluster(self, name: str, submesh: Submesh) -> Cluster:
+        """The part of the cluster a stage on ``submesh`` runs on, of the device it is priced
+        on (a typed submesh's kind, else the cluster's slowest)."""
+        sub = self.cluster.submesh(name, submesh[0], submesh[1])
+        kind = submesh[2] if len(submesh) > 2 else len(self.kinds)
+        return replace(sub, device=self.kinds[kind]) if kind < len(self.kinds) else sub
+
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
-        sub = self.cluster.submesh(f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]", *submesh)
+        sub = self.stage_cluster(f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]", submesh)
         return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_state,
                            microbatches=self.microbatches)
 

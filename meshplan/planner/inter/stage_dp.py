@@ -184,11 +184,11 @@ def _evaluate(state: _Search, t_max: float) -> tuple[float, int]:
     problem, tables = state.problem, state.tables
     state.num_tried += 1
     cost = np.where(tables.latency <= t_max, tables.latency, np.inf)
-    f, p = sweep(cost, tables.sizes, problem.cluster.num_devices)
+    f, p = sweep(cost, tables.sizes, problem.cluster.num_devices, mask=tables.mask)
     g = float(f[1:, 0, -1].min())
     if not math.isfinite(g):
         return g, -1
-    path = backtrack(cost, f, p, tables.sizes)
+    path = backtrack(cost, f, p, tables.sizes, mask=tables.mask)
     assert path is not None
     stages = _placements(problem, tables, path)
     latencies = tuple(s.option.latency for s in stages)
@@ -215,7 +215,8 @@ def min_memory_bytes(problem: PipelineProblem, tables: StageTables) -> float:
 
     The same sweep with ``max`` for ``+`` (a bottleneck path) over `memory_need`'s rows.
     """
-    f, _ = sweep(memory_need(tables), tables.sizes, problem.cluster.num_devices, np.maximum)
+    f, _ = sweep(memory_need(tables), tables.sizes, problem.cluster.num_devices, np.maximum,
+                 tables.mask)
     return float(f[1:, 0, -1].min())
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from meshplan.cost.checks import check_count, check_nonnegative, check_positive
 
-Submesh = tuple[int, int]  # (hosts, devices per host)
+Submesh = tuple[int, ...]  # (hosts, devices per host), and a device kind on typed clusters
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,48 @@ def submesh_shapes(cluster: ClusterShape) -> tuple[Submesh, ...]:
     return tuple((1, w) for w in widths) + tuple((k, m) for k in range(2, cluster.num_hosts + 1))
 
 
+@dataclass(frozen=True)
+class DeviceKinds:
+    """The DP's devices in a fixed order, each of a kind (``kinds[p]`` of position ``p``, an
+    index into ``names``), for a cluster of mixed devices: a stage on positions ``[p, p + n)``
+    is of one kind when all its devices are, else of kind ``mixed`` (= ``len(names)``). The DP
+    lays stages on positions in pipeline order, so a stage's kind follows from the devices
+    left after it, and each kind prices its stages on its own devices."""
+
+    kinds: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.kinds or any(not 0 <= k < len(self.names) for k in self.kinds):
+            raise ValueError(f"DeviceKinds.kinds must index names {self.names}, got "
+                             f"{self.kinds}")
+
+    @property
+    def mixed(self) -> int:
+        return len(self.names)
+
+    def kind_of(self, start: int, count: int) -> int:
+        """The kind of a stage on positions ``[start, start + count)``."""
+        found = set(self.kinds[start:start + count])
+        return found.pop() if len(found) == 1 else self.mixed
+
+    def shapes(self, base: tuple[Submesh, ...]) -> tuple[Submesh, ...]:
+        """Every base submesh once per kind, mixed included: ``(hosts, devices, kind)``."""
+        return tuple((*shape, k) for shape in base for k in range(self.mixed + 1))
+
+    def mask(self, shapes: tuple[Submesh, ...]) -> np.ndarray:
+        """``(len(shapes), D + 1)``: 0 where a stage of ``shapes[m]`` may start with ``d``
+        devices left (its positions are of its kind), inf elsewhere."""
+        total = len(self.kinds)
+        out = np.full((len(shapes), total + 1), np.inf)
+        for m, (hosts, devices, kind) in enumerate(shapes):
+            n = hosts * devices
+            for d in range(n, total + 1):
+                if self.kind_of(total - d, n) == kind:
+                    out[m, d] = 0.0
+        return out
+
+
 def pipeline_latency(latencies: tuple[float, ...], num_microbatches: int, chunks: int = 1
                      ) -> float:
     """Seconds of one iteration of B micro-batches through stages of ``latencies`` (forward +
@@ -161,6 +203,9 @@ class PipelineProblem:
     # ``profile`` would (a profiler that prices all ranges by vectorized sums); the DP then
     # asks ``profile`` only for the stages it picks.
     table: Callable[[tuple[Submesh, ...]], OptionTable] | None = None
+    # A cluster of mixed devices: each stage's kind follows from its positions, and the
+    # profile is asked for typed submeshes ``(hosts, devices, kind)`` (`DeviceKinds`).
+    kinds: DeviceKinds | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterShape):
@@ -173,6 +218,9 @@ class PipelineProblem:
             if not callable(getattr(self, name)):
                 raise TypeError(f"PipelineProblem.{name} must be callable, got "
                                 f"{getattr(self, name)!r}")
+        if self.kinds is not None and len(self.kinds.kinds) != self.cluster.num_devices:
+            raise ValueError(f"PipelineProblem.kinds has {len(self.kinds.kinds)} positions; "
+                             f"the cluster has {self.cluster.num_devices} devices")
         if self.table is not None and not callable(self.table):
             raise TypeError(f"PipelineProblem.table must be callable or None, got "
                             f"{self.table!r}")
@@ -232,6 +280,11 @@ class StagePlacement:
         return self.submesh[0] * self.submesh[1]
 
     @property
+    def kind(self) -> int | None:
+        """The device kind of a typed submesh (`DeviceKinds`), else None."""
+        return self.submesh[2] if len(self.submesh) > 2 else None
+
+    @property
     def label(self) -> Hashable:
         return self.option.label
 
@@ -255,12 +308,16 @@ class PipelineSolution:
     stages: tuple[StagePlacement, ...]
     stats: DpStats
     chunks: int = 1   # interleaved 1F1B: virtual stages per mesh, stage k on mesh k % S
+    # Typed stages (`DeviceKinds`): the host ids in the order the DP laid its positions on,
+    # stage after stage; () when the stages are placed by shape alone.
+    hosts: tuple[int, ...] = ()
 
 
 def make_solution(stages: tuple[StagePlacement, ...], num_microbatches: int,
-                  stats: DpStats, chunks: int = 1) -> PipelineSolution:
+                  stats: DpStats, chunks: int = 1, hosts: tuple[int, ...] = ()
+                  ) -> PipelineSolution:
     """A `PipelineSolution` whose T and t_max are computed from ``stages`` by eq. 2 (its
     interleaved form with ``chunks`` > 1, `pipeline_latency`)."""
     latencies = tuple(stage.option.latency for stage in stages)
     return PipelineSolution(pipeline_latency(latencies, num_microbatches, chunks),
-                            max(latencies), stages, stats, chunks)
+                            max(latencies), stages, stats, chunks, hosts)

@@ -14,9 +14,13 @@ for memory), the sweep computes for ``k = L-1 .. 0`` (eq. 3, with its threshold 
 ``c``: entries above ``t_max`` are set to infinity by the caller)::
 
     F(0, L, 0) = 0
-    F(r, k, d) = min_{i > k, m} c_r(k, i, m) (+) P_r(i, d - n_m)
+    F(r, k, d) = min_{i > k, m} c_r(k, i, m) (+) P_r(i, d - n_m)   [+ mask(m, d)]
     P_r = F(r - 1)                       for r < R
     P_R = min(F(R - 1), F(R))            (one more stage, still in bucket R, or exactly R - 1)
+
+On a cluster of mixed devices (`DeviceKinds`) the submeshes are typed, one per kind, and
+``mask(m, d)`` (0 or inf) lets a stage of shape ``m`` start with ``d`` devices left only where
+those positions are of its kind.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class StageTables:
     flat: dict[str, np.ndarray]
     latency: np.ndarray
     choice: np.ndarray
+    mask: np.ndarray | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -143,6 +148,8 @@ def _best_fitting(flat: dict[str, np.ndarray], order: np.ndarray, count: int,
 def build_tables(problem: PipelineProblem) -> StageTables:
     """Profile every triple once and build the per-bucket tables (see module docstring)."""
     shapes = submesh_shapes(problem.cluster)
+    if problem.kinds is not None:
+        shapes = problem.kinds.shapes(shapes)
     counts = resolve_in_flight_counts(problem)
     shape = (problem.num_layers, problem.num_layers + 1, len(shapes))
     options: Mapping[tuple[int, int, int], tuple[StageOption, ...]]
@@ -159,10 +166,11 @@ def build_tables(problem: PipelineProblem) -> StageTables:
                 for c in set(counts[1:])}
     rows = _bucket_rows([by_count[c] for c in counts[1:]])
     return StageTables(
-        shapes=shapes, sizes=np.array([h * d for h, d in shapes], dtype=np.int64),
+        shapes=shapes, sizes=np.array([s[0] * s[1] for s in shapes], dtype=np.int64),
         counts=counts, options=options, flat=flat,
         latency=np.stack([latency for latency, _ in rows]),
-        choice=np.stack([choice for _, choice in rows]))
+        choice=np.stack([choice for _, choice in rows]),
+        mask=None if problem.kinds is None else problem.kinds.mask(shapes))
 
 
 def _bucket_rows(rows: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
@@ -190,8 +198,10 @@ def memory_need(tables: StageTables) -> np.ndarray:
 
 
 def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
-          combine: np.ufunc = np.add) -> tuple[np.ndarray, np.ndarray]:
-    """One backward pass of the recurrence over buckets, layers and device counts.
+          combine: np.ufunc = np.add, mask: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """One backward pass of the recurrence over buckets, layers and device counts (``mask``:
+    the typed submeshes' positions, module docstring).
 
     ``cost``: ``(R, L, L + 1, num_shapes)``, inf where a stage is not allowed. Returns ``F`` of
     shape ``(R + 1, L + 1, D + 1)`` and ``P`` of shape ``(R, L + 1, pad + D + 1)`` (``P_r`` padded
@@ -209,7 +219,7 @@ def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
     for k in range(num_layers - 1, -1, -1):
         live = min(num_buckets, num_layers - k)  # r stages need r layers: higher buckets stay inf
         best = _best_next_stage(cost[:live, k, k + 1:], p[:live, k + 1:], sizes, pad, combine,
-                                allowed[k, k + 1:] & reachable[k + 1:, None])
+                                allowed[k, k + 1:] & reachable[k + 1:, None], mask)
         if best is not None:
             f[1:live + 1, k] = best
             _fill_successor(f, p, k, pad)
@@ -218,7 +228,8 @@ def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
 
 
 def _best_next_stage(cost: np.ndarray, successor: np.ndarray, sizes: np.ndarray, pad: int,
-                     combine: np.ufunc, allowed: np.ndarray) -> np.ndarray | None:
+                     combine: np.ufunc, allowed: np.ndarray, mask: np.ndarray | None = None
+                     ) -> np.ndarray | None:
     """``min_{i, m} cost[r, i, m] (+) successor[r, i, pad + d - n_m]`` for every ``(r, d)``.
 
     One slice per submesh over the span of allowed ``i`` (entries outside ``allowed`` are inf in
@@ -234,6 +245,8 @@ def _best_next_stage(cost: np.ndarray, successor: np.ndarray, sizes: np.ndarray,
             continue
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         block = successor[:, lo:hi, pad - n_m:pad - n_m + width]
+        if mask is not None:
+            block = block + mask[m]
         vals = combine(cost[:, lo:hi, m, None], block).min(axis=1)
         result = vals if result is None else np.minimum(result, vals, out=result)
     return result
@@ -247,7 +260,8 @@ def _fill_successor(f: np.ndarray, p: np.ndarray, k: int, pad: int) -> None:
 
 
 def backtrack(cost: np.ndarray, f: np.ndarray, p: np.ndarray, sizes: np.ndarray,
-              combine: np.ufunc = np.add) -> list[tuple[int, int, int, int]] | None:
+              combine: np.ufunc = np.add, mask: np.ndarray | None = None
+              ) -> list[tuple[int, int, int, int]] | None:
     """The stages ``(start, end, shape index, bucket)`` of an optimal ``F`` path, or None.
 
     Recomputes each step's candidates with the same float operations as `sweep`, so the argmin
@@ -261,7 +275,10 @@ def backtrack(cost: np.ndarray, f: np.ndarray, p: np.ndarray, sizes: np.ndarray,
     stages, k, d = [], 0, num_devices
     while r > 0:
         ends = np.arange(k + 1, num_layers + 1)
-        vals = combine(cost[r - 1, k, k + 1:, :], p[r - 1][ends[:, None], pad + d - sizes[None, :]])
+        succ = p[r - 1][ends[:, None], pad + d - sizes[None, :]]
+        if mask is not None:
+            succ = succ + mask[:, d][None, :]
+        vals = combine(cost[r - 1, k, k + 1:, :], succ)
         i_off, m = np.unravel_index(int(np.argmin(vals)), vals.shape)
         i, m = k + 1 + int(i_off), int(m)
         stages.append((k, i, m, r))

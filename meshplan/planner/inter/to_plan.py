@@ -16,6 +16,7 @@ from meshplan.cost.mesh import logical_mesh
 from meshplan.lower.pipeline_program import pipeline_program
 from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
+from meshplan.planner.inter.device_kinds import stage_hosts
 from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_costs import StageProfiler
 from meshplan.planner.inter.stage_problem import PipelineSolution, pipeline_latency
@@ -44,8 +45,13 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
     cl, sol, prof = req.cluster, found.solution, found.profiler
     # Under interleaving stage k runs on mesh k % S: place the S meshes, repeat them.
     meshes = len(sol.stages) // sol.chunks
-    placed = place_submeshes([s.submesh for s in sol.stages[:meshes]], cl.num_hosts,
-                             cl.devices_per_host)
+    if sol.hosts:   # typed stages: on the hosts the DP laid them on, in order
+        per = cl.devices_per_host
+        placed = [tuple(h * per + j for h in hosts for j in range(per)) for hosts in
+                  stage_hosts(sol.hosts, [s.submesh[0] for s in sol.stages[:meshes]])]
+    else:
+        placed = place_submeshes([s.submesh[:2] for s in sol.stages[:meshes]], cl.num_hosts,
+                                 cl.devices_per_host)
     devices = [placed[k % meshes] for k in range(len(sol.stages))]
     stages = []
     solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
@@ -53,13 +59,13 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
     for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
         label = s.option.label
         form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
-        sub = cl.submesh(f"{cl.name}[stage {i}]", *s.submesh)
+        sub = prof.stage_cluster(f"{cl.name}[stage {i}]", s.submesh)
         plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
                           name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
                           method=req.method, optimizer=req.optimizer, options=req.options,
                           budget=req.budget, search_time_s=0.0, dtype=req.dtype,
                           unsupported_ops=found.unsupported)
-        stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh, label.logical_shape,
+        stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh[:2], label.logical_shape,
                                 label.recompute, s.in_flight, solved.latency,
                                 solved.memory_bytes, plan))
     # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
