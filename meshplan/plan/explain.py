@@ -106,14 +106,29 @@ def stages_table(plan: Plan) -> list[str]:
     micro-batches in flight, latency per micro-batch, peak memory."""
     layers = f"{plan.num_layers} layer{'s' if plan.num_layers != 1 else ''}"
     out = [f"stages ({layers}; per micro-batch latency, peak memory per device):"]
+    mixed = isinstance(plan.cluster.get("hosts"), list) and plan.num_stages > 1
     for s in plan.stages:
-        devs = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else f"{s.devices[0]}"
+        devs = _ranges(s.devices)
+        if mixed and s.plan is not None:   # typed stages: the device each is priced on
+            device = s.plan.cluster.get("device")
+            devs += f" [{device['name'] if isinstance(device, dict) else device}]"
         out.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) on devices "
                    f"{devs} (submesh {s.submesh[0]}x{s.submesh[1]}, mesh "
                    f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', recomputed' if s.recompute else ''}"
                    f", {s.in_flight} in flight, {s.latency_s * 1e3:,.3f} ms, "
                    f"{format_bytes(s.memory_bytes)}")
     return out
+
+
+def _ranges(devices: tuple[int, ...]) -> str:
+    """Device ids as runs: "0-3,8-11"."""
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def explain(plan: Plan, *, all_ops: bool = False) -> str:
