@@ -332,13 +332,15 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
     shape = ClusterShape(1, cl.num_hosts) if by_hosts else \
         ClusterShape(cl.num_hosts, cl.devices_per_host)
-    real = (lambda sub: (sub[1], cl.devices_per_host, *sub[2:])) if by_hosts else \
-        (lambda sub: sub)
+    def real(sub: Submesh) -> Submesh:
+        # A stage spanning kinds is priced as the slowest device: the untyped submesh's price.
+        typed = sub[2:] if len(sub) > 2 and sub[2] < len(kinds) else ()
+        return (sub[1], cl.devices_per_host, *typed) if by_hosts else (*sub[:2], *typed)
     layouts = kind_layouts(types, kinds) if kinds else [((), None)]
     dp_shapes = submesh_shapes(shape)
     if kinds:
         dp_shapes = dp_shapes + layouts[0][1].shapes(dp_shapes)
-    profiler.prefetch(tuple(real(sub) for sub in dp_shapes))
+    profiler.prefetch(tuple(dict.fromkeys(real(sub) for sub in dp_shapes)))
     whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
     # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
     # method: by parts their long stages may look slower than they solve.
