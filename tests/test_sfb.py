@@ -11,16 +11,18 @@ import torch
 from torch import nn
 
 import meshplan
+from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import mixed_cluster
 from meshplan.cost.devices import DeviceType, Link
 from meshplan.planner.hetero.astar import synthesize
 from meshplan.planner.intra.ilp import solve
 from meshplan.planner.intra.sfb import sfb_uses
+from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.spec import build_workload
-from hetero_cases import MODELS, four_speeds
-from oracle import GPT, shared_capture
+from hetero_cases import MODELS, RATIOS, four_speeds
+from oracle import GPT, assert_matches, batches, reference, shared_capture, train_rank
 
 SGD = OptimizerSpec("sgd", lr=0.05)
 
@@ -136,3 +138,21 @@ def test_requests_sfb_cannot_honour_are_refused() -> None:
         meshplan.plan(*args, four_speeds(), method="dp-even", sfb="auto")
     with pytest.raises(ValueError, match="single-stage plans"):
         meshplan.plan(*args, "local:4", sfb="force")
+
+
+def test_sfb_with_micro_batches_and_adamw_trains_like_one_device() -> None:
+    # The factors are gathered and the gradient accumulated once per micro-batch; AdamW steps
+    # the whole gradient every rank computed alike.
+    adamw = OptimizerSpec("adamw", lr=0.01)
+    spec = MODELS["bert"]
+    meta = build_workload(spec, device="meta")
+    plan = meshplan.plan(meta.model, meta.loss_fn, adamw, meta.example_batch, four_speeds(),
+                         method="hetero", axis_weights=RATIOS, memory_budget_gb=0, sfb="force",
+                         microbatches=2, name=spec)
+    assert plan.microbatches == 2 and sum(p.update == "sfb" for p in plan.params) == 12
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    captured = capture(w.model, w.loss_fn, split_microbatches(w.example_batch, 2)[0])
+    ref = reference(w, adamw, data, microbatches=2)
+    for result in run_emulated(train_rank, plan.mesh_shape, plan, w, data, captured):
+        assert_matches(result, ref, plan, adamw)
