@@ -1,0 +1,124 @@
+"""``meshplan.parallelize``: the user's own loop (forward, ``loss.backward()``, their optimizer's
+``step()`` and ``zero_grad()``, an LR scheduler) runs a plan and trains exactly like one device,
+with the optimizer's parameter groups (decay / no decay) kept."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.capture.batch import split_microbatches
+from meshplan.capture.to_ir import capture
+from meshplan.runtime.emulated import run_emulated
+from meshplan.zoo.spec import build_workload
+from hetero_cases import RATIOS, four_speeds
+from meshplan.runtime.optim import OptimizerSpec
+from oracle import assert_matches, batches
+
+MLP = "mlp:layers=3,hidden=16,batch=8,bias=1"
+BERT = "bert:hidden=32,layers=2,heads=4,seq=16,vocab=64,batch=8"
+ADAMW = OptimizerSpec("adamw")   # the oracle's Adam comparison (norm-wise, sum-order noise)
+
+
+def _optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW with Hugging Face's split: no weight decay on biases and norms; a step schedule."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _reference(spec: str, data: list) -> tuple[list[float], dict]:
+    w = build_workload(spec, device="cpu", seed=0)
+    model = copy.deepcopy(w.model)
+    opt, sched = _optimizer(model)
+    losses = []
+    for i, ((x,), t) in enumerate(data):
+        torch.manual_seed(i)
+        loss = w.loss_fn(model(x), t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _user_loop(comm, plan: meshplan.Plan, w, data: list, captured) -> tuple:
+    # One workload for every rank: building it seeds the global RNG, which threads share.
+    model = copy.deepcopy(w.model)
+    opt, sched = _optimizer(model)        # made before parallelize, as users do
+    model, opt = meshplan.parallelize(model, opt, plan, w.loss_fn, comm=comm,
+                                      captured=captured)
+    losses = []
+    for batch in data:
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses, model.full_state_dict(), [g["lr"] for g in opt.param_groups]
+
+
+def _capture(w, plan: meshplan.Plan):
+    return capture(w.model, w.loss_fn, split_microbatches(w.example_batch,
+                                                          plan.microbatches)[0])
+
+
+def _plan(spec: str, cluster, **kw) -> meshplan.Plan:
+    w = build_workload(spec, device="meta")
+    return meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, cluster,
+                         memory_budget_gb=0, dtype="fp32", name=spec, **kw)
+
+
+CASES = {
+    "data": (MLP, dict(mesh_shape=(1, 4), method="data")),
+    "zero2": (MLP, dict(mesh_shape=(1, 4), method="zero2")),
+    "zero3": (BERT, dict(mesh_shape=(2, 2), method="zero3")),
+    "megatron": (BERT, dict(mesh_shape=(1, 2), method="megatron")),
+    "auto-2x2": (BERT, dict(mesh_shape=(2, 2), method="intra-only", microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_users_loop_trains_like_one_device(case: str) -> None:
+    spec, kw = CASES[case]
+    shape = kw["mesh_shape"]
+    plan = _plan(spec, f"local:{shape[0] * shape[1]}", **kw)
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    ref_losses, ref_params = _reference(spec, data)
+    for losses, params, lrs in run_emulated(_user_loop, plan.mesh_shape, plan, w, data,
+                                            _capture(w, plan)):
+        assert lrs == pytest.approx([0.01 * 0.5 ** 3] * 2)   # the scheduler drove the groups
+        assert_matches((losses, params, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def test_uneven_shares_on_a_mixed_cluster() -> None:
+    plan = _plan(MLP, four_speeds(), method="hetero", axis_weights=RATIOS)
+    w = build_workload(MLP, device="cpu", seed=0)
+    data = batches(w, 3)
+    ref_losses, ref_params = _reference(MLP, data)
+    for losses, params, _ in run_emulated(_user_loop, plan.mesh_shape, plan, w, data,
+                                          _capture(w, plan)):
+        assert_matches((losses, params, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def test_what_parallelize_refuses() -> None:
+    w = build_workload(MLP, device="cpu", seed=0)
+    plan = _plan(MLP, "local:4", mesh_shape=(1, 4), method="data")
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of this model"):
+        meshplan.parallelize(w.model, other, plan, w.loss_fn, comm=object())
+    with pytest.raises(RuntimeError, match="torch.distributed world"):
+        meshplan.parallelize(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), plan,
+                             w.loss_fn)
+    pipeline = _plan("mlp:layers=4,hidden=16,batch=8", "local:2", method="megatron:dp=1,tp=1,pp=2")
+    with pytest.raises(ValueError, match="PipelineTrainer"):
+        meshplan.parallelize(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), pipeline,
+                             w.loss_fn)
