@@ -25,6 +25,7 @@ from meshplan.runtime.launcher import launch
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
 from meshplan.runtime.p2p import ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.runtime.pool import WorkerPool
 from meshplan.zoo.spec import build_workload
 
 # Six layers: enough compute per stage that a stage per host beats keeping to one host (with 4
@@ -79,12 +80,18 @@ def single_device(spec: str, data: list, microbatches: int) -> list[float]:
     return losses
 
 
-def run(nproc: int, steps: int = STEPS) -> tuple[api.Plan, list[float], list[float]]:
+def run(nproc: int, steps: int = STEPS, pool: WorkerPool | None = None
+        ) -> tuple[api.Plan, list[float], list[float]]:
     """Plan, train ``steps`` steps on ``nproc`` processes and on one device: (plan, losses,
-    reference losses)."""
+    reference losses). The processes are spawned for the run, or ``pool``'s ``nproc`` workers
+    (the tests' shared pool, which spares a spawn)."""
     plan = pipeline_plan(nproc)
     data = _data(steps)
-    losses = launch(_worker, nproc, (plan, SPEC, data), timeout_s=600)[0]
+    args = (plan, SPEC, data)
+    if pool is None:
+        losses = launch(_worker, nproc, args, timeout_s=600)[0]
+    else:
+        losses = pool.run(_worker, *args, timeout_s=600)[0]
     return plan, losses, single_device(SPEC, data, plan.microbatches)
 
 

@@ -9,8 +9,11 @@ from meshplan.demo_pipeline import run
 
 
 @pytest.mark.parametrize("nproc,steps", [(4, 2), (8, 1)])
-def test_auto_pipeline_trains_like_one_device(nproc: int, steps: int) -> None:
-    plan, losses, ref = run(nproc, steps)
+def test_auto_pipeline_trains_like_one_device(nproc: int, steps: int,
+                                              request: pytest.FixtureRequest) -> None:
+    # 4 processes: the session's pool (`conftest.py`); 8 are spawned, as the demo does.
+    pool = request.getfixturevalue("pool4") if nproc == 4 else None
+    plan, losses, ref = run(nproc, steps, pool)
     assert plan.num_stages >= 2 and plan.method == "auto"
     assert sorted(d for s in plan.stages for d in s.devices) == list(range(nproc))
     assert losses == pytest.approx(ref, rel=1e-5)

@@ -1,4 +1,4 @@
-"""Every plan family once over real gloo processes (one shared worker pool per size)."""
+"""Every plan family once over real gloo processes (the session's worker pools, `conftest.py`)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,6 @@ def _train(rank: int, nprocs: int, plan, spec: str, data) -> tuple:
     comm = ProcessGroupComm(plan.mesh_shape)
     assert comm.rank == rank and plan.num_devices == nprocs
     return train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data)
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with WorkerPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4) as pool:
-        yield pool
 
 
 def _check(pool: WorkerPool, spec: str, shape, method: str, opt, **kw) -> None:

@@ -169,12 +169,9 @@ def _train_gloo(rank: int, nprocs: int, plan: Plan, name: str) -> tuple:
     return train_rank(comm, plan, w, data(name))
 
 
-def test_hf_llama_over_gloo() -> None:
-    from meshplan.runtime.pool import WorkerPool
+def test_hf_llama_over_gloo(pool4) -> None:
     plan = make_plan("llama", "megatron", (2, 2), SGD)
-    with WorkerPool(4) as pool:
-        results = pool.run(_train_gloo, plan, "llama")
-    for result in results:
+    for result in pool4.run(_train_gloo, plan, "llama"):
         assert_matches(result, ref("llama", SGD), plan, SGD)
 
 

@@ -173,10 +173,9 @@ def _gloo_rank(rank: int, nprocs: int, plans, spec: str, data) -> list[tuple]:
     return out
 
 
-def test_real_gloo_processes() -> None:
+def test_real_gloo_processes(pool4) -> None:
     """Each schedule once on real processes: 4 gloo ranks, 2 stages of tensor parallelism (3
     chunks each when interleaved)."""
-    from meshplan.runtime.launcher import launch
     meta = build_workload(GPT, device="meta")
     plans = [api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, "local:4",
                       method="megatron:dp=1,tp=2,pp=2", dtype="fp32", memory_budget_gb=0,
@@ -187,7 +186,7 @@ def test_real_gloo_processes() -> None:
                           memory_budget_gb=0, microbatches=4, schedule="interleaved", name=GPT))
     w = build_workload(GPT, device="cpu", seed=0)
     data = batches(w, 3)
-    per_rank = launch(_gloo_rank, 4, (plans, GPT, data), timeout_s=300)
+    per_rank = pool4.run(_gloo_rank, plans, GPT, data, timeout_s=300)
     ref = reference(w, SGD, data, microbatches=4)
     for k, plan in enumerate(plans):
         params: dict = {}

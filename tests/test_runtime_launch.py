@@ -1,13 +1,13 @@
 """Real gloo process groups: ProcessGroupComm against the emulation, launcher and pool failures.
 
-Spawning a rank costs a torch import, so every test of a size shares one module-scoped pool.
+Spawning a rank costs a torch import, so every test of a size shares the session's pool
+(`conftest.py`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,18 +22,6 @@ from meshplan.runtime.pool import WorkerPool
 from uneven_impls import COPY_KEYS, SUM_KEYS, gloo_impl_program, oracle
 
 AXES = [(0,), (1,), (0, 1)]
-
-
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[WorkerPool]:
-    with WorkerPool(2, timeout_s=120) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[WorkerPool]:
-    with WorkerPool(4, timeout_s=120) as pool:
-        yield pool
 
 
 def rand(shape: tuple[int, ...], seed: int) -> torch.Tensor:

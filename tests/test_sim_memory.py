@@ -30,7 +30,6 @@ import tempfile
 import pytest
 
 from meshplan.runtime.comm import ProcessGroupComm
-from meshplan.runtime.pool import WorkerPool
 from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
 from oracle import ADAMW, batches, make_plan
@@ -105,12 +104,6 @@ def test_held_peak_counts_unseen_frees_as_brief() -> None:
               (6, 4, -60)]
     assert held_peak(events) == 180   # a + b + c at t=2
     assert held_peak(events[:2] + events[3:]) == 160   # without c: a + d
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with WorkerPool(2) as pool:
-        yield pool
 
 
 @pytest.mark.parametrize("spec,method,opt", [
