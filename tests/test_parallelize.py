@@ -12,7 +12,7 @@ import torch
 import meshplan
 from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
-from meshplan.runtime.emulated import run_emulated
+from meshplan.runtime.emulated import run_emulated, run_emulated_stages
 from meshplan.zoo.spec import build_workload
 from hetero_cases import RATIOS, four_speeds
 from meshplan.runtime.optim import OptimizerSpec
@@ -48,11 +48,11 @@ def _reference(spec: str, data: list) -> tuple[list[float], dict]:
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _user_loop(comm, plan: meshplan.Plan, w, data: list, captured) -> tuple:
+def _user_loop(comm, plan: meshplan.Plan, w, data: list, captured, p2p=None) -> tuple:
     # One workload for every rank: building it seeds the global RNG, which threads share.
     model = copy.deepcopy(w.model)
     opt, sched = _optimizer(model)        # made before parallelize, as users do
-    model, opt = meshplan.parallelize(model, opt, plan, w.loss_fn, comm=comm,
+    model, opt = meshplan.parallelize(model, opt, plan, w.loss_fn, comm=comm, p2p=p2p,
                                       captured=captured)
     losses = []
     for batch in data:
@@ -118,7 +118,26 @@ def test_what_parallelize_refuses() -> None:
     with pytest.raises(RuntimeError, match="torch.distributed world"):
         meshplan.parallelize(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), plan,
                              w.loss_fn)
-    pipeline = _plan("mlp:layers=4,hidden=16,batch=8", "local:2", method="megatron:dp=1,tp=1,pp=2")
-    with pytest.raises(ValueError, match="PipelineTrainer"):
-        meshplan.parallelize(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), pipeline,
-                             w.loss_fn)
+
+
+def _pipeline_loop(comm, p2p, plan: meshplan.Plan, w, data: list, captured) -> tuple:
+    return _user_loop(comm, plan, w, data, captured, p2p)
+
+
+def test_a_pipeline_in_the_users_loop_trains_like_one_device() -> None:
+    # Interleaved: each rank runs two stages, its optimizer steps both; GPT's embedding is
+    # tied to its LM head, so two stages hold it and sum its gradient.
+    spec = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8"
+    plan = _plan(spec, "local:2", method="megatron:dp=1,tp=1,pp=2,virtual=2", microbatches=4)
+    assert plan.num_stages >= 2
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    ref_losses, ref_params = _reference(spec, data)
+    params: dict = {}
+    results = run_emulated_stages(_pipeline_loop, plan.stage_meshes(), plan, w, data,
+                                  _capture(w, plan))
+    for losses, state, lrs in results:
+        assert losses == pytest.approx(results[0][0], rel=1e-12)   # every rank reports it
+        assert lrs == pytest.approx([0.01 * 0.5 ** 3] * 2)
+        params.update(state)
+    assert_matches((results[0][0], params, []), (ref_losses, ref_params), plan, ADAMW)

@@ -19,7 +19,10 @@ reduce-scatters having run in backward) and clips them if the plan's optimizer s
 hook refreshes ZeRO-2's compute copies. A plan of several micro-batches runs the first ones'
 forward and backward inside the call (accumulating their gradients, one micro-batch's
 activations held at a time, as planned) and leaves the last one's backward to
-``loss.backward()``.
+``loss.backward()``. A pipeline's call runs its whole schedule (forwards and backwards
+interleaved, as 1F1B must), so ``loss.backward()`` has nothing left to do; ``optimizer.step()``
+then synchronizes every stage's gradients (shared parameters summed across stages, the norm
+taken over all) and steps each of this rank's stages.
 """
 
 from __future__ import annotations
@@ -32,32 +35,55 @@ from torch import nn
 from meshplan.capture.batch import split_microbatches
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
+from meshplan.runtime.p2p import P2P, ProcessGroupP2P
+from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.runtime.trainer import Trainer
 
 
 class ParallelModel(nn.Module):
-    """``model(batch) -> loss`` on this rank under the plan (module docstring). The trainer is
+    """``model(batch) -> loss`` on this rank under the plan (module docstring). Its trainer is
     built at the first call, from that batch's shapes (the plan's)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
-                 loss_fn: Callable | None, comm: Comm, captured: Any = None) -> None:
+                 loss_fn: Callable | None, comm: Comm, p2p: P2P | None = None,
+                 captured: Any = None) -> None:
         super().__init__()
         self._model, self._optimizer, self._plan = [model], optimizer, plan
-        self._loss_fn, self._comm, self._captured = loss_fn, comm, captured
+        self._loss_fn, self._comm, self._p2p, self._captured = loss_fn, comm, p2p, captured
         self._trainer: Trainer | None = None
+        self._pipeline: PipelineTrainer | None = None
+        # A pipeline's step runs its backward in the schedule: the loss returned hangs on
+        # this leaf only, so the caller's loss.backward() has nothing left to do.
+        self._anchor = torch.zeros((), requires_grad=True)
 
-    @property
-    def trainer(self) -> Trainer:
-        if self._trainer is None:
-            raise RuntimeError("the parallel model has not run yet: call it on a batch first")
-        return self._trainer
+    def _start(self, batch: Any) -> None:
+        model, plan = self._model[0], self._plan
+        if plan.num_stages > 1:
+            assert self._p2p is not None
+            self._pipeline = PipelineTrainer(plan, model, self._loss_fn, batch, self._comm,
+                                             self._p2p, captured=self._captured)
+            trainers = list(self._pipeline.trainers.values())
+            prepare = self._pipeline.prepare_gradients
+        else:
+            tr = Trainer(plan, model, self._loss_fn, batch, self._comm,
+                         captured=self._captured)
+            self._trainer, trainers = tr, [tr]
+
+            def prepare() -> None:
+                tr.synchronize_gradients()
+                total = tr.squared_norm()
+                if total is not None:
+                    tr.clip(total)
+        _repoint(self._optimizer, model, trainers, prepare)
 
     def forward(self, batch: Any) -> torch.Tensor:
-        if self._trainer is None:
-            self._trainer = Trainer(self._plan, self._model[0], self._loss_fn, batch,
-                                    self._comm, captured=self._captured)
-            _repoint(self._optimizer, self._model[0], self._trainer)
+        if self._trainer is None and self._pipeline is None:
+            self._start(batch)
+        if self._pipeline is not None:
+            value = self._pipeline.step(batch, apply=False)
+            return self._anchor * 0.0 + value
         tr = self._trainer
+        assert tr is not None
         rng = tr.begin_step()
         micro = split_microbatches(batch, self._plan.microbatches)
         done = []
@@ -75,57 +101,65 @@ class ParallelModel(nn.Module):
         return last + (whole - last.detach())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, by its name in the original model (every rank)."""
-        return self.trainer.full_state_dict()
+        """The parameters this rank holds (a pipeline: its stages'), each whole, by its name
+        in the original model."""
+        engine = self._pipeline or self._trainer
+        if engine is None:
+            raise RuntimeError("the parallel model has not run yet: call it on a batch first")
+        return engine.full_state_dict()
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                 loss_fn: Callable | None = None, *, comm: Comm | None = None,
-                captured: Any = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
+                p2p: P2P | None = None, captured: Any = None
+                ) -> tuple[ParallelModel, torch.optim.Optimizer]:
     """The model and optimizer of this rank under ``plan`` (module docstring). ``loss_fn`` is
-    the plan's (None: the model returns its own loss); ``comm`` defaults to the initialized
-    torch.distributed world (``meshplan run``, ``torchrun``); ``captured``: a capture of the
-    model at one micro-batch to reuse (ranks emulated as threads share one: tracing is not
-    thread-safe). Raises ValueError for a
-    pipeline plan (not yet: use `meshplan.runtime.pipeline.PipelineTrainer`) and RuntimeError
-    when no world is initialized and no ``comm`` is given."""
-    if plan.num_stages > 1:
-        raise ValueError(f"parallelize runs single-stage plans; this plan has "
-                         f"{plan.num_stages} pipeline stages: run it with "
-                         "meshplan.runtime.pipeline.PipelineTrainer, one per rank")
+    the plan's (None: the model returns its own loss). ``comm`` (this rank's stage mesh's
+    communicator) and, for a pipeline, ``p2p`` default to the initialized torch.distributed
+    world (``meshplan run``, ``torchrun``); ``captured``: a capture of the model at one
+    micro-batch to reuse (ranks emulated as threads share one: tracing is not thread-safe).
+    Raises TypeError for an optimizer that is not a torch optimizer, ValueError for one over
+    other tensors, RuntimeError when no world is initialized and no ``comm`` is given."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, got {type(optimizer).__name__}")
-    if comm is None:
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            raise RuntimeError("parallelize needs a torch.distributed world (launch with "
-                               "`meshplan run` or `torchrun`) or an explicit comm=")
-        comm = ProcessGroupComm(plan.mesh_shape)
     owned = {id(p) for p in model.parameters()}
     stray = [i for i, g in enumerate(optimizer.param_groups)
              if any(id(p) not in owned for p in g["params"])]
     if stray:
         raise ValueError(f"optimizer parameter group(s) {stray} hold tensors that are not "
                          "parameters of this model; give the optimizer of this model")
-    return ParallelModel(model, optimizer, plan, loss_fn, comm, captured), optimizer
+    if comm is None or (plan.num_stages > 1 and p2p is None):
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            raise RuntimeError("parallelize needs a torch.distributed world (launch with "
+                               "`meshplan run` or `torchrun`) or an explicit comm= (and p2p= "
+                               "for a pipeline)")
+        if comm is None:
+            comm = ProcessGroupComm.for_stages(plan.stage_meshes()) if plan.num_stages > 1 \
+                else ProcessGroupComm(plan.mesh_shape)
+        p2p = p2p or (ProcessGroupP2P() if plan.num_stages > 1 else None)
+    return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured), optimizer
 
 
-def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainer: Trainer) -> None:
-    """The user's optimizer, stepping this rank's update tensors: each group keeps its
-    hyper-parameters; the hooks synchronize before and refresh after every step."""
+def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[Trainer],
+             prepare: Callable[[], None]) -> None:
+    """The user's optimizer, stepping this rank's update tensors (of every stage it runs): each
+    group keeps its hyper-parameters; ``prepare`` runs before every step (synchronize, clip),
+    ZeRO-2's compute copies are refreshed after."""
     names = {id(p): n for n, p in model.named_parameters()}
-    local = {p.name: p.update for p in trainer.params}
+    local: dict[str, list[torch.Tensor]] = {}
+    for t in trainers:
+        for p in t.params:
+            local.setdefault(p.name, []).append(p.update)
     for group in optimizer.param_groups:
-        group["params"] = [local[names[id(p)]] for p in group["params"]
-                           if names[id(p)] in local]
+        group["params"] = [u for p in group["params"] for u in local.get(names[id(p)], ())]
     optimizer.state.clear()
-    trainer.optimizer = optimizer
+    for t in trainers:
+        t.optimizer = optimizer
 
-    def before(*_: Any) -> None:
-        trainer.synchronize_gradients()
-        total = trainer.squared_norm()
-        if total is not None:
-            trainer.clip(total)
+    def after(*_: Any) -> None:
+        for t in trainers:
+            t._refresh_zero2()
 
-    optimizer.register_step_pre_hook(before)
-    optimizer.register_step_post_hook(lambda *_: trainer._refresh_zero2())
+    optimizer.register_step_pre_hook(lambda *_: prepare())
+    optimizer.register_step_post_hook(after)

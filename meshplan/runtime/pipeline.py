@@ -89,8 +89,10 @@ class PipelineTrainer:
         self.peak_held = 0
 
     # ---------------------------------------------------------------- one step
-    def step(self, batch: Any, *, seed: int | None = None) -> float:
-        """One training step on the global ``batch`` (as `Trainer.step`); returns the loss."""
+    def step(self, batch: Any, *, seed: int | None = None, apply: bool = True) -> float:
+        """One training step on the global ``batch`` (as `Trainer.step`); returns the loss.
+        ``apply`` False leaves APPLY_GRAD to the caller (`prepare_gradients`, then the
+        optimizer of every stage, then `after_update`: `meshplan.parallelize`)."""
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)
@@ -143,7 +145,7 @@ class PipelineTrainer:
             elif ins.op == "FREE":
                 kept.pop(key), inbox.pop(key, None), grads.pop(key, None)
                 self.held -= 1
-            elif ins.op == "APPLY_GRAD" and ins.stage == self.stages[-1]:
+            elif ins.op == "APPLY_GRAD" and ins.stage == self.stages[-1] and apply:
                 self._apply_gradients()   # every stage of this rank at once
         self.p2p.wait_all()
         return self._report(total, count)
@@ -151,6 +153,13 @@ class PipelineTrainer:
     def _apply_gradients(self) -> None:
         """Every stage of this rank: gradients synchronized over the mesh, shared parameters'
         parts summed across stages, clipped by the global norm over every stage, applied."""
+        self.prepare_gradients()
+        for t in self.trainers.values():
+            t.update()
+
+    def prepare_gradients(self) -> None:
+        """Every stage of this rank: gradients synchronized over the mesh, shared parameters'
+        parts summed across stages, clipped by the global norm over every stage."""
         for t in self.trainers.values():
             t.synchronize_gradients()
         self._sum_tied()
@@ -166,8 +175,6 @@ class PipelineTrainer:
             total = self._sum_over_meshes(mine)
             for t in self.trainers.values():
                 t.clip(total)
-        for t in self.trainers.values():
-            t.update()
 
     def _exchanges(self, src: int, dst: int, grad: bool = False
                    ) -> list[tuple[int, Exchange]]:
