@@ -19,7 +19,7 @@ from typing import Any, Callable, NoReturn
 from meshplan.api import check_method, plan
 from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.mesh import parse_mesh_shape
-from meshplan.errors import InfeasiblePlanError
+from meshplan.errors import InfeasiblePlanError, WorkerError
 from meshplan.plan.plan import Plan
 from meshplan.runtime.optim import OPTIMIZERS
 from meshplan.zoo import describe_zoo
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan_parser(subparsers)
     _add_show_program_parser(subparsers)
+    _add_run_parser(subparsers)
     _add_simulate_parser(subparsers)
     return parser
 
@@ -258,6 +259,33 @@ def _simulated(result: Plan, prefix: str, as_json: bool, document: dict | None) 
                                                                "gantt_png": files[1]}}
         return _emit(json.dumps(out, indent=1))
     return _emit(format_simulation(result, sim, files))
+
+
+def _add_run_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run", help="run a training script on N local processes (as torchrun would)",
+        description="Run SCRIPT on NPROC local processes joined by gloo, each with torchrun's "
+                    "environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so the same script runs "
+                    "under torchrun across machines; meshplan.parallelize joins that world. "
+                    "A failing process stops the others and the run.")
+    p.add_argument("script", metavar="SCRIPT", help="the training script (a Python file)")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="processes to start (default: 1)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments passed to SCRIPT")
+    p.set_defaults(run=_run_script)
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    from meshplan.runtime.run_script import run_script
+    try:
+        run_script(args.script, args.nproc, args.script_args)
+    except ValueError as err:
+        return _fail(str(err))
+    except WorkerError as err:
+        print(f"{PROG}: error: {err.message}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_show_program_parser(subparsers: Any) -> None:

@@ -37,6 +37,7 @@ from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.runtime.run_script import init_world
 from meshplan.runtime.trainer import Trainer
 
 
@@ -115,8 +116,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                 ) -> tuple[ParallelModel, torch.optim.Optimizer]:
     """The model and optimizer of this rank under ``plan`` (module docstring). ``loss_fn`` is
     the plan's (None: the model returns its own loss). ``comm`` (this rank's stage mesh's
-    communicator) and, for a pipeline, ``p2p`` default to the initialized torch.distributed
-    world (``meshplan run``, ``torchrun``); ``captured``: a capture of the model at one
+    communicator) and, for a pipeline, ``p2p`` default to the torch.distributed world
+    (joined from the environment ``meshplan run`` or ``torchrun`` sets, `init_world`); ``captured``: a capture of the model at one
     micro-batch to reuse (ranks emulated as threads share one: tracing is not thread-safe).
     Raises TypeError for an optimizer that is not a torch optimizer, ValueError for one over
     other tensors, RuntimeError when no world is initialized and no ``comm`` is given."""
@@ -130,7 +131,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
         raise ValueError(f"optimizer parameter group(s) {stray} hold tensors that are not "
                          "parameters of this model; give the optimizer of this model")
     if comm is None or (plan.num_stages > 1 and p2p is None):
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if not init_world():
             raise RuntimeError("parallelize needs a torch.distributed world (launch with "
                                "`meshplan run` or `torchrun`) or an explicit comm= (and p2p= "
                                "for a pipeline)")

@@ -1,0 +1,99 @@
+"""Launch where users run (issue 11, item 1): the same training script (examples/train.py, the
+user's own loop through ``meshplan.parallelize``) trains a 2-stage plan under ``meshplan run``
+and under ``torchrun`` with two "nodes" on loopback (c10d rendezvous), with the losses of one
+device; a failing process stops a ``meshplan run`` at once."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.zoo.spec import build_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "examples" / "train.py")
+SPEC = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                   os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    w = build_workload(SPEC, device="meta")
+    plan = meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, "local:2",
+                         method="megatron:dp=1,tp=1,pp=2", dtype="fp32", name=SPEC)
+    assert plan.num_stages == 2
+    path = str(tmp_path_factory.mktemp("launch") / "plan.json")
+    plan.save(path)
+    return path
+
+
+def _one_device(steps: int = 3) -> list[float]:
+    """examples/train.py's loop on one device."""
+    w = build_workload(SPEC, device="cpu", seed=0)
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        (x,), t = build_workload(SPEC, device="cpu", seed=1 + step).example_batch
+        torch.manual_seed(step)
+        loss = w.loss_fn(model(x), t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_meshplan_run_and_torchrun_train_like_one_device(plan_file: str, tmp_path: Path
+                                                          ) -> None:
+    # Both launches at once: the imports, not the training, take their time.
+    ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT,
+                               plan_file, str(ran)], env=ENV, cwd=tmp_path)]
+    procs += [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         f"127.0.0.1:{port}", "--rdzv-id", "meshplan-test", SCRIPT, plan_file, str(torchrun)],
+        env=ENV, cwd=tmp_path) for r in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    reference = _one_device()
+    for out in (ran, torchrun):
+        assert json.loads(out.read_text()) == pytest.approx(reference, rel=1e-5), out.name
+
+
+def test_a_failing_process_stops_the_run(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(120)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "3", str(script)],
+                          env=ENV, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1 and time.monotonic() - start < 60
+    assert "rank 1 exited with code 3" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_run_refuses_what_it_cannot_start(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "2",
+                           str(tmp_path / "missing.py")], env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("give the path of a Python file"), done.stderr
