@@ -270,9 +270,13 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
         # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
         typed = None
         if host_types(cl) is not None:
+            # At the uniform plan's micro-batch count when there is one: typed stages move
+            # the balance between stages, not the count's trade-off (bubble against per-batch
+            # cost), and each count prices every stage on each device type.
+            typed_counts = [uniform.microbatches] if uniform is not None else counts
             try:
                 typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
-                                       replace(opts, sfb="off"), budget, step, counts,
+                                       replace(opts, sfb="off"), budget, step, typed_counts,
                                        num_layers, name, recompute, "auto", schedule,
                                        microbatches, progress)
             except (InfeasiblePlanError, NoPipelineError):
