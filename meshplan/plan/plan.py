@@ -204,6 +204,9 @@ def _tuples(x: Any) -> Any:
 
 def plan_from_json(d: dict[str, Any]) -> Plan:
     """Rebuild a plan from its JSON document. Raises ValueError on another version or a bad file."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a plan is a JSON object (as 'meshplan plan -o' writes it), got a "
+                         f"{type(d).__name__}")
     if d.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"plan version {d.get('version')!r} is not supported; this meshplan "
                          f"reads versions {list(READABLE_VERSIONS)}")
@@ -236,6 +239,10 @@ def load_plan(path: str | Path) -> Plan:
     if not p.is_file():
         raise ValueError(f"plan file {str(p)!r} does not exist")
     try:
-        return plan_from_json(json.loads(p.read_text()))
+        doc = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"plan file {str(p)!r} is not valid JSON: {e}") from e
+    try:
+        return plan_from_json(doc)
+    except ValueError as e:
+        raise ValueError(f"plan file {str(p)!r}: {e}") from e

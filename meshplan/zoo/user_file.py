@@ -8,11 +8,13 @@ directory is not put on ``sys.path``: sibling imports must be importable already
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -96,6 +98,23 @@ def _check_result(result: object, where: str) -> Parts:
     return model, loss_fn, batch
 
 
+@contextlib.contextmanager
+def _user_code(path: Path, doing: str) -> Iterator[None]:
+    """Turn an exception of the user's code into one line: what raised, and where in ``path``."""
+    try:
+        yield
+    except Exception as e:   # the user's code: any exception
+        where = ""
+        if isinstance(e, SyntaxError) and e.lineno:
+            where = f" at line {e.lineno}"
+        else:
+            frames = [f for f in traceback.extract_tb(e.__traceback__)
+                      if Path(f.filename).resolve() == path.resolve()]
+            where = f" at line {frames[-1].lineno}" if frames else ""
+        raise ValueError(f"model file {str(path)!r}: {doing} raised {type(e).__name__}: "
+                         f"{e}{where}") from e
+
+
 def load_model_file(text: str, *, device: str, seed: int) -> Parts:
     """Import ``path/to/file.py:fn``, call ``fn()`` and return its checked ``(model, loss_fn, batch)``.
 
@@ -103,12 +122,14 @@ def load_model_file(text: str, *, device: str, seed: int) -> Parts:
     nothing) and with the global RNG seeded by ``seed`` inside ``fork_rng`` (the caller's RNG state
     is untouched). Tensors the function places on an explicit device stay there.
     Raises ValueError if the spec is malformed, the file is missing, it has no callable ``fn``, or
-    ``fn()`` returns the wrong structure. Exceptions raised by the user's code propagate unchanged.
+    ``fn()`` returns the wrong structure, and when the file or ``fn()`` raises: one line naming
+    the exception and where in the user's file it arose (the original chained as its cause).
     """
     path, fn_name = split_file_spec(text)
     if not path.is_file():
         raise ValueError(f"model file {str(path)!r} (from {text!r}) does not exist or is not a file")
-    module = _import_file(path)
+    with _user_code(path, "importing it"):
+        module = _import_file(path)
     fn = getattr(module, fn_name, None)
     if fn is None:
         defined = sorted(
@@ -120,6 +141,6 @@ def load_model_file(text: str, *, device: str, seed: int) -> Parts:
         raise ValueError(f"{fn_name!r} in model file {str(path)!r} is a {type(fn).__name__}, not a function")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device(device), _user_code(path, f"{fn_name}()"):
             result = fn()
     return _check_result(result, f"{str(path)}:{fn_name}()")
