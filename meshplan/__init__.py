@@ -9,10 +9,12 @@ same as one object), and ``launch`` starts local worker processes. The command l
 from meshplan.cost.cluster import Cluster, parse_cluster_spec
 from meshplan.errors import InfeasiblePlanError, WorkerError
 from meshplan.plan.plan import Plan, load_plan
+from meshplan.runtime.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from meshplan.runtime.launcher import launch
 from meshplan.runtime.parallel import parallelize
 from meshplan.runtime.trainer import Trainer
 from meshplan.api import plan  # last: the function, not the `meshplan.plan` subpackage
 
 __all__ = ["Cluster", "InfeasiblePlanError", "Plan", "Trainer", "WorkerError", "launch",
-           "load_plan", "parallelize", "parse_cluster_spec", "plan"]
+           "load_checkpoint", "load_model_state", "load_plan", "parallelize", "parse_cluster_spec",
+           "plan", "save_checkpoint"]

@@ -4,8 +4,6 @@ with the optimizer's parameter groups (decay / no decay) kept."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -17,51 +15,21 @@ from meshplan.zoo.spec import build_workload
 from hetero_cases import RATIOS, four_speeds
 from meshplan.runtime.optim import OptimizerSpec
 from oracle import assert_matches, batches
+from user_loop import one_device, parallel, train_steps
 
 MLP = "mlp:layers=3,hidden=16,batch=8,bias=1"
 BERT = "bert:hidden=32,layers=2,heads=4,seq=16,vocab=64,batch=8"
 ADAMW = OptimizerSpec("adamw")   # the oracle's Adam comparison (norm-wise, sum-order noise)
 
 
-def _optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, object]:
-    """AdamW with Hugging Face's split: no weight decay on biases and norms; a step schedule."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=0.01)
-    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-
 def _reference(spec: str, data: list) -> tuple[list[float], dict]:
-    w = build_workload(spec, device="cpu", seed=0)
-    model = copy.deepcopy(w.model)
-    opt, sched = _optimizer(model)
-    losses = []
-    for i, ((x,), t) in enumerate(data):
-        torch.manual_seed(i)
-        loss = w.loss_fn(model(x), t)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    return one_device(build_workload(spec, device="cpu", seed=0), data)
 
 
 def _user_loop(comm, plan: meshplan.Plan, w, data: list, captured, p2p=None) -> tuple:
     # One workload for every rank: building it seeds the global RNG, which threads share.
-    model = copy.deepcopy(w.model)
-    opt, sched = _optimizer(model)        # made before parallelize, as users do
-    model, opt = meshplan.parallelize(model, opt, plan, w.loss_fn, comm=comm, p2p=p2p,
-                                      captured=captured)
-    losses = []
-    for batch in data:
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(loss.item())
+    model, opt, sched = parallel(w, plan, comm=comm, p2p=p2p, captured=captured)
+    losses = train_steps(model, opt, sched, data)
     return losses, model.full_state_dict(), [g["lr"] for g in opt.param_groups]
 
 

@@ -56,6 +56,7 @@ class ParallelModel(nn.Module):
         # A pipeline's step runs its backward in the schedule: the loss returned hangs on
         # this leaf only, so the caller's loss.backward() has nothing left to do.
         self._anchor = torch.zeros((), requires_grad=True)
+        self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
 
     def _start(self, batch: Any) -> None:
         model, plan = self._model[0], self._plan
@@ -76,6 +77,10 @@ class ParallelModel(nn.Module):
                 if total is not None:
                     tr.clip(total)
         _repoint(self._optimizer, model, trainers, prepare)
+        if self._pending is not None:   # `load_checkpoint` before the first call
+            from meshplan.runtime.checkpoint import apply_checkpoint
+            apply_checkpoint(*self._pending[:1], self, self._pending[1])
+            self._pending = None
 
     def forward(self, batch: Any) -> torch.Tensor:
         if self._trainer is None and self._pipeline is None:
