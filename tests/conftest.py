@@ -1,4 +1,5 @@
-"""Fixtures every test module may use: gloo worker pools shared by the whole session.
+"""Session-wide settings and fixtures: one torch thread, and gloo worker pools shared by the
+whole session.
 
 Spawning a rank costs a torch import and closing a pool a second or two more (about 6 s for 4
 workers on 2 cores), which each module with real processes used to pay for its own pools. The
@@ -10,8 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from meshplan.runtime.pool import WorkerPool
+
+# The tests' models are tiny and emulated ranks are threads of this process: with two intra-op
+# threads per op, the ranks' OpenMP teams oversubscribe the 2 cores and spin waiting for each
+# other (the 12 Wide-ResNet checks of `test_equivalence_zoo.py` took 82 s instead of 11 on a
+# busy machine). The worker processes use one thread each for the same reason (`pool.py`).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
