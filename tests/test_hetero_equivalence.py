@@ -13,19 +13,12 @@ import pytest
 import meshplan
 from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec
-from meshplan.runtime.pool import WorkerPool
 from meshplan.zoo.spec import build_workload
 from hetero_cases import MODELS, RATIOS, four_speeds, planned, train_gloo, without_bytes
 from oracle import assert_matches, batches, reference, shared_capture, train_rank
 from random_plans import random_plan
 
 SGD = OptimizerSpec("sgd", lr=0.05)
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4) as pool:
-        yield pool
 
 
 def hetero_plan(spec: str, gather: str, ratios=RATIOS, sfb: str = "auto") -> meshplan.Plan:
