@@ -17,7 +17,12 @@ demo: $(STAMP)
 demo-pipeline: $(STAMP)
 	$(BIN)/python -m meshplan.demo_pipeline --nproc 4
 
-test: $(STAMP)
+# The plan report's tests render it in headless Chromium (Debian's package; CI runs as root).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
+
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest tests
 
 coverage: $(STAMP)

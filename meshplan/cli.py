@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers)
     _add_show_program_parser(subparsers)
     _add_run_parser(subparsers)
+    _add_report_parser(subparsers)
+    _add_diff_parser(subparsers)
     _add_simulate_parser(subparsers)
     return parser
 
@@ -259,6 +261,55 @@ def _simulated(result: Plan, prefix: str, as_json: bool, document: dict | None) 
                                                                "gantt_png": files[1]}}
         return _emit(json.dumps(out, indent=1))
     return _emit(format_simulation(result, sim, files))
+
+
+def _add_report_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "report", help="write a saved plan as one self-contained HTML page",
+        description="Write PLAN_JSON as one HTML page (no network needed to view it): the "
+                    "cluster drawn as hosts of devices coloured by stage, the stages, the "
+                    "sharding of every layer, the simulated pipeline timeline, memory per "
+                    "device against its limit, and the collectives by kind and link.")
+    p.add_argument("plan_json", metavar="PLAN_JSON", help="a plan file")
+    p.add_argument("-o", "--output", metavar="HTML", required=True, help="the page to write")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from meshplan.plan.plan import load_plan
+    from meshplan.plan.report import render_report
+    try:
+        page = render_report(load_plan(args.plan_json))
+    except ValueError as err:
+        return _fail(str(err))
+    try:
+        with open(args.output, "w") as f:
+            f.write(page)
+    except OSError as err:
+        return _fail(f"cannot write the report to {args.output!r}: {err.strerror or err}")
+    print(f"{PROG}: report written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _add_diff_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "diff", help="compare two saved plans",
+        description="Compare two plans side by side: summary and prediction, stages, the "
+                    "parameters laid out or updated differently, bytes moved by kind.")
+    p.add_argument("a", metavar="A_JSON", help="a plan file")
+    p.add_argument("b", metavar="B_JSON", help="another plan file")
+    p.set_defaults(run=_run_diff)
+
+
+def _run_diff(args: argparse.Namespace) -> int:
+    from meshplan.plan.diff import diff_plans
+    from meshplan.plan.plan import load_plan
+    try:
+        text = diff_plans(load_plan(args.a), load_plan(args.b),
+                          (os.path.basename(args.a), os.path.basename(args.b)))
+    except ValueError as err:
+        return _fail(str(err))
+    return _emit(text)
 
 
 def _add_run_parser(subparsers: Any) -> None:
