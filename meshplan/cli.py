@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_show_program_parser(subparsers)
     _add_run_parser(subparsers)
     _add_report_parser(subparsers)
+    _add_calibrate_parser(subparsers)
     _add_diff_parser(subparsers)
     _add_simulate_parser(subparsers)
     return parser
@@ -310,6 +311,32 @@ def _run_diff(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err))
     return _emit(text)
+
+
+def _add_calibrate_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine and write a cluster profile",
+        description="Measure matmul throughput per dtype, memory bandwidth and all-reduce "
+                    "times (1 KiB .. 64 MiB, per group size) over NPROC local processes on "
+                    "the current backend, fit the cost model's alpha-beta form and write a "
+                    "cluster YAML that --cluster accepts; prints each fit with its error.")
+    p.add_argument("--nproc", type=_positive_int, default=4, metavar="N",
+                   help="processes (devices) to measure over (default: 4)")
+    p.add_argument("-o", "--output", metavar="YAML", required=True, help="the profile to write")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from meshplan.cost.calibrate import run_calibration
+    if args.nproc < 2:
+        return _fail(f"--nproc must be at least 2 to measure a collective, got {args.nproc}")
+    try:
+        text, report = run_calibration(args.nproc, args.output)
+    except OSError as err:
+        return _fail(f"cannot write the profile to {args.output!r}: {err.strerror or err}")
+    print(f"{PROG}: profile written to {args.output}", file=sys.stderr)
+    return _emit(json.dumps(report, indent=1) if args.json else text)
 
 
 def _add_run_parser(subparsers: Any) -> None:

@@ -1,0 +1,38 @@
+"""`meshplan calibrate` (issue 11, item 5): a profile measured over 4 local gloo processes,
+which `--cluster` accepts and whose all-reduce predictions for 1 KiB .. 64 MiB are within 25 %
+of the measured medians."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshplan.cli import main
+from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.cost.collectives import collective_cost
+from meshplan.cost.mesh import logical_mesh
+
+
+def test_calibrate_writes_a_profile_that_predicts_all_reduce(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "local.yaml"
+    assert main(["calibrate", "--nproc", "4", "-o", str(profile), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cluster = parse_cluster_spec(str(profile))
+    assert cluster.num_devices == 4
+    assert cluster.device.matmul_flops("float32") > 0
+    mesh = logical_mesh(cluster, (1, 4))
+    fit = report["all_reduce"]["4"]
+    assert fit["sizes"][0] == 1024 and fit["sizes"][-1] == 64 * 2 ** 20
+    for nbytes, measured in zip(fit["sizes"], fit["measured_s"]):
+        predicted = collective_cost("all_reduce", mesh, (1,), nbytes)
+        assert predicted == pytest.approx(measured, rel=0.25), (nbytes, predicted, measured)
+    # Planning on the profile works like on any cluster file.
+    assert main(["plan", "mlp:layers=2,hidden=16,batch=8", "--cluster", str(profile), "-q"]) == 0
+
+
+def test_calibrate_needs_two_processes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["calibrate", "--nproc", "1", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "at least 2" in capsys.readouterr().err
