@@ -349,16 +349,24 @@ def _add_run_parser(subparsers: Any) -> None:
     p.add_argument("script", metavar="SCRIPT", help="the training script (a Python file)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes to start (default: 1)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run each rank as an actor on a Ray cluster (ADDRESS, 'auto' for the "
+                        "running one; alone: a local Ray started for the run); needs the "
+                        "'ray' extra")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments passed to SCRIPT")
     p.set_defaults(run=_run_script)
 
 
 def _run_script(args: argparse.Namespace) -> int:
-    from meshplan.runtime.run_script import run_script
+    from meshplan.runtime.run_script import run_script, run_script_on_ray
     try:
-        run_script(args.script, args.nproc, args.script_args)
-    except ValueError as err:
+        if args.ray is None:
+            run_script(args.script, args.nproc, args.script_args)
+        else:
+            run_script_on_ray(args.script, args.nproc, args.script_args,
+                              None if args.ray == "local" else args.ray)
+    except (ValueError, ImportError) as err:
         return _fail(str(err))
     except WorkerError as err:
         print(f"{PROG}: error: {err.message}", file=sys.stderr)

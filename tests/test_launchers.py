@@ -1,7 +1,7 @@
 """Launch where users run (issue 11, item 1): the same training script (examples/train.py, the
 user's own loop through ``meshplan.parallelize``) trains a 2-stage plan under ``meshplan run``
-and under ``torchrun`` with two "nodes" on loopback (c10d rendezvous), with the losses of one
-device; a failing process stops a ``meshplan run`` at once."""
+under ``torchrun`` with two "nodes" on loopback (c10d rendezvous) and on a local Ray cluster
+(an actor per rank), with the losses of one device; a failing process stops the run at once."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_meshplan_run_and_torchrun_train_like_one_device(plan_file: str, tmp_path: Path
+def test_meshplan_run_torchrun_and_ray_train_like_one_device(plan_file: str, tmp_path: Path
                                                           ) -> None:
     # Both launches at once: the imports, not the training, take their time.
     ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", _free_port()
@@ -73,8 +73,12 @@ def test_meshplan_run_and_torchrun_train_like_one_device(plan_file: str, tmp_pat
          f"127.0.0.1:{port}", "--rdzv-id", "meshplan-test", SCRIPT, plan_file, str(torchrun)],
         env=ENV, cwd=tmp_path) for r in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    # And on a local Ray cluster, one actor per rank.
+    on_ray = tmp_path / "ray.json"
+    subprocess.run([sys.executable, "-m", "meshplan", "run", "--ray", "--nproc", "2", SCRIPT,
+                    plan_file, str(on_ray)], env=ENV, cwd=tmp_path, check=True, timeout=300)
     reference = _one_device()
-    for out in (ran, torchrun):
+    for out in (ran, torchrun, on_ray):
         assert json.loads(out.read_text()) == pytest.approx(reference, rel=1e-5), out.name
 
 
@@ -89,6 +93,19 @@ def test_a_failing_process_stops_the_run(tmp_path: Path) -> None:
     assert done.returncode == 1 and time.monotonic() - start < 60
     assert "rank 1 exited with code 3" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_failing_ray_rank_stops_the_run(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n"
+                      "    raise RuntimeError('rank one gave up')\n"
+                      "import time\ntime.sleep(120)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--ray", "--nproc", "2",
+                           str(script)], env=ENV, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 1 and time.monotonic() - start < 90
+    assert "meshplan: error: rank 1 failed: RuntimeError: rank one gave up" in done.stderr, \
+        done.stderr[-2000:]
 
 
 def test_run_refuses_what_it_cannot_start(tmp_path: Path) -> None:

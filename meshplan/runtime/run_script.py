@@ -77,3 +77,73 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
                 p.kill()
         for p in procs:
             p.wait()
+
+
+def _rank_main(script: str, args: list[str], env: dict[str, str]) -> None:
+    """One rank inside a Ray actor: torchrun's environment, then the script as __main__."""
+    import runpy
+    os.environ.update(env)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def _free_address() -> tuple[str, int]:
+    """This node's address (as Ray sees it) and a free port on it: rank 0's rendezvous."""
+    import ray
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+def run_script_on_ray(script: str, nproc: int, args: Sequence[str] = (),
+                      address: str | None = None, *, poll_s: float = 0.1) -> None:
+    """Run ``python script *args`` as ``nproc`` ranks, one Ray actor each (one CPU), on the
+    cluster at ``address`` (None: a local Ray started here; "auto": the running one). The
+    ranks join one gloo world at rank 0's actor. Raises ValueError for a bad ``nproc`` or a
+    missing script, ImportError naming the extra when Ray is not installed, WorkerError
+    (naming the rank) when a rank fails; the others are then killed."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
+    if not os.path.isfile(script):
+        raise ValueError(f"no training script {script!r}: give the path of a Python file")
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("--ray needs Ray: pip install 'meshplan[ray]'") from e
+    script = os.path.abspath(script)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, num_cpus=None if address else nproc,
+                 include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    try:
+        rank = ray.remote(num_cpus=1)(_Rank)
+        actors = [rank.remote() for _ in range(nproc)]
+        host, port = ray.get(actors[0].address.remote())
+        pending = {actors[r].run.remote(script, list(args), {
+            "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1"}): r for r in range(nproc)}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=None)
+            r = pending.pop(done[0])
+            try:
+                ray.get(done[0])
+            except Exception as e:   # the rank's own error, as Ray reports it
+                for a in actors:
+                    ray.kill(a)
+                cause = getattr(e, "cause", None) or e
+                raise WorkerError(r, f"rank {r} failed: {type(cause).__name__}: "
+                                  f"{str(cause).splitlines()[0] if str(cause) else ''}; the "
+                                  "others were stopped", str(e)) from None
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class _Rank:
+    """A Ray actor running one rank of a training script."""
+
+    def address(self) -> tuple[str, int]:
+        return _free_address()
+
+    def run(self, script: str, args: list[str], env: dict[str, str]) -> None:
+        _rank_main(script, args, env)
