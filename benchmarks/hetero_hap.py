@@ -19,6 +19,7 @@ import warnings
 
 import meshplan
 from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.progress import progress
 from meshplan.zoo.spec import build_workload
 
 CLUSTER = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
@@ -45,7 +46,8 @@ def main() -> None:
           + " | hetero vs dp-even | vs dp-prop. | vs homogeneous | hetero ratios V100 / P100 "
             "| planning time (s) |")
     print("|---|" + "---|" * (len(METHODS) + 5))
-    for name in args.model or list(MODELS):
+    names = args.model or list(MODELS)
+    for name in progress(names, total=len(names), desc="HAP models", unit="model"):
         w = build_workload(MODELS[name], device="meta")
         times, plan_s, ratios = {}, {}, ""
         for method in METHODS:

@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 
+from meshplan.progress import progress
+
 CASES = {
     # name: (model spec, cluster, mesh)
     "gpt-1.3b-2x4": ("gpt:hidden=2048,layers=24,heads=32,seq=1024,vocab=51200,batch=1024",
@@ -54,7 +56,8 @@ def main() -> None:
     print("| case | mesh | median plan time (s) | runs (s) | ILP vars / constraints | "
           "ILP solve (s) | predicted step (s) |")
     print("|---|---|---|---|---|---|---|")
-    for name in args.case or list(CASES):
+    cases = args.case or list(CASES)
+    for name in progress(cases, total=len(cases), desc="plan speed", unit="case"):
         spec, cluster, mesh = CASES[name]
         runs = [run_once(spec, cluster, mesh) for _ in range(args.repeats)]
         walls = [r["wall_s"] for r in runs]

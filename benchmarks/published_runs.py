@@ -79,7 +79,8 @@ def main() -> int:
           "published | ratio | bubble |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     records = []
-    for name in rows:
+    from meshplan.progress import progress
+    for name in progress(rows, total=len(rows), desc="published rows", unit="row"):
         r = run_row(name)
         records.append(r)
         print(f"| {name} | {r['method']} | {r['microbatches']} | {r['planner_step_s']:.3f} | "

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import meshplan
+from meshplan.progress import progress
 from meshplan.zoo.spec import build_workload
 
 
@@ -30,7 +31,8 @@ def main(plan_path: str, out: str | None = None, steps: int = 3) -> None:
     optimizer = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
     model, optimizer = meshplan.parallelize(w.model, optimizer, plan, w.loss_fn)
     losses = []
-    for step in range(steps):
+    for step in progress(range(steps), total=steps, desc="training", unit="step",
+                         enabled=dist.get_rank() == 0):
         batch = build_workload(plan.model, device="cpu", seed=1 + step).example_batch
         loss = model(batch)            # this rank's part of the step; the whole batch's loss
         loss.backward()
