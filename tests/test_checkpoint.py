@@ -74,3 +74,28 @@ def test_a_checkpoint_of_another_model_is_refused(pool4, tmp_path: Path) -> None
                   str(tmp_path / "a"), str(tmp_path / "b"), 1)
     with pytest.raises(ValueError, match="not a meshplan checkpoint"):
         meshplan.load_model_state(str(tmp_path / "nothing"))
+
+
+def test_a_checkpoint_moves_between_world_sizes(pool2, pool4, tmp_path: Path) -> None:
+    # Saved by 4 processes (data parallel), resumed by 2 (Megatron on a (1, 2) mesh), then by
+    # 4 again (the 2-stage pipeline): the losses of one device all along.
+    w = build_workload(SPEC, device="cpu", seed=0)
+    data = batches(w, 3)
+    ref_losses, _ = one_device(w, data)
+    runs = [(pool4, _plan("data")),
+            (pool2, meshplan.plan(*_meta_args(), "local:2", mesh_shape=(1, 2),
+                                  method="megatron", memory_budget_gb=0, dtype="fp32",
+                                  name=SPEC)),
+            (pool4, _plan("pipeline"))]
+    losses, load = [], None
+    for step, (pool, plan) in enumerate(runs):
+        save = str(tmp_path / f"ck{step}")
+        losses += pool.run(resume_and_train, plan, SPEC, data[step:step + 1], load, save,
+                           step)[0][0]
+        load = save
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+
+
+def _meta_args() -> tuple:
+    w = build_workload(SPEC, device="meta")
+    return w.model, w.loss_fn, "adamw", w.example_batch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,20 +67,58 @@ def test_meshplan_run_torchrun_and_ray_train_like_one_device(plan_file: str, tmp
     # Both launches at once: the imports, not the training, take their time.
     ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT,
-                               plan_file, str(ran)], env=ENV, cwd=tmp_path)]
+                               plan_file, "--losses", str(ran)], env=ENV, cwd=tmp_path)]
     procs += [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-         f"127.0.0.1:{port}", "--rdzv-id", "meshplan-test", SCRIPT, plan_file, str(torchrun)],
+         f"127.0.0.1:{port}", "--rdzv-id", "meshplan-test", SCRIPT, plan_file, "--losses",
+         str(torchrun)],
         env=ENV, cwd=tmp_path) for r in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
     # And on a local Ray cluster, one actor per rank.
     on_ray = tmp_path / "ray.json"
     subprocess.run([sys.executable, "-m", "meshplan", "run", "--ray", "--nproc", "2", SCRIPT,
-                    plan_file, str(on_ray)], env=ENV, cwd=tmp_path, check=True, timeout=300)
+                    plan_file, "--losses", str(on_ray)], env=ENV, cwd=tmp_path, check=True,
+                   timeout=300)
     reference = _one_device()
     for out in (ran, torchrun, on_ray):
-        assert json.loads(out.read_text()) == pytest.approx(reference, rel=1e-5), out.name
+        got = list(json.loads(out.read_text()).values())
+        assert got == pytest.approx(reference, rel=1e-5), out.name
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(plan_file: str, tmp_path: Path) -> None:
+    # Killed (SIGKILL, the whole process group) once it has checkpointed step 2 of 6;
+    # started again, it resumes from its latest checkpoint and every later step's loss is
+    # the uninterrupted run's.
+    ck, steps = tmp_path / "ck", 6
+    run = subprocess.Popen([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT,
+                            plan_file, "--steps", str(steps), "--checkpoint", str(ck)],
+                           env=ENV, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (ck / "latest").exists() or int((ck / "latest").read_text()) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    resumed_at = int((ck / "latest").read_text())
+    assert resumed_at < steps
+    out = tmp_path / "resumed.json"
+    subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT, plan_file,
+                    "--steps", str(steps), "--checkpoint", str(ck), "--losses", str(out)],
+                   env=ENV, cwd=tmp_path, check=True, timeout=300)
+    got = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    assert sorted(got) == list(range(resumed_at, steps))
+    reference = _one_device(steps)
+    assert [got[k] for k in sorted(got)] == pytest.approx(reference[resumed_at:], rel=1e-5)
+
+
+def test_a_plan_for_another_world_is_one_line(plan_file: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "4", SCRIPT,
+                           plan_file], env=ENV, capture_output=True, text=True, timeout=200,
+                          cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "train.py: error: the plan runs on 2 processes, this world has 4: launch it " \
+           "with --nproc 2" in done.stderr
 
 
 def test_a_failing_process_stops_the_run(tmp_path: Path) -> None:

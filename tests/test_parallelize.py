@@ -109,3 +109,15 @@ def test_a_pipeline_in_the_users_loop_trains_like_one_device() -> None:
         assert lrs == pytest.approx([0.01 * 0.5 ** 3] * 2)
         params.update(state)
     assert_matches((results[0][0], params, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def _other_model(comm, plan: meshplan.Plan, w, batch) -> None:
+    model, _, _ = parallel(w, plan, comm=comm)
+    model(batch)
+
+
+def test_a_plan_of_another_model_is_refused_at_the_first_step() -> None:
+    plan = _plan(MLP, "local:4", mesh_shape=(1, 4), method="data")
+    other = build_workload("mlp:layers=2,hidden=8,batch=8", device="cpu", seed=0)
+    with pytest.raises(ValueError, match="differs from the one the plan was made for"):
+        run_emulated(_other_model, plan.mesh_shape, plan, other, other.example_batch)

@@ -140,6 +140,12 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
             raise RuntimeError("parallelize needs a torch.distributed world (launch with "
                                "`meshplan run` or `torchrun`) or an explicit comm= (and p2p= "
                                "for a pipeline)")
+        ranks = len({d for s in plan.stages for d in s.devices}) if plan.num_stages > 1 \
+            else plan.mesh_shape[0] * plan.mesh_shape[1]
+        if torch.distributed.get_world_size() != ranks:
+            raise ValueError(f"the plan runs on {ranks} processes, this world has "
+                             f"{torch.distributed.get_world_size()}: launch it with "
+                             f"--nproc {ranks} (or plan for this world)")
         if comm is None:
             comm = ProcessGroupComm.for_stages(plan.stage_meshes()) if plan.num_stages > 1 \
                 else ProcessGroupComm(plan.mesh_shape)
