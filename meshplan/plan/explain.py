@@ -108,7 +108,7 @@ def stages_table(plan: Plan) -> list[str]:
     out = [f"stages ({layers}; per micro-batch latency, peak memory per device):"]
     mixed = isinstance(plan.cluster.get("hosts"), list) and plan.num_stages > 1
     for s in plan.stages:
-        devs = _ranges(s.devices)
+        devs = device_runs(s.devices)
         if mixed and s.plan is not None:   # typed stages: the device each is priced on
             device = s.plan.cluster.get("device")
             devs += f" [{device['name'] if isinstance(device, dict) else device}]"
@@ -120,7 +120,7 @@ def stages_table(plan: Plan) -> list[str]:
     return out
 
 
-def _ranges(devices: tuple[int, ...]) -> str:
+def device_runs(devices: tuple[int, ...]) -> str:
     """Device ids as runs: "0-3,8-11"."""
     runs: list[list[int]] = []
     for d in devices:

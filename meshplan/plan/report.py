@@ -17,7 +17,7 @@ from typing import Any
 from meshplan.cost.cluster import cluster_from_dict
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import logical_mesh
-from meshplan.plan.explain import format_bytes
+from meshplan.plan.explain import device_runs, format_bytes
 from meshplan.plan.plan import Plan
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
@@ -198,7 +198,7 @@ def render_report(plan: Plan) -> str:
     stages = _table(
         ["stage", "layers", "devices", "submesh", "mesh", "recompute", "in flight",
          "latency ms", "memory"],
-        [[s.index, f"[{s.layers[0]}, {s.layers[1]})", f"{s.devices[0]}-{s.devices[-1]}",
+        [[s.index, f"[{s.layers[0]}, {s.layers[1]})", device_runs(s.devices),
           f"{s.submesh[0]}x{s.submesh[1]}", f"{s.mesh_shape[0]}x{s.mesh_shape[1]}",
           s.recompute, s.in_flight, f"{s.latency_s * 1e3:,.3f}", format_bytes(s.memory_bytes)]
          for s in plan.stages], {6, 7})
