@@ -349,10 +349,11 @@ def _add_run_parser(subparsers: Any) -> None:
     p.add_argument("script", metavar="SCRIPT", help="the training script (a Python file)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes to start (default: 1)")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run each rank as an actor on a Ray cluster (ADDRESS, 'auto' for the "
-                        "running one; alone: a local Ray started for the run); needs the "
-                        "'ray' extra")
+    p.add_argument("--ray", action="store_true",
+                   help="run each rank as an actor on a Ray cluster (a local one started for "
+                        "the run unless --ray-address); needs the 'ray' extra")
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="the Ray cluster to run on ('auto': the running one); implies --ray")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments passed to SCRIPT")
     p.set_defaults(run=_run_script)
@@ -361,11 +362,10 @@ def _add_run_parser(subparsers: Any) -> None:
 def _run_script(args: argparse.Namespace) -> int:
     from meshplan.runtime.run_script import run_script, run_script_on_ray
     try:
-        if args.ray is None:
-            run_script(args.script, args.nproc, args.script_args)
+        if args.ray or args.ray_address:
+            run_script_on_ray(args.script, args.nproc, args.script_args, args.ray_address)
         else:
-            run_script_on_ray(args.script, args.nproc, args.script_args,
-                              None if args.ray == "local" else args.ray)
+            run_script(args.script, args.nproc, args.script_args)
     except (ValueError, ImportError) as err:
         return _fail(str(err))
     except WorkerError as err:
