@@ -163,6 +163,7 @@ def test_the_fast_host_gets_more_layers_and_its_own_stage() -> None:
     assert fast[0].layers[1] - fast[0].layers[0] > max(slow_layers)
     assert re.search(rf"stage {fast[0].index}: layers \[\d, \d\) on devices 0 \[fast\]",
                      explain(plan)), explain(plan)
+    assert "mixed devices    chose typed stages of hetero" in explain(plan)
     # The simulator runs each stage on its own device type (the fast stage priced as a slow
     # one would double the step); it differs from eq. 2 by the schedule's true bubble.
     assert simulate(plan).step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.1)

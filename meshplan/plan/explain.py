@@ -34,6 +34,11 @@ def summary(plan: Plan) -> str:
     ]
     if "megatron" in plan.options:
         lines.append(_megatron(plan.options))
+    if "mixed_auto" in plan.options:   # auto on a cluster of mixed devices: what it weighed
+        steps = plan.options["mixed_auto"]["step_s"]
+        lines.append("  mixed devices    chose " + plan.options["mixed_auto"]["chosen"] + " of "
+                     + ", ".join(f"{k} {v * 1e3:,.3f} ms" if v is not None else f"{k} none"
+                                 for k, v in steps.items()))
     if "hetero" in plan.options or any(len(set(w)) > 1 for w in plan.axis_weights):
         lines.append(_ratios(plan))
     if plan.params:
