@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import meshplan
+from meshplan.runtime.pool import find_free_port
 from meshplan.zoo.spec import build_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,16 +56,10 @@ def _one_device(steps: int = 3) -> list[float]:
     return losses
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_meshplan_run_torchrun_and_ray_train_like_one_device(plan_file: str, tmp_path: Path
                                                           ) -> None:
     # Both launches at once: the imports, not the training, take their time.
-    ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", _free_port()
+    ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", find_free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT,
                                plan_file, "--losses", str(ran)], env=ENV, cwd=tmp_path)]
     procs += [subprocess.Popen(

@@ -11,6 +11,7 @@ its error per size. Each figure is a median of repeated runs (the machine may be
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -141,9 +142,7 @@ def profile_yaml(name: str, nprocs: int, tflops: dict[str, float], mem_gbps: flo
 def run_calibration(nprocs: int, output: str) -> tuple[str, dict[str, Any]]:
     """Measure, fit and write the profile to ``output`` (module docstring); returns the
     report as text and as a JSON-able dict."""
-    import os
-
-    from meshplan.runtime.pool import WorkerPool
+    from meshplan.runtime.pool import WorkerPool   # runtime imports cost: not at import
     tflops = {"float32": matmul_tflops(torch.float32),
               "bfloat16": matmul_tflops(torch.bfloat16)}
     mem = copy_gbps()

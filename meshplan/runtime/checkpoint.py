@@ -186,16 +186,16 @@ def load_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | No
     """Resume ``model`` and ``optimizer`` from ``path`` under the model's own plan, whatever
     plan saved it; returns the saved ``extra``. Before the model's first call the load waits
     until it starts. Raises ValueError for a checkpoint of another model."""
-    meta = _meta(path)
     if model._trainer is None and model._pipeline is None:
         model._pending = (path, optimizer)
-        return meta["extra"]
-    apply_checkpoint(path, model, optimizer)
-    return meta["extra"]
+        return _meta(path)["extra"]
+    return apply_checkpoint(path, model, optimizer)
 
 
-def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | None) -> None:
-    """Read this rank's regions of ``path`` into the started ``model`` and ``optimizer``."""
+def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | None
+                     ) -> dict[str, Any]:
+    """Read this rank's regions of ``path`` into the started ``model`` and ``optimizer``;
+    returns the saved ``extra``."""
     meta = _meta(path)
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     regions: list[Region] = []
@@ -227,6 +227,7 @@ def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | N
             group.update(saved)
     for _, t in _engines(model):
         t._refresh_zero2()
+    return meta["extra"]
 
 
 def load_model_state(path: str) -> dict[str, torch.Tensor]:

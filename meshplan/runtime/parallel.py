@@ -69,17 +69,11 @@ class ParallelModel(nn.Module):
         else:
             tr = Trainer(plan, model, self._loss_fn, batch, self._comm,
                          captured=self._captured)
-            self._trainer, trainers = tr, [tr]
-
-            def prepare() -> None:
-                tr.synchronize_gradients()
-                total = tr.squared_norm()
-                if total is not None:
-                    tr.clip(total)
+            self._trainer, trainers, prepare = tr, [tr], tr.prepare_gradients
         _repoint(self._optimizer, model, trainers, prepare)
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
-            apply_checkpoint(*self._pending[:1], self, self._pending[1])
+            apply_checkpoint(self._pending[0], self, self._pending[1])
             self._pending = None
 
     def forward(self, batch: Any) -> torch.Tensor:
@@ -94,12 +88,12 @@ class ParallelModel(nn.Module):
         micro = split_microbatches(batch, self._plan.microbatches)
         done = []
         for piece in micro[:-1]:   # accumulated here; the last backward is the caller's
-            loss = tr._run(tr._program_args(tr.local_batch(piece)), rng)
+            loss = tr.run_microbatch(piece, rng)
             if torch.is_grad_enabled():
                 (loss / len(micro)).backward()
                 tr.own_gradients()
             done.append(loss.detach())
-        last = tr._run(tr._program_args(tr.local_batch(micro[-1])), rng) / len(micro)
+        last = tr.run_microbatch(micro[-1], rng) / len(micro)
         local = last.detach() + sum(d / len(micro) for d in done)
         # The value reported is the whole batch's loss; the gradient flows through this
         # rank's part of the last micro-batch.

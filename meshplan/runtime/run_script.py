@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from meshplan.errors import WorkerError
+from meshplan.runtime.pool import find_free_port
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -37,12 +37,6 @@ def init_world(timeout_s: float = 300.0) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
                poll_s: float = 0.1) -> None:
     """Run ``python script *args`` on ``nproc`` local processes joined as one world; returns
@@ -52,7 +46,7 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
         raise ValueError(f"nproc must be a positive number of processes, got {nproc!r}")
     if not os.path.isfile(script):
         raise ValueError(f"no training script {script!r}: give the path of a Python file")
-    port = _free_port()
+    port = find_free_port()
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc),
@@ -90,7 +84,7 @@ def _rank_main(script: str, args: list[str], env: dict[str, str]) -> None:
 def _free_address() -> tuple[str, int]:
     """This node's address (as Ray sees it) and a free port on it: rank 0's rendezvous."""
     import ray
-    return ray.util.get_node_ip_address(), _free_port()
+    return ray.util.get_node_ip_address(), find_free_port()
 
 
 def run_script_on_ray(script: str, nproc: int, args: Sequence[str] = (),

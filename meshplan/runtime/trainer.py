@@ -185,12 +185,16 @@ class Trainer:
         micro = split_microbatches(batch, self.plan.microbatches)
         total = None
         for piece in micro:
-            loss = self._run(self._program_args(self.local_batch(piece)), rng)
+            loss = self.run_microbatch(piece, rng)
             (loss / len(micro)).backward()
             self.own_gradients()
             total = loss.detach() if total is None else total + loss.detach()
         self.apply_gradients()
         return self._report(total / len(micro))
+
+    def run_microbatch(self, piece: Any, rng: torch.Generator) -> torch.Tensor:
+        """This rank's local loss of one global micro-batch ``piece`` (its share taken)."""
+        return self._run(self._program_args(self.local_batch(piece)), rng)
 
     def own_gradients(self) -> None:
         """After a micro-batch's backward: give every parameter a gradient tensor of its own.
@@ -215,22 +219,20 @@ class Trainer:
         self._steps += 1
         return rng
 
-    def apply_gradients(self, between: Callable[[], None] | None = None,
-                        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                        counted_elsewhere: frozenset[str] = frozenset()) -> None:
-        """After a step's backwards: gradients synchronized in buckets, ``between()`` (a
-        pipeline adds the gradient parts of parameters other stages share), gradients clipped
-        to the optimizer's ``max_grad_norm`` (``across`` sums the squared norm over a pipeline's
-        stages; ``counted_elsewhere``: parameters another stage counts), the update applied,
-        ZeRO-2 compute copies refreshed. The pipeline runtime calls the parts itself when a
-        rank runs several stages."""
-        self.synchronize_gradients()
-        if between is not None:
-            between()
-        total = self.squared_norm(counted_elsewhere)
-        if total is not None:
-            self.clip(across(total) if across is not None else total)
+    def apply_gradients(self) -> None:
+        """After a step's backwards: `prepare_gradients`, then the update applied and ZeRO-2
+        compute copies refreshed. The pipeline runtime and `meshplan.parallelize` call the
+        parts themselves."""
+        self.prepare_gradients()
         self.update()
+
+    def prepare_gradients(self) -> None:
+        """Gradients synchronized in buckets, then clipped to the optimizer's
+        ``max_grad_norm``."""
+        self.synchronize_gradients()
+        total = self.squared_norm()
+        if total is not None:
+            self.clip(total)
 
     def synchronize_gradients(self) -> None:
         """Gradients synchronized over the mesh in buckets (ZeRO: reduce-scattered)."""
