@@ -22,7 +22,6 @@ from meshplan.planner.intra.ilp_problem import working_peak
 from meshplan.planner.intra.liveness import StepPeaks, Value, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
-from meshplan.planner.intra.sfb import gather_steps
 from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
 
 
@@ -95,8 +94,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                     axes = choice.strategy.work_axes   # its whole-batch product is compute
                     comm[node.name] += cost - costs.sfb_extra_s(node, axes)
                     backward += real_costs.sfb_extra_s(node, axes) / real.microbatches
-                    act = g.by_name[node.inputs[costs.sfb[key[1]].activation]]
-                    _count_sfb(key, act.out.nbytes, node.out.nbytes, form.ctx, counts)
+                    for step in key[3]:   # the factors' all-gathers, every backward
+                        for label, n in form.ctx.phase_counts("backward"):
+                            counts[("all_gather", step.nbytes, step.axes, label)] += n
                 elif key not in seen:
                     _count_recipe(key[2], g.by_name[name].requires_grad, form.ctx, counts,
                                   comm, reshard, name, node.name)
@@ -179,17 +179,6 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
         owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
         owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh,
                                                                  ctx.weights)
-
-
-def _count_sfb(key: tuple, act_bytes: int, out_bytes: int, ctx: CostContext, counts: Counter
-               ) -> None:
-    """The all-gathers of an SFB weight's factors (the consumer's activation and output
-    gradient, whole tensors of ``act_bytes`` and ``out_bytes``), in every backward."""
-    _, _, _, act_layout, out_layout = key
-    for lay, nbytes in ((act_layout, act_bytes), (out_layout, out_bytes)):
-        for s in gather_steps(lay, nbytes, tuple(ctx.mesh.shape)):
-            for label, n in ctx.phase_counts("backward"):
-                counts[("all_gather", s.nbytes, s.axes, label)] += n
 
 
 def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],

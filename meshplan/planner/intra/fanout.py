@@ -10,7 +10,7 @@ leave its gradient partial over (see `param_sync`).
 Each use of a value, at a pair of root choices ``(p, q)``, yields *charges* ``(unit, key,
 cost)``: ``("move", value, recipe)`` costs the recipe's collectives; ``("sync", param, mode,
 layout, axes)`` the update-phase synchronization over ``axes`` of a parameter kept in that
-layout and mode; ``("sfb", param, axes, activation layout, output layout)`` the gathered
+layout and mode; ``("sfb", param, axes, gather steps)`` the gathered
 factors and whole-batch gradient of a weight under sufficient-factor broadcasting (`sfb.py`).
 A key is paid once however many uses need it. A key that only one pair of roots
 can need is a function of that pair's choices and stays in the pairwise matrices of Alpa's
@@ -31,7 +31,7 @@ from meshplan.cost.collectives import collective_cost
 from meshplan.planner.intra.op_costs import (OpCosts, dp_axes, local_bytes, recipe_cost,
                                              sync_cost, zero_counts)
 from meshplan.planner.intra.reshard import Recipe
-from meshplan.planner.intra.sfb import applies, gather_steps
+from meshplan.planner.intra.sfb import applies, factor_gathers
 
 Charge = tuple[Hashable, tuple, float]   # (unit, key, cost)
 Use = tuple[str, int]                    # (consumer node, operand position)
@@ -85,12 +85,13 @@ def sfb_charges(costs: OpCosts, node: Node, j: int, p: int, q: int, recipe: Reci
     if not applies(strat.inputs[j], recipe.sync_axes, dp, bool(recipe.steps)):
         return None
     act = costs.g.by_name[node.inputs[1 - j]]
-    mesh, n = costs.ctx.mesh, costs.ctx.microbatches
-    gathers = sum(collective_cost("all_gather", mesh, s.axes, s.nbytes)
-                  for lay, value in ((strat.inputs[1 - j], act), (strat.output, node))
-                  for s in gather_steps(lay, value.out.nbytes, costs.shape))
-    key = ("sfb", param, recipe.sync_axes, strat.inputs[1 - j], strat.output)
-    return [(("p", param), key, n * gathers + costs.sfb_extra_s(node, strat.work_axes))]
+    steps = factor_gathers(strat.inputs[1 - j], act.out.nbytes, strat.output, node.out.nbytes,
+                           costs.shape)
+    gathers = sum(collective_cost("all_gather", costs.ctx.mesh, s.axes, s.nbytes)
+                  for s in steps)
+    key = ("sfb", param, recipe.sync_axes, steps)
+    return [(("p", param), key,
+             costs.ctx.microbatches * gathers + costs.sfb_extra_s(node, strat.work_axes))]
 
 
 def operand_cost(costs: OpCosts, node: Node, j: int, p: int, q: int) -> float:

@@ -89,6 +89,14 @@ def _equation(node: Node, j: int) -> str | None:
     return f"{word(act)},{word(out)}->{word(weight)}"
 
 
+def factor_gathers(activation: Layout, activation_bytes: int, output: Layout,
+                   output_bytes: int, mesh_shape: tuple[int, ...]) -> tuple[Step, ...]:
+    """The all-gathers (one backward's) of an SFB weight's factors: the consumer's activation
+    and its output gradient, each made whole."""
+    return (gather_steps(activation, activation_bytes, mesh_shape)
+            + gather_steps(output, output_bytes, mesh_shape))
+
+
 def gather_steps(layout: Layout, nbytes: int, mesh_shape: tuple[int, ...]) -> tuple[Step, ...]:
     """The all-gathers that make a value of ``layout`` whole on every device (a factor)."""
     return reshard(Layout(layout.dims), Layout.replicated(len(layout.dims)), nbytes,
