@@ -230,13 +230,26 @@ def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | N
     return meta["extra"]
 
 
-def load_model_state(path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's parameters whole, by their names in the original model, for the plain
-    single-device model (``model.load_state_dict(..., strict=False)`` or per name); no
-    torch.distributed world needed."""
+def load_model_state(path: str, into: torch.nn.Module | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """The checkpoint's parameters whole, by their names in the original model; no
+    torch.distributed world needed. ``into``: also copy them into that plain model's
+    parameters (a tied one, such as an LM head sharing the embedding, through its first name,
+    as the checkpoint stores it). Raises ValueError when ``into`` has a parameter the
+    checkpoint lacks or holds at another shape."""
     meta = _meta(path)
     state = {f"model.{n}": torch.empty(shape) for n, shape in meta["params"].items()}
     with warnings.catch_warnings():   # "no process group: loading in one process" -- yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    out = {k.removeprefix("model."): v for k, v in state.items()}
+    if into is not None:
+        params = dict(into.named_parameters())   # a tied parameter once, by its first name
+        wrong = [n for n, p in params.items() if n not in out or out[n].shape != p.shape]
+        if wrong:
+            raise ValueError(f"checkpoint {path!r} is of another model: it lacks parameter(s) "
+                             f"of this one or holds them at another shape, e.g. {wrong[:3]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(out[n])
+    return out
