@@ -6,7 +6,8 @@ current backend (gloo here: one process per device, `WorkerPool`). Fitted: per g
 cost model's own form ``t = α + 2(n - 1)/n · B · β`` (DESIGN.md §4) by least squares on the
 *relative* error (each size counts alike, 1 KiB as much as 64 MiB), then one α and β for the
 link — the largest group's, which the plans of this machine use. Every fit is reported with
-its error per size. Each figure is a median of repeated runs (the machine may be shared).
+its error per size. Each figure is a median of repeated runs (the machine may be shared),
+the all-reduce sizes measured in interleaved sweeps.
 """
 
 from __future__ import annotations
@@ -49,35 +50,45 @@ def copy_gbps(nbytes: int = 64 * 2 ** 20, reps: int = 5) -> float:
 
 
 def all_reduce_times(rank: int, nprocs: int, sizes: tuple[int, ...],
-                     groups: tuple[int, ...]) -> dict[int, list[float]]:
+                     groups: tuple[int, ...], rounds: int = 9) -> dict[int, list[float]]:
     """On a pool worker: per group size (ranks 0..g-1), the median all-reduce seconds of each
-    message size (the slowest member's, as a collective ends when its last member does)."""
+    message size (the slowest member's, as a collective ends when its last member does).
+
+    The sizes are measured in ``rounds`` interleaved sweeps and each size's median taken over
+    the sweeps: on a shared machine a burst of load then slows one sample of every size, not
+    every sample of one size (which no fit of the cost model's form can follow)."""
     out: dict[int, list[float]] = {}
     for g in groups:
         group = dist.new_group(list(range(g)))   # collective: every rank creates it
+        samples: list[list[float]] = [[] for _ in sizes]
+        for _ in range(rounds):
+            for i, nbytes in enumerate(sizes):
+                if rank < g:
+                    samples[i].append(_burst_seconds(group, nbytes))
         times = []
-        for nbytes in sizes:
-            # A sample is a run of back-to-back all-reduces (as a step issues them: with
-            # more processes than cores, one alone measures the scheduler's wake-ups), each
-            # on a tensor of its own, as a step's gradient buckets are: one tensor reduced
-            # again and again would stay in cache and look faster than a step sees it.
-            inner = max(1, min(32, 2 ** 22 // nbytes))
-            buffers = [torch.ones(max(nbytes // 4, 1))
-                       for _ in range(max(1, min(32, 2 ** 26 // nbytes)))]
-
-            def burst() -> None:
-                for i in range(inner):
-                    dist.all_reduce(buffers[i % len(buffers)], group=group)
-            if rank < g:
-                dist.barrier(group=group)
-                mine = _median_seconds(burst, 7) / inner
-            else:
-                mine = 0.0
-            slowest = torch.tensor([mine])
+        for mine in samples:
+            slowest = torch.tensor([statistics.median(mine) if mine else 0.0])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times.append(float(slowest))
         out[g] = times
     return out
+
+
+def _burst_seconds(group: Any, nbytes: int) -> float:
+    """Seconds per all-reduce of ``nbytes`` over ``group`` in one run of back-to-back ones.
+
+    A run, as a step issues them: with more processes than cores, one alone measures the
+    scheduler's wake-ups. Each on a tensor of its own, as a step's gradient buckets are: one
+    tensor reduced again and again would stay in cache and look faster than a step sees it."""
+    inner = max(1, min(32, 2 ** 22 // nbytes))
+    buffers = [torch.ones(max(nbytes // 4, 1))
+               for _ in range(max(1, min(32, 2 ** 26 // nbytes)))]
+    dist.all_reduce(buffers[0], group=group)   # warm up
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for i in range(inner):
+        dist.all_reduce(buffers[i % len(buffers)], group=group)
+    return (time.perf_counter() - t0) / inner
 
 
 @dataclass(frozen=True)
