@@ -28,7 +28,8 @@ from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
 from meshplan.planner.inter.search import PipelineRequest, resolve_schedule, search_pipeline
 from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, hetero_context,
                                                speed_shares)
-from meshplan.planner.hetero.to_plan import HETERO_METHODS, check_mixed_request, plan_mixed
+from meshplan.planner.hetero.to_plan import (HETERO_METHODS, check_mixed_request,
+                                             check_segments, plan_mixed)
 from meshplan.planner.intra import baselines
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
@@ -153,7 +154,8 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          axis_weights: Sequence[Sequence[float]] | None = None, share_blocks: bool = True,
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
          num_layers: int | None = None, schedule: str = "auto", name: str = "model",
-         progress: bool = False, gather: str = "auto", sfb: str | None = None) -> Plan:
+         progress: bool = False, gather: str = "auto", sfb: str | None = None,
+         segments: int = 1, segment_ratios: Sequence[Sequence[float]] | None = None) -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -191,7 +193,11 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     cheaper per tensor). ``sfb``: sufficient-factor broadcasting of matmul weight gradients
     (`planner/intra/sfb.py`) — "auto" weighs it per weight, "force" uses it wherever it
     applies, "off" never; default "auto" for method "hetero" (and "auto" on a mixed cluster),
-    "off" otherwise (Alpa's search space). It applies to single-stage plans.
+    "off" otherwise (Alpa's search space). It applies to single-stage plans. ``segments`` > 1
+    (method "hetero", HAP §5.2) cuts the program into that many model segments of about equal
+    FLOPs and balances a ratio set per segment, values re-cut by an all-to-all between them —
+    kept when it predicts a faster step than one set (``options["hetero"]["segments"]`` says
+    both); ``segment_ratios`` (one list of per-device ratios per segment) fixes them.
 
     Method "auto" without a ``mesh_shape`` (and in seconds, not abstract units) searches both
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
@@ -242,12 +248,14 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
     pipelines = is_pipeline_method(method) and mesh_shape is None and not abstract \
         and (cl.num_devices > 1 or _is_megatron(method)) and not mixed_auto
     opts = replace(opts, sfb=_sfb_choice(sfb, "hetero" if mixed_auto else method, pipelines))
+    cut = check_segments(segments, segment_ratios, method, mixed_auto, cl.num_devices,
+                         axis_weights)
     if method in HETERO_METHODS or mixed_auto:
         fixed = check_mixed_request("hetero" if mixed_auto else method, mesh_shape, abstract,
                                     cl.num_devices, axis_weights)
         found = _plan_mixed(model, loss_fn, opt, example_batch, cl,
                             "hetero" if mixed_auto else method, opts, budget, step, counts,
-                            name, gather, t0, fixed)
+                            name, gather, t0, fixed, cut)
         if not mixed_auto:
             return found
         # The uneven program is one row of all devices; the uniform search (pipelines, 2-D
@@ -352,8 +360,10 @@ def _sfb_choice(sfb: str | None, method: str, pipelines: bool) -> str:
 def _plan_mixed(model: nn.Module, loss_fn: Callable | None, opt: Any, example_batch: Any,
                 cl: Cluster, method: str, opts: IntraOptions, budget: float | None,
                 step: "_TrainingStep", counts: list[int], name: str, gather: str,
-                t0: float, ratios: tuple[float, ...] | None) -> Plan:
-    """A plan of `HETERO_METHODS` at the fewest micro-batches that fit."""
+                t0: float, ratios: tuple[float, ...] | None,
+                cut: tuple[int, tuple[tuple[float, ...], ...] | None] = (1, None)) -> Plan:
+    """A plan of `HETERO_METHODS` at the fewest micro-batches that fit; ``cut``: its segment
+    count and fixed ratio sets (`check_segments`)."""
     last: InfeasiblePlanError | None = None
     for num in counts:
         _, traced = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
@@ -362,7 +372,7 @@ def _plan_mixed(model: nn.Module, loss_fn: Callable | None, opt: Any, example_ba
         try:
             found = plan_mixed(graph, traced.fingerprint(), cl, method, opts, settings, budget,
                                dtype=step.dtype, name=name, optimizer=opt.to_dict(), t0=t0,
-                               ratios=ratios)
+                               ratios=ratios, segments=cut[0], segment_ratios=cut[1])
             return replace(found, stages=(_whole_mesh_stage(found, cl),))
         except InfeasibleIlpError:
             if budget is None:

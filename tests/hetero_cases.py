@@ -13,7 +13,7 @@ from meshplan.cost.cluster import Cluster, mixed_cluster
 from meshplan.cost.devices import DeviceType, Link
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.zoo.spec import build_workload
-from oracle import train_rank
+from oracle import plan_counter as planned, train_rank  # noqa: F401 (shared)
 
 MODELS = {
     "mlp": "mlp:layers=3,hidden=16,batch=8,bias=1",
@@ -44,11 +44,6 @@ def train_gloo(rank: int, nprocs: int, plan: Any, spec: str, data: list) -> tupl
     comm = ProcessGroupComm(plan.mesh_shape)
     result = train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data)
     return result, impls(comm)
-
-
-def planned(plan: meshplan.Plan) -> Counter:
-    return Counter({(c.kind, c.bytes, tuple(c.mesh_axes), c.phase): c.count
-                    for c in plan.collectives})
 
 
 def without_bytes(counter: Counter) -> Counter:

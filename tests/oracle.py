@@ -102,8 +102,10 @@ def record_counter(records: list) -> Counter:
 
 
 def plan_counter(plan: Plan) -> Counter:
-    return Counter({(c.kind, c.bytes, tuple(c.mesh_axes), c.phase): c.count
-                    for c in plan.collectives})
+    out: Counter = Counter()   # entries of different model segments add up
+    for c in plan.collectives:
+        out[(c.kind, c.bytes, tuple(c.mesh_axes), c.phase)] += c.count
+    return out
 
 
 def train_rank(comm: Comm, plan: Plan, w: Workload, data: list[Any], captured: Any = None

@@ -138,6 +138,42 @@ def test_all_to_all_uneven(
         assert records == (want if n > 1 else [])
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("axes", AXES)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_resplit_moves_the_cut(mesh: tuple[int, int], axes: tuple[int, ...], dim: int) -> None:
+    """A piece cut by one set of sizes re-cut by another (segment boundaries, HAP §5.2): every
+    member ends with exactly its new rows of the whole tensor, and the gradient goes back."""
+    from meshplan.runtime.collectives import resplit
+
+    def cuts(n: int) -> tuple[list[int], list[int]]:
+        return {1: ([6], [6]), 2: ([5, 1], [2, 4]), 4: ([2, 0, 3, 1], [1, 3, 0, 2])}[n]
+
+    whole = rand((6, 3), 7) if dim == 0 else rand((3, 6), 7)
+
+    def body(comm: Comm) -> tuple[torch.Tensor, torch.Tensor, list[CollectiveRecord]]:
+        n, me = comm.group_size(axes), comm.group_index(axes)
+        old, new = cuts(n)
+        x = torch.split(whole, old, dim=dim)[me].clone().requires_grad_(True)
+        y = resplit(comm, x, axes, dim, old, new)
+        (y * (me + 1)).sum().backward()
+        return y.detach(), x.grad, comm.records
+
+    for rank, (y, grad, records) in enumerate(run_emulated(body, mesh)):
+        group = members(mesh, rank, axes)
+        n, me = len(group), group.index(rank)
+        old, new = cuts(n)
+        torch.testing.assert_close(y, torch.split(whole, new, dim=dim)[me], rtol=0, atol=0)
+        # d(sum_m (m+1) * new piece m)/d(my old piece): each row weighted by its new owner + 1.
+        owner = torch.repeat_interleave(torch.arange(n), torch.tensor(new)).to(whole.dtype) + 1
+        shape = (-1, 1) if dim == 0 else (1, -1)
+        expect = torch.split(owner.view(shape).expand_as(whole), old, dim=dim)[me]
+        torch.testing.assert_close(grad, expect)
+        want = [CollectiveRecord("all_to_all", 4 * 18, norm(mesh, axes), p)
+                for p in ("forward", "backward")]
+        assert records == (want if n > 1 and old != new else [])
+
+
 def test_size_one_axes_are_identity_and_record_nothing() -> None:
     def body(comm: Comm) -> list[bool]:
         x = torch.ones(2, 3)

@@ -34,7 +34,7 @@ from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.grain import cut_units
-from meshplan.lower.shards import (MeshPos, Sharded, gathered, local_shape, op_output,
+from meshplan.lower.shards import (MeshPos, Sharded, cut, gathered, local_shape, op_output,
                                    piece_offsets, source_sharded, split_more, uneven,
                                    with_partial)
 from meshplan.plan.plan import OpDecision, Plan
@@ -94,17 +94,29 @@ class _Lowerer:
         # autocast leaves aten.convolution in fp32): cast explicitly, as the plan prices them.
         self.half = None if plan.dtype == "fp32" else getattr(torch, DTYPES[plan.dtype])
         self.rng = self.out.placeholder("rng")
+        # Model segments (HAP §5.2): a node's rank position carries its segment's weights, so
+        # what it cuts, it cuts by them (`_at`); operands cut by another segment's are re-cut.
+        self.positions = [MeshPos(pos.shape, pos.rank, tuple(tuple(a) for a in w))
+                          for w in plan.segment_weights] or [pos]
+        self.segment_of = plan.segment_of if plan.segment_weights else {}
         # Cut units matter to uneven shards only (`shards.cut`).
-        self.units = cut_units(graph) if uneven(pos.weights) else {}
+        self.units = cut_units(graph) if any(uneven(p.weights) for p in self.positions) else {}
         # How uneven shards are gathered: the plan's choice per tensor, made again here by the
         # same rule on the same figures (`uneven_gather_impl`).
-        self.mesh = with_shares(LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta),
-                                pos.weights, plan.options.get("gather_impl", "auto"))
+        self.meshes = [with_shares(LogicalMesh(plan.mesh_shape, plan.alpha, plan.beta),
+                                   p.weights, plan.options.get("gather_impl", "auto"))
+                       for p in self.positions]
+        self._at(0)
         # Consumers of SFB weights -> how they compute the weight's gradient.
         self.sfb: dict[str, SfbUse] = {}
         if any(p.update == "sfb" for p in plan.params):
             self.sfb = {use.consumer: use for param, use in sfb_uses(graph).items()
                         if self.params[param].update == "sfb"}
+
+    def _at(self, segment: int) -> None:
+        """Lower the next node as one of ``segment``."""
+        self.segment, self.pos, self.mesh = (segment, self.positions[segment],
+                                             self.meshes[segment])
 
     def _units(self, name: str, ndim: int) -> tuple[int, ...]:
         return tuple(self.units.get((name, d), 1) for d in range(ndim))
@@ -117,6 +129,7 @@ class _Lowerer:
         phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
                if n.is_source and n.role != "constant"]
         for node in self.graph.nodes:
+            self._at(self.segment_of.get(node.name, 0))
             if node.is_source:
                 self._source(node)
             elif node.op == SINK_OP:
@@ -276,7 +289,23 @@ class _Lowerer:
             for step in recipe.steps:
                 val, fxn = self._step(step, val, fxn, name)
             self.moved[key] = (val, fxn)
-        return self.moved[key]
+        if len(self.positions) == 1:
+            return self.moved[key]
+        if (*key, self.segment) not in self.moved:
+            self.moved[(*key, self.segment)] = self._resplit(name, *self.moved[key])
+        return self.moved[(*key, self.segment)]
+
+    def _resplit(self, name: str, val: Sharded, fxn: fx.Node) -> tuple[Sharded, fx.Node]:
+        """``val`` with every split dim cut as this node's segment cuts it: a dim another
+        segment cut is re-cut by an all-to-all (`C.resplit`)."""
+        units = self._units(name, len(val.shape))
+        for d, (axes, pieces) in enumerate(zip(val.layout.dims, val.pieces)):
+            want = cut(val.shape[d], axes, self.pos.weights, units[d]) if axes else None
+            if want is not None and tuple(pieces) != want:
+                fxn = self.out.call_function(C.resplit, (self.comm, fxn, axes, d, pieces, want))
+                val = Sharded(val.shape, val.layout,
+                              tuple(want if e == d else p for e, p in enumerate(val.pieces)))
+        return val, fxn
 
     def _gather(self, name: str) -> None:
         """A ZeRO-3 parameter gathered from its shards, emitted before its first use so that it

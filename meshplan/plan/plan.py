@@ -63,6 +63,7 @@ class CollectiveEntry:
     mesh_axes: tuple[int, ...]
     phase: str
     count: int
+    segment: int = 0   # the model segment whose shard weights it runs on (`Plan.segment_of`)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,12 @@ class Plan:
     # Point-to-point messages between ranks per step (`lower/stage_transfers.py`).
     transfers: tuple[TransferEntry, ...] = ()
     num_layers: int = 1
+    # HAP §5.2: a single-stage plan cut into model segments, each with its own per-axis shard
+    # weights (``segment_weights[k]``, as ``axis_weights``); ``segment_of`` names every node's
+    # segment. A value split on an axis whose weights differ is re-cut (an all-to-all) where a
+    # segment other than its producer's reads it. Empty: one segment, ``axis_weights``.
+    segment_weights: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    segment_of: dict[str, int] = field(default_factory=dict)
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -222,7 +229,8 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
                        for s in d.get("stages", ()))
         transfers = tuple(TransferEntry(**{f: _tuples(v) for f, v in t.items()})
                           for t in d.get("transfers", ()))
-        rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options")
+        rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options",
+                                           "segment_of")
                 else v for k, v in d.items()
                 if k not in ("params", "ops", "sources", "collectives", "stages", "transfers")}
         rest["stages"] = stages

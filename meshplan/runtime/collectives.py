@@ -291,6 +291,33 @@ class _AllToAll(Function):
         return back, None, None, None, None, None, None
 
 
+def resplit(
+    comm: Comm,
+    x: torch.Tensor,
+    axes: Sequence[int],
+    dim: int,
+    sizes: Sequence[int],
+    new_sizes: Sequence[int],
+) -> torch.Tensor:
+    """S(dim) cut by ``sizes`` → S(dim) cut by ``new_sizes`` (`Comm.resplit`); backward moves
+    the gradient back to ``sizes``."""
+    return _Resplit.apply(x, comm, tuple(axes), dim, tuple(sizes), tuple(new_sizes))
+
+
+class _Resplit(Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, comm: Comm, axes: tuple[int, ...], dim: int,
+                sizes: tuple[int, ...], new_sizes: tuple[int, ...]) -> torch.Tensor:
+        ctx.comm, ctx.axes, ctx.dim, ctx.sizes = comm, axes, dim, (sizes, new_sizes)
+        return comm.resplit(x, axes, dim, sizes, new_sizes, phase="forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        sizes, new_sizes = ctx.sizes
+        back = ctx.comm.resplit(grad, ctx.axes, ctx.dim, new_sizes, sizes, phase="backward")
+        return back, None, None, None, None, None
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")

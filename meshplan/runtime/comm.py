@@ -258,6 +258,44 @@ class Comm(ABC):
         chunks = torch.split(received, out_splits)
         return torch.cat([c.view(s) for c, s in zip(chunks, shapes)], dim=cd)
 
+    def resplit(
+        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int],
+        new_sizes: Sequence[int], *, phase: str,
+    ) -> torch.Tensor:
+        """Move the cut of ``dim`` from ``sizes`` to ``new_sizes`` (both one length per member,
+        with the same sum): every member sends each other the rows of its piece that fall in
+        that member's new piece, one all-to-all (HAP §5.2's re-split between model segments
+        with different shard ratios). Recorded as an all-to-all of the whole tensor."""
+        ax = self._begin(t, axes, phase)
+        d = _check_dim(t, dim)
+        sizes = self._check_sizes("sizes", sizes, ax)
+        new_sizes = self._check_sizes("new_sizes", new_sizes, ax)
+        if sum(sizes) != sum(new_sizes):
+            raise ValueError(f"resplit: sizes {sizes} and new_sizes {new_sizes} cut different "
+                             f"lengths ({sum(sizes)} vs {sum(new_sizes)})")
+        me = self._index(ax)
+        if t.shape[d] != sizes[me]:
+            raise ValueError(f"resplit: my piece has {t.shape[d]} along dim {d} but sizes says "
+                             f"{sizes[me]} (sizes={sizes})")
+        if not ax or sizes == new_sizes:
+            return t
+        self._record("all_to_all", _nbytes_along(t, d, sum(sizes)), ax, phase)
+        old_at, new_at = _offsets(sizes), _offsets(new_sizes)
+        row = math.prod(t.shape[:d] + t.shape[d + 1:])   # elements per index of dim
+
+        def overlap(a: int, b: int) -> tuple[int, int]:
+            """(start within a's old piece, rows) of member a's old piece in b's new one."""
+            lo = max(old_at[a], new_at[b])
+            hi = min(old_at[a] + sizes[a], new_at[b] + new_sizes[b])
+            return (lo - old_at[a], hi - lo) if hi > lo else (0, 0)
+
+        send = [overlap(me, m) for m in range(len(sizes))]
+        flat = torch.cat([t.detach().narrow(d, s, n).reshape(-1) for s, n in send])
+        came = [overlap(m, me)[1] for m in range(len(sizes))]
+        received = self._all_to_all(flat, [n * row for _, n in send], [n * row for n in came], ax)
+        chunks = torch.split(received, [n * row for n in came])
+        return torch.cat([c.view(_with_size(t.shape, d, n)) for c, n in zip(chunks, came)], dim=d)
+
     # -- transport primitives: equal-size exchanges over normalized, non-empty axes ----------
 
     @abstractmethod

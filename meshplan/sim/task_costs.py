@@ -47,11 +47,14 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     if missing:
         raise ValueError(f"plan {p.model!r} lacks {missing} in its predictions: it was made by "
                          "an older meshplan; make the plan again to simulate it")
-    mesh = with_shares(logical_mesh(cluster_from_dict(p.cluster), tuple(p.mesh_shape)),
-                       p.axis_weights, p.options.get("gather_impl", "auto"))
+    flat = logical_mesh(cluster_from_dict(p.cluster), tuple(p.mesh_shape))
+    # Each collective on its model segment's shares (one segment: the plan's axis weights).
+    meshes = [with_shares(flat, w, p.options.get("gather_impl", "auto"))
+              for w in p.segment_weights or (p.axis_weights,)]
     per_pass: dict[str, float] = defaultdict(float)
     for c in p.collectives:
-        per_pass[c.phase] += c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
+        per_pass[c.phase] += c.count * collective_cost(c.kind, meshes[c.segment], c.mesh_axes,
+                                                       c.bytes)
     b = p.microbatches
     forward = p.predicted["forward_s"] + per_pass["forward"] / b
     backward = p.predicted["backward_s"] + (per_pass["backward"] + per_pass["recompute"]) / b

@@ -18,6 +18,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.collectives import collective_cost, uneven_gather_impl
@@ -27,6 +28,7 @@ from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
 from meshplan.cost.precision import DTYPES
 from meshplan.ir.graph import Graph, Node
+from meshplan.plan.plan import CollectiveEntry
 from meshplan.planner.hetero.astar import SearchStats, synthesize
 from meshplan.planner.hetero.load_balance import Device, Phase, balance
 from meshplan.planner.intra.choices import IntraOptions, NodeChoices, resolve_choices
@@ -131,25 +133,32 @@ def alternate(graph: Graph, cluster: Cluster, opts: IntraOptions, step: StepSett
     return HeteroResult(form, sol, ratios, tuple(rounds), synth_s, lp_s, stats)
 
 
-def program_phases(form: Formulation, choices: tuple[int, ...]
-                   ) -> tuple[list[Phase], list[Device], float]:
+def program_phases(form: Formulation, choices: tuple[int, ...],
+                   segment_of: Mapping[str, int] | None = None,
+                   resplit: Sequence[tuple[int, CollectiveEntry]] = ()
+                   ) -> tuple[list[Phase], list[Device], list[float]]:
     """The program ``choices`` as the balancer sees it: phases, devices (memory and the
-    bytes held whatever the share) and the bytes shared by the ratios."""
+    bytes held whatever the share) and, per segment, the bytes shared by its ratios.
+    ``segment_of`` cuts it into model segments (`segments.py`; none: one), ``resplit`` adds
+    the all-to-alls re-cutting values between them, each in its segment."""
     ctx = form.ctx
+    seg = segment_of or {}
     nc, idx = form.choices, node_indices(form, choices)
     costs = OpCosts(nc, ctx)
     types = ctx.devices or (ctx.device,) * ctx.mesh.num_devices
     n = len(types)
     split: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * n)
     fixed: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * n)
-    state = shared = 0.0
+    state = 0.0
+    shared = [0.0] * (max(seg.values(), default=0) + 1)
     whole = {costs.sfb[p.name].consumer for p in nc.graph.params()
              if nc.choices[p.name][idx[p.name]].mode == "sfb"}
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         held = costs.memory(node, choice)
+        k = seg.get(node.name, 0)
         if 1 in choice.strategy.output.split_axes:
-            shared += held * n
+            shared[k] += held * n
         else:
             state += held
         if ctx.device is None or node.is_source or node.flops == 0:
@@ -157,21 +166,25 @@ def program_phases(form: Formulation, choices: tuple[int, ...]
         times = [_op_seconds(node, t, ctx) for t in types]
         if node.name in whole:   # an SFB weight's gradient: over the whole batch everywhere
             dw = [_op_seconds(node, t, ctx, forward_only=True) for t in types]
-            _add(fixed, dw)
+            _add(fixed, dw, 0)
             times = [t - d for t, d in zip(times, dw)]
-        _add(split if 1 in choice.strategy.work_axes else fixed, times)
-    phases = [Phase(0.0, split_s=tuple(v)) for v in split.values()]
+        if 1 in choice.strategy.work_axes:
+            _add(split, times, k)
+        else:
+            _add(fixed, times, 0)
+    phases = [Phase(0.0, split_s=tuple(v), segment=key[0]) for key, v in split.items()]
     phases += [Phase(0.0, fixed_s=tuple(v)) for v in fixed.values()]
-    phases.append(_communication(form, choices, n))
+    phases += _communication(form, choices, n, seg, resplit, len(shared))
     devices = [Device(1.0, float(t.memory_bytes), state) for t in types]
     return phases, devices, shared
 
 
-def _add(phases: dict[tuple, list[float]], times: list[float]) -> None:
-    """Add per-device ``times`` to the phase of their speed ratios (one phase per ratio set)."""
+def _add(phases: dict[tuple, list[float]], times: list[float], segment: int) -> None:
+    """Add per-device ``times`` to the phase of their speed ratios in ``segment`` (one phase
+    per ratio set and segment)."""
     key = tuple(round(t / times[0], 9) for t in times) if times[0] else tuple(times)
     for j, t in enumerate(times):
-        phases[key][j] += t
+        phases[(segment, key)][j] += t
 
 
 def _op_seconds(node: Node, device: DeviceType, ctx: CostContext, *,
@@ -184,29 +197,38 @@ def _op_seconds(node: Node, device: DeviceType, ctx: CostContext, *,
     return ctx.microbatches * (f if forward_only else f * (1 + ctx.recompute) + b)
 
 
-def _communication(form: Formulation, choices: tuple[int, ...], n: int) -> Phase:
-    """The program's collectives as one phase: latency and ratio-free seconds as constants,
-    the padded ones' bytes per unit of the largest share (an all-to-all's, whose padding
-    grows with the square of it, linearized at the current ratios)."""
+def _communication(form: Formulation, choices: tuple[int, ...], n: int,
+                   segment_of: Mapping[str, int],
+                   resplit: Sequence[tuple[int, CollectiveEntry]], segments: int) -> list[Phase]:
+    """The program's collectives as one phase per segment (each owned by its op's segment):
+    latency and ratio-free seconds as constants, the padded ones' bytes per unit of the
+    largest share (an all-to-all's, whose padding grows with the square of it, linearized at
+    the current ratios; a re-cut's, each device receiving its new share, linear)."""
     mesh = form.ctx.mesh
     result = extract(form, choices, form.ctx)
-    constant = per_share = 0.0
+    constant, per_share = [0.0] * segments, [0.0] * segments
     top = max(mesh.shares((1,)))
-    for c in result.collectives:
+    every = [(segment_of.get(owner, 0), c, False) for owner, c in result.owned]
+    every += [(k, c, True) for k, c in resplit]
+    for k, c, recut in every:
         cost = c.count * collective_cost(c.kind, mesh, c.mesh_axes, c.bytes)
         impl = uneven_gather_impl(mesh, c.mesh_axes, c.bytes)
         live = tuple(a for a in c.mesh_axes if mesh.shape[a] > 1)
-        if impl == "ring" or not live:
-            constant += cost
+        if (impl == "ring" and not recut) or not live:
+            constant[k] += cost
             continue
         alpha = max(mesh.alpha[a] for a in live)
         beta = max(mesh.beta[a] for a in live)
-        if c.kind in ("all_gather", "reduce_scatter") and impl == "padded":
-            constant += c.count * alpha
-            per_share += c.count * (n - 1) * c.bytes * beta
+        if recut:
+            constant[k] += c.count * alpha
+            per_share[k] += c.count * c.bytes * beta
+        elif c.kind in ("all_gather", "reduce_scatter") and impl == "padded":
+            constant[k] += c.count * alpha
+            per_share[k] += c.count * (n - 1) * c.bytes * beta
         elif c.kind == "all_to_all":
-            constant += c.count * alpha
-            per_share += c.count * (n - 1) * c.bytes * beta * top
+            constant[k] += c.count * alpha
+            per_share[k] += c.count * (n - 1) * c.bytes * beta * top
         else:
-            constant += cost
-    return Phase(0.0, fixed_s=(constant,) * n, beta_s_per_share=per_share)
+            constant[k] += cost
+    return [Phase(0.0, fixed_s=(constant[k],) * n, beta_s_per_share=per_share[k], segment=k)
+            for k in range(segments)]

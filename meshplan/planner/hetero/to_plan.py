@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 from meshplan.cost.cluster import Cluster
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.hetero.alternate import (HeteroResult, StepSettings, alternate,
                                                flat_choices, hetero_context, speed_shares)
+from meshplan.planner.hetero.alternate import program_phases
 from meshplan.planner.hetero.astar import synthesize
+from meshplan.planner.hetero.load_balance import balance
+from meshplan.planner.hetero.segments import (cut_segments, ratio_weights, resplit_entries,
+                                              resplits, segmented_plan)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.formulate import formulate
 from meshplan.planner.intra.to_plan import intra_plan
@@ -31,10 +35,13 @@ HETERO_METHODS = ("hetero", "dp-even", "dp-proportional")
 def plan_mixed(graph: Graph, fingerprint: str, cluster: Cluster, method: str,
                opts: IntraOptions, step: StepSettings, budget: float | None, *, dtype: str,
                name: str, optimizer: dict[str, Any], t0: float,
-               ratios: tuple[float, ...] | None = None) -> Plan:
+               ratios: tuple[float, ...] | None = None, segments: int = 1,
+               segment_ratios: Sequence[Sequence[float]] | None = None) -> Plan:
     """The plan of one of `HETERO_METHODS` (module docstring); ``ratios`` (method "hetero"
-    only) fixes the shard ratios instead of balancing them. Raises InfeasibleIlpError when
-    nothing fits ``budget``."""
+    only) fixes the shard ratios instead of balancing them. ``segments`` > 1 (HAP §5.2) cuts
+    the hetero program into that many model segments and balances a ratio set per segment,
+    kept when it beats one set (`_segmented`); ``segment_ratios`` fixes one set per segment.
+    Raises InfeasibleIlpError when nothing fits ``budget``."""
     if method == "hetero":
         found = alternate(graph, cluster, opts, step, budget, dtype, fixed=ratios)
         extra = _loop_record(found)
@@ -60,7 +67,34 @@ def plan_mixed(graph: Graph, fingerprint: str, cluster: Cluster, method: str,
                               "device_types": [t.name for t in cluster.types],
                               "search_states": found.stats.generated,
                               "solver": found.stats.solver} | extra
+    if method == "hetero" and (segments > 1 or segment_ratios):
+        plan = _segmented(plan, found, graph, segments, segment_ratios)
     return plan
+
+
+def _segmented(plan: Plan, found: HeteroResult, graph: Graph, count: int,
+               fixed: Sequence[Sequence[float]] | None) -> Plan:
+    """``plan`` cut into ``count`` model segments (`segments.cut_segments`) with a ratio set
+    per segment from the LP over the program's phases with the re-cuts between segments — if
+    that predicts a faster step than one set; ``fixed`` ratio sets are taken as given."""
+    form, choices = found.form, found.solution.choices
+    t0 = time.perf_counter()
+    segment_of = cut_segments(graph, len(fixed) if fixed else count)
+    if fixed:
+        return segmented_plan(plan, form, choices, form.ctx, segment_of,
+                              [ratio_weights(r) for r in fixed])
+    candidates = resplits(graph, plan, segment_of, None)
+    recuts = resplit_entries(candidates, plan.microbatches, plan.recompute)
+    balanced = balance(*program_phases(form, choices, segment_of, recuts))
+    cut = segmented_plan(plan, form, choices, form.ctx, segment_of,
+                         [ratio_weights(r) for r in balanced.segments])
+    one, many = plan.predicted["step_time_s"], cut.predicted["step_time_s"]
+    record = {"count": count, "ratios": [list(r) for r in balanced.segments],
+              "step_s": many, "one_set_step_s": one, "recuts": len(candidates),
+              "kept": many < one, "balance_s": time.perf_counter() - t0}
+    chosen = cut if many < one else plan
+    return replace(chosen, options={**chosen.options, "hetero": {
+        **chosen.options["hetero"], "segments": record}})
 
 
 def _loop_record(found: HeteroResult) -> dict[str, Any]:
@@ -94,3 +128,30 @@ def check_mixed_request(method: str, mesh_shape: object, abstract: bool, num_dev
                          f"(1, {num_devices}) mesh; got {axis_weights!r}")
     return tuple(x / sum(rows[1]) for x in rows[1])
 
+
+
+def check_segments(segments: Any, segment_ratios: Any, method: str, mixed_auto: bool,
+                   num_devices: int, axis_weights: Any
+                   ) -> tuple[int, tuple[tuple[float, ...], ...] | None]:
+    """Refuse segment settings the plan cannot honour (only method "hetero", or "auto" on a
+    mixed cluster, has segments; a count >= 1; fixed sets of one non-negative ratio per device
+    each, not with ``axis_weights``). Returns (count, fixed ratio sets or None)."""
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1, got {segments!r}")
+    if (segments > 1 or segment_ratios) and method != "hetero" and not mixed_auto:
+        raise ValueError(f"segments (HAP's per-segment shard ratios) apply to method 'hetero' "
+                         f"(or 'auto' on a mixed cluster), not {method!r}")
+    if not segment_ratios:
+        return segments, None
+    if axis_weights:
+        raise ValueError("give segment_ratios or axis_weights, not both")
+    sets = []
+    for r in segment_ratios:
+        row = tuple(float(x) for x in r) if isinstance(r, (list, tuple)) else ()
+        if len(row) != num_devices or min(row) < 0 or sum(row) <= 0:
+            raise ValueError(f"segment_ratios takes one list of {num_devices} non-negative "
+                             f"ratios (a positive sum) per segment; got {r!r}")
+        sets.append(tuple(x / sum(row) for x in row))
+    if segments not in (1, len(sets)):
+        raise ValueError(f"segments={segments} but segment_ratios gives {len(sets)} sets")
+    return len(sets), tuple(sets)

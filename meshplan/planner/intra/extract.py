@@ -9,6 +9,7 @@ ZeRO-3: reduce-scatter, with each parameter all-gathered before the forward pass
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
@@ -39,6 +40,9 @@ class IntraResult:
     # parameter/gradient/optimizer state and of kept activations, the program's forward FLOPs
     # (all devices together) and the samples of one step.
     figures: dict[str, float]
+    # Every collective with the node that owns it (the op whose partial sums it reduces or
+    # whose operand it moves, the parameter it synchronizes; "" for the update's buckets).
+    owned: tuple[tuple[str, CollectiveEntry], ...] = ()
 
 
 def node_indices(form: Formulation, choices: tuple[int, ...]) -> dict[str, int]:
@@ -63,7 +67,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     nc, g = form.choices, form.choices.graph
     idx = node_indices(form, choices)
     costs, real_costs = OpCosts(nc, form.ctx), OpCosts(nc, real)
-    counts: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
+    counts: Counter[tuple[str, int, tuple[int, ...], str, str]] = Counter()
     sync: dict[str, list[tuple[int, ...]]] = {}
     sfb: dict[str, tuple[int, ...]] = {}    # SFB weights and the axes their factors gather
     seen: set[tuple] = set()
@@ -79,7 +83,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
         forward, backward = forward + f, backward + b
         for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
             for label, n in form.ctx.phase_counts(phase):
-                counts[(kind, nbytes, axes, label)] += n
+                counts[(kind, nbytes, axes, label, node.name)] += n
         comm[node.name] += costs.stat_sync_cost(node, choice)
         for j, name in enumerate(node.inputs):
             charges = use_charges(costs, node, j, idx[name], idx[node.name])
@@ -96,7 +100,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                     backward += real_costs.sfb_extra_s(node, axes) / real.microbatches
                     for step in key[3]:   # the factors' all-gathers, every backward
                         for label, n in form.ctx.phase_counts("backward"):
-                            counts[("all_gather", step.nbytes, step.axes, label)] += n
+                            counts[("all_gather", step.nbytes, step.axes, label, node.name)] += n
                 elif key not in seen:
                     _count_recipe(key[2], g.by_name[name].requires_grad, form.ctx, counts,
                                   comm, reshard, name, node.name)
@@ -116,7 +120,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())
                     for n in g.nodes if n.role in ("input", "target"))
-    colls = tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(counts.items()))
+    owned = tuple((o, CollectiveEntry(k, b, a, p, c))
+                  for (k, b, a, p, o), c in sorted(counts.items()))
+    colls = _merged(entry for _, entry in owned)
     comm_time = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
                     for c in colls)
     # `OpCosts.compute_cost` summed over the ops: per micro-batch, the forward (twice when
@@ -133,7 +139,15 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
     return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory + working,
-                       compute + comm_time, figures)
+                       compute + comm_time, figures, owned)
+
+
+def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
+    """Entries of the same kind, size, axes and phase as one, sorted."""
+    total: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
+    for c in entries:
+        total[(c.kind, c.bytes, c.mesh_axes, c.phase)] += c.count
+    return tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(total.items()))
 
 
 def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int]) -> StepPeaks:
@@ -173,10 +187,11 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
     """Collectives of one moved value and their cost, owned by the op whose partial sums they
     reduce or by the consumer they bring the value to."""
     for step in recipe.steps:
+        owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
         for kind, phase in step.collectives(needs_grad):
             for label, n in ctx.phase_counts(phase):
-                counts[(kind, step.nbytes, step.axes, label)] += n
-        owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
+                counts[(kind, step.nbytes, step.axes, label,
+                        value if owner is comm else consumer)] += n
         owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh,
                                                                  ctx.weights)
 
@@ -203,7 +218,7 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
             continue
         nbytes = local_bytes(n, spec, shape)
         for extra in backward:  # uses synchronized apart from the update (`param_sync`)
-            counts[("all_reduce", nbytes, extra, "backward")] += form.ctx.microbatches
+            counts[("all_reduce", nbytes, extra, "backward", n.name)] += form.ctx.microbatches
         if axes and mode == "replicated":
             buckets[("all_reduce", axes, "update", mode)] += nbytes
         elif axes:   # ZeRO: one parameter at a time in the passes, the update's bucketed
@@ -211,14 +226,14 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
                 if phase == "update":
                     buckets[(kind, axes, phase, mode)] += nbytes
                 else:
-                    counts[(kind, nbytes, axes, phase)] += count
+                    counts[(kind, nbytes, axes, phase, n.name)] += count
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
         shapes.append(n.out.shape)
         dims.append(update_dims(spec.dims, mode, axes))
     for (kind, axes, phase, _), nbytes in buckets.items():
-        counts[(kind, nbytes, axes, phase)] += 1
+        counts[(kind, nbytes, axes, phase, "")] += 1
     if form.ctx.optimizer.factored:  # its statistics completed over the shards (runtime's)
         for b in factored_buckets(shapes, dims, shape):
-            counts[("all_reduce", 4 * b.numel, b.axes, "update")] += 1
+            counts[("all_reduce", 4 * b.numel, b.axes, "update", "")] += 1
     return tuple(out)
