@@ -160,6 +160,14 @@ def _add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--ratios", type=_ratios, metavar="R0,R1,...",
                    help="with --method hetero: fixed shard ratios, one per device, instead of "
                         "balancing them")
+    p.add_argument("--segments", type=_positive_int, default=1, metavar="K",
+                   help="with --method hetero: cut the program into K model segments of about "
+                        "equal FLOPs, each with shard ratios of its own (HAP §5.2; values "
+                        "re-cut by an all-to-all between them), kept when faster than one set "
+                        "(default: 1)")
+    p.add_argument("--segment-ratios", type=_ratios, action="append", metavar="R0,R1,...",
+                   help="with --method hetero: one segment's fixed ratios, one per device; "
+                        "repeat once per segment")
     p.add_argument("--force-batch-dim", type=_mesh_axis, metavar="AXIS",
                    help="split the batch dim of every op over this mesh axis (0 or 1)")
     p.add_argument("--prefer-reduce-scatter", action="store_true",
@@ -416,7 +424,8 @@ def _plan_from_args(args: argparse.Namespace) -> Plan:
                 microbatches=args.microbatches, recompute=args.recompute,
                 num_layers=args.num_layers, schedule=args.schedule, name=work.name,
                 progress=not args.quiet, gather=args.gather, sfb=args.sfb,
-                axis_weights=((1.0,), args.ratios) if args.ratios else None)
+                axis_weights=((1.0,), args.ratios) if args.ratios else None,
+                segments=args.segments, segment_ratios=args.segment_ratios)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -169,7 +169,7 @@ def test_resplit_moves_the_cut(mesh: tuple[int, int], axes: tuple[int, ...], dim
         shape = (-1, 1) if dim == 0 else (1, -1)
         expect = torch.split(owner.view(shape).expand_as(whole), old, dim=dim)[me]
         torch.testing.assert_close(grad, expect)
-        want = [CollectiveRecord("all_to_all", 4 * 18, norm(mesh, axes), p)
+        want = [CollectiveRecord("resplit", 4 * 18, norm(mesh, axes), p)
                 for p in ("forward", "backward")]
         assert records == (want if n > 1 and old != new else [])
 

@@ -117,6 +117,18 @@ def all_to_all_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> fl
     return _ring_cost(mesh, axes, nbytes, lambda n: (n - 1) * top * top)
 
 
+def resplit_cost(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
+    """α + max share · B · β for re-cutting a tensor of ``nbytes`` split over ``axes`` into
+    ``mesh``'s shares (`Comm.resplit`, between model segments): one all-to-all of variable
+    pieces in which each device receives at most its new share. (What it sends is at most its
+    old share, which the other segment's ratios set; the receiving side is priced.)"""
+    live = _live(mesh, axes)
+    if not live:
+        return 0.0
+    top = max(mesh.shares(live)) if not mesh.is_even(live) else 1 / group_size(mesh, live)
+    return _ring_cost(mesh, axes, nbytes, lambda n: top)
+
+
 def send_recv_cost(alpha: float, beta: float, nbytes: float) -> float:
     """α + B·β for one point-to-point transfer of `nbytes` bytes over a link (α, β)."""
     for name, value in (("alpha", alpha), ("beta", beta)):
@@ -157,6 +169,7 @@ _KINDS: Mapping[str, Callable[[LogicalMesh, Sequence[int], float], float]] = Map
         "all_gather": all_gather_cost,
         "reduce_scatter": reduce_scatter_cost,
         "all_to_all": all_to_all_cost,
+        "resplit": resplit_cost,
     }
 )
 

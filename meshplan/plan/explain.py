@@ -79,17 +79,39 @@ def _ratios(plan: Plan) -> str:
     if not info:
         return "  shard weights    " + "; ".join(
             f"axis {a}: " + ", ".join(f"{x:g}" for x in w) for a, w in enumerate(plan.axis_weights))
-    groups: dict[tuple[str, float], int] = {}
-    for name, r in zip(info["device_types"], info["ratios"]):
-        key = (name, round(r, 4))
-        groups[key] = groups.get(key, 0) + 1
-    shares = ", ".join(f"{name} x{n}: {r:.4f}" for (name, r), n in groups.items())
-    line = f"  shard ratios     {shares} (of every split dim, per device)"
+    line = f"  shard ratios     {_shares(info['device_types'], info['ratios'])} (of every " \
+           "split dim, per device)"
     if info.get("rounds"):
         line += (f"\n  ratio search     {len(info['rounds'])} round(s) of synthesis "
                  f"({info['synthesis_s']:.2f} s) and LP ({info['balance_s']:.2f} s); uneven "
                  f"gathers: {plan.options.get('gather_impl', 'auto')}")
+    seg = info.get("segments")
+    if seg and not seg["kept"]:
+        many, one = seg["step_s"] * 1e3, seg["one_set_step_s"] * 1e3
+        line += (f"\n  segments         {seg['count']} segments with ratios of their own "
+                 f"predicted {many:,.3f} ms, one set {one:,.3f} ms: one set kept")
+    if plan.segment_weights:
+        counts = [0] * len(plan.segment_weights)
+        for k in plan.segment_of.values():
+            counts[k] += 1
+        recuts = plan.options.get("segment_recuts", 0)
+        rest = line.partition("\n")[2]   # the ratio search, the one-set ratios replaced
+        line = "  shard ratios     per model segment (of every split dim, per device):"
+        for k, w in enumerate(plan.segment_weights):
+            line += (f"\n  {'':<16} segment {k} ({counts[k]} nodes): "
+                     f"{_shares(info['device_types'], w[1])}")
+        line += (f"\n  {'':<16} {recuts} value(s) re-cut between segments (an all-to-all "
+                 "each per micro-batch, forward and backward)") + (f"\n{rest}" if rest else "")
     return line
+
+
+def _shares(types: list[str], ratios: list[float] | tuple[float, ...]) -> str:
+    """Each device type's share, equal neighbours counted once."""
+    groups: dict[tuple[str, float], int] = {}
+    for name, r in zip(types, ratios):
+        key = (name, round(r, 4))
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(f"{name} x{n}: {r:.4f}" for (name, r), n in groups.items())
 
 
 def _search(plan: Plan) -> str:

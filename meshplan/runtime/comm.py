@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "resplit")
 PHASES: tuple[str, ...] = ("forward", "backward", "update", "recompute")
 IMPLS: tuple[str, ...] = ("padded", "broadcast")
 _IMPL_KINDS = ("all_gather", "reduce_scatter")  # the kinds with a choice of implementation
@@ -265,7 +265,7 @@ class Comm(ABC):
         """Move the cut of ``dim`` from ``sizes`` to ``new_sizes`` (both one length per member,
         with the same sum): every member sends each other the rows of its piece that fall in
         that member's new piece, one all-to-all (HAP §5.2's re-split between model segments
-        with different shard ratios). Recorded as an all-to-all of the whole tensor."""
+        with different shard ratios). Recorded as kind "resplit" of the whole tensor."""
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
         sizes = self._check_sizes("sizes", sizes, ax)
@@ -279,7 +279,7 @@ class Comm(ABC):
                              f"{sizes[me]} (sizes={sizes})")
         if not ax or sizes == new_sizes:
             return t
-        self._record("all_to_all", _nbytes_along(t, d, sum(sizes)), ax, phase)
+        self._record("resplit", _nbytes_along(t, d, sum(sizes)), ax, phase)
         old_at, new_at = _offsets(sizes), _offsets(new_sizes)
         row = math.prod(t.shape[:d] + t.shape[d + 1:])   # elements per index of dim
 

@@ -99,6 +99,9 @@ class Trainer:
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
+        if weights and plan.segment_weights:
+            raise ValueError("this plan cuts its model into segments, each with its own shard "
+                             "weights (plan.segment_weights): give no weights")
         w = tuple(tuple(float(x) for x in a) for a in weights) if weights else \
             plan.axis_weights or even_weights(plan.mesh_shape)
         self.comm, self.plan, self.graph = comm, plan, graph

@@ -167,7 +167,7 @@ def resplit_entries(found: Sequence[Resplit], microbatches: int, recompute: bool
         for phase in ("forward", "backward") if r.needs_grad else ("forward",):
             for label, n in ctx.phase_counts(phase):
                 counts[(r.segment, r.nbytes, r.axes, label)] += n
-    return [(k, CollectiveEntry("all_to_all", b, a, p, c))
+    return [(k, CollectiveEntry("resplit", b, a, p, c))
             for (k, b, a, p), c in sorted(counts.items())]
 
 
@@ -198,6 +198,7 @@ def segmented_plan(plan: Plan, form: Formulation, choices: tuple[int, ...], real
     predicted = {**plan.predicted, "forward_s": forward, "backward_s": backward,
                  "step_time_s": compute + comm}
     return replace(plan, collectives=colls, predicted=predicted,
+                   options={**plan.options, "segment_recuts": len(found)},
                    axis_weights=tuple(weights[0]),
                    segment_weights=tuple(tuple(tuple(a) for a in w) for w in weights),
                    segment_of=dict(segment_of))
