@@ -1,5 +1,6 @@
-"""`make demo-pipeline` end to end: `auto` splits a GPT into stages for two hosts, and 4 and 8
-real gloo processes train that plan with the losses of one device."""
+"""`make demo-pipeline` end to end: `auto` splits a GPT into stages for hosts of two GPUs (two
+hosts, then four), and 4 and 8 real gloo processes train that plan with the losses of one
+device."""
 
 from __future__ import annotations
 

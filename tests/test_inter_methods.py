@@ -272,3 +272,24 @@ def test_inter_only_skips_submeshes_its_restriction_cannot_plan() -> None:
                  method="inter-only", dtype="fp32")
     assert p.num_stages >= 2
     assert sorted({d for s in p.stages for d in s.devices}) == [0, 1]
+
+
+def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
+    """Eq. 2 leaves out the activations a pipeline sends between stages and the tied
+    embedding's gradient the stages exchange; on two hosts of four GPUs joined by 25 Gb/s
+    those make the DP's 2-stage GPT slower than one stage over all eight, as the simulator
+    runs it — so auto answers one stage, and says why."""
+    from meshplan.demo_pipeline import OPT, SPEC
+    from meshplan.sim.simulate import simulate
+    w = build_workload(SPEC, device="meta")
+    plan = api.plan(w.model, w.loss_fn, OPT, w.example_batch, "p3.16xlarge:2x4", dtype="fp32",
+                    memory_budget_gb=0)
+    check = plan.options["pipeline_check"]
+    assert plan.num_stages == 1
+    assert check["pipeline_simulated_s"] > 1.3 * check["pipeline_estimated_s"]
+    assert simulate(plan).step_time_s == pytest.approx(check["one_stage_s"])
+    assert check["one_stage_s"] < check["pipeline_simulated_s"]
+    # Where the pipeline stays the faster, as simulated, it is kept (hosts of two).
+    kept = api.plan(w.model, w.loss_fn, OPT, w.example_batch, "p3.16xlarge:2x2", dtype="fp32",
+                    memory_budget_gb=0)
+    assert kept.num_stages == 2 and "one_stage_s" not in kept.options["pipeline_check"]

@@ -138,7 +138,65 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     best = _solved_best(search, req)
     if best is None:
         raise _infeasible(search.errors, counts, req)
-    return pipeline_plan(interleaved_if_chosen(best, req), req, time.perf_counter() - t0)
+    found = interleaved_if_chosen(best, req)
+    plan = pipeline_plan(found, req, time.perf_counter() - t0)
+    if plan.num_stages > 1 and req.method in ONE_STAGE_METHODS and not found.solution.hosts:
+        plan = _one_stage_if_simulated_faster(plan, found, req, t0)
+    return plan
+
+
+# The methods whose search may answer one stage over every device.
+ONE_STAGE_METHODS = ("auto", "inter-only", "equal-operator")
+# Whole solves of the one stage `_one_stage_if_simulated_faster` tries at most.
+ONE_STAGE_TRIES = 3
+
+
+def _one_stage_if_simulated_faster(plan: Plan, found: FoundPipeline, req: PipelineRequest,
+                                   t0: float) -> Plan:
+    """``plan`` (a pipeline of ``found``), or one stage over every device when that is faster
+    than the pipeline as the simulator runs it. Eq. 2 leaves out what a pipeline moves between
+    its stages: the activations and gradients at every boundary, and the gradients of a
+    parameter two stages share (a tied embedding), exchanged before the update — on a slow
+    network seconds the DP never saw. The simulator runs them; when its step is longer than
+    one stage's could be (its by-parts estimate), that stage is solved whole."""
+    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
+    simulated = simulate(plan).step_time_s
+    record = {"pipeline_estimated_s": plan.predicted["step_time_s"],
+              "pipeline_simulated_s": simulated}
+    one = _one_stage_below(found, req, simulated)
+    if one is None:
+        return replace(plan, options={**plan.options, "pipeline_check": record})
+    single = pipeline_plan(replace(found, solution=one, estimated_s=None), req,
+                           time.perf_counter() - t0)
+    # A stage's latency leaves out the update, which one stage's own plan prices: compare
+    # the plans (one stage's prediction is its simulation).
+    record["one_stage_s"] = single.predicted["step_time_s"]
+    chosen = single if record["one_stage_s"] < simulated else plan
+    return replace(chosen, options={**chosen.options, "pipeline_check": record})
+
+
+def _one_stage_below(found: FoundPipeline, req: PipelineRequest, bound: float
+                     ) -> PipelineSolution | None:
+    """The fastest one-stage pipeline over every device, solved whole, that fits the budget
+    and takes less than ``bound`` seconds per step; None if none does. Tries the few stage
+    options (logical mesh, recomputation, memory variant) whose by-parts estimate is below
+    the bound, fastest first."""
+    prof, cl = found.profiler, req.cluster
+    last, full = prof.layering.num_layers, (cl.num_hosts, cl.devices_per_host)
+    budget = req.budget if req.budget is not None else math.inf
+    options = sorted((o for o in prof(0, last, full)
+                      if o.latency * prof.microbatches < bound), key=lambda o: o.latency)
+    best = None
+    for o in options[:ONE_STAGE_TRIES]:
+        solved = prof.solutions([(0, last, full, o.label, 1)])[0]
+        if solved.memory_bytes > budget:
+            continue
+        one = make_solution((StagePlacement(0, last, full, replace(o, latency=solved.latency),
+                                            1),), prof.microbatches, found.solution.stats)
+        if one.total_latency < bound and (best is None or
+                                          one.total_latency < best.total_latency):
+            best = one
+    return best
 
 
 def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
@@ -215,7 +273,7 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
             break
         profiler = t.found.profiler
         sol = _solved_whole(profiler, list(t.candidates), req)
-        if req.method in ("auto", "inter-only", "equal-operator"):
+        if req.method in ONE_STAGE_METHODS:
             sol = _one_stage_if_faster(profiler, sol, req)
         if best is None or sol.total_latency < best.solution.total_latency:
             best = replace(t.found, solution=sol, estimated_s=t.estimate)
