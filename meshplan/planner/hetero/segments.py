@@ -190,7 +190,7 @@ def segmented_plan(plan: Plan, form: Formulation, choices: tuple[int, ...], real
         entries[(c.kind, c.bytes, c.mesh_axes, c.phase, k)] += c.count
     colls = tuple(CollectiveEntry(kind, b, a, p, n, k)
                   for (kind, b, a, p, k), n in sorted(entries.items()))
-    forward, backward = _compute(form, choices, real, segment_of, meshes)
+    forward, backward = _compute(form, choices, real, segment_of, meshes, result.figures)
     comm = sum(c.count * collective_cost(c.kind, meshes[c.segment], c.mesh_axes, c.bytes)
                for c in colls)
     m = real.microbatches
@@ -205,13 +205,13 @@ def segmented_plan(plan: Plan, form: Formulation, choices: tuple[int, ...], real
 
 
 def _compute(form: Formulation, choices: tuple[int, ...], real: CostContext,
-             segment_of: Mapping[str, int], meshes: Sequence[LogicalMesh]
-             ) -> tuple[float, float]:
+             segment_of: Mapping[str, int], meshes: Sequence[LogicalMesh],
+             whole: Mapping[str, float]) -> tuple[float, float]:
     """One micro-batch's forward and backward seconds, each op at its segment's slowest
-    share (`OpCosts.pass_times`; an SFB weight's whole-batch gradient as `extract` adds it)."""
+    share (`OpCosts.pass_times`): ``whole`` (`extract`'s figures at one share set, an SFB
+    weight's whole-batch gradient included) with every op's time moved to its segment's."""
     nc, idx = form.choices, node_indices(form, choices)
     costs = [OpCosts(nc, replace(real, mesh=m)) for m in meshes]
-    whole = extract(form, choices, real).figures
     plain = OpCosts(nc, real)
     forward = backward = 0.0
     for node in nc.graph.nodes:
