@@ -32,8 +32,9 @@ def plans() -> dict[str, meshplan.Plan]:
     return {
         "two": _plan("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128,batch=8", "local:4",
                      "megatron:dp=1,tp=2,pp=2", dtype="fp32"),
-        "gpt39b": _plan("gpt:preset=39b,batch=1024", "p3.16xlarge:8", "megatron:dp=1,tp=8,pp=8",
-                        dtype="fp16"),
+        # mb=1 is what the grid of micro-batch sizes chooses here; given, it is not searched.
+        "gpt39b": _plan("gpt:preset=39b,batch=1024", "p3.16xlarge:8",
+                        "megatron:dp=1,tp=8,pp=8,mb=1", dtype="fp16"),
     }
 
 
