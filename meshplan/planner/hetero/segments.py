@@ -13,8 +13,9 @@ wants its shares even — so one ratio set for the whole program is a compromise
   split on the mesh, read by an op of another segment than the one whose ratios cut it, is
   re-cut by one all-to-all (forward, and back in backward), once per value, move and segment.
 - `segmented_plan` prices a plan with its segments (each op at its segment's slowest share,
-  each collective at its segment's shares) and lists its collectives per segment;
-  `segment_balance` gives the LP (`load_balance.balance`) one ratio set per segment.
+  each collective at its segment's shares) and lists its collectives per segment, the re-cuts
+  as collectives of kind "resplit". The LP (`load_balance.balance`) takes one ratio set per
+  segment from `alternate.program_phases(form, choices, segment_of, resplit_entries(...))`.
 
 Segments need a one-row mesh, as the hetero programs are: the runtime re-cuts a dim over one
 axis group whose pieces one segment cut whole.
@@ -23,7 +24,6 @@ axis group whose pieces one segment cut whole.
 from __future__ import annotations
 
 import math
-
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
