@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-pipeline test bench coverage clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the versions the tests run on; the package declares ranges.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -350,10 +350,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 def _add_run_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "run", help="run a training script on N local processes (as torchrun would)",
-        description="Run SCRIPT on NPROC local processes joined by gloo, each with torchrun's "
-                    "environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so the same script runs "
-                    "under torchrun across machines; meshplan.parallelize joins that world. "
-                    "A failing process stops the others and the run.")
+        description="Run SCRIPT on NPROC local processes joined as one world (NCCL on GPUs, "
+                    "gloo on the CPU), each with torchrun's environment (RANK, WORLD_SIZE, "
+                    "LOCAL_RANK, MASTER_ADDR, ...), so the same script runs under torchrun "
+                    "across machines; meshplan.parallelize joins that world, rank r on GPU r "
+                    "when there are GPUs. A failing process stops the others and the run.")
     p.add_argument("script", metavar="SCRIPT", help="the training script (a Python file)")
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="processes to start (default: 1)")
@@ -362,6 +363,9 @@ def _add_run_parser(subparsers: Any) -> None:
                         "the run unless --ray-address); needs the 'ray' extra")
     p.add_argument("--ray-address", metavar="ADDRESS",
                    help="the Ray cluster to run on ('auto': the running one); implies --ray")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="where the ranks compute (default auto: a GPU each when there are "
+                        "GPUs, on Ray one GPU per actor; else the CPU)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments passed to SCRIPT")
     p.set_defaults(run=_run_script)
@@ -371,9 +375,10 @@ def _run_script(args: argparse.Namespace) -> int:
     from meshplan.runtime.run_script import run_script, run_script_on_ray
     try:
         if args.ray or args.ray_address:
-            run_script_on_ray(args.script, args.nproc, args.script_args, args.ray_address)
+            run_script_on_ray(args.script, args.nproc, args.script_args, args.ray_address,
+                              device=args.device)
         else:
-            run_script(args.script, args.nproc, args.script_args)
+            run_script(args.script, args.nproc, args.script_args, device=args.device)
     except (ValueError, ImportError) as err:
         return _fail(str(err))
     except WorkerError as err:

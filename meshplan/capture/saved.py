@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.experimental import proxy_tensor
+from meshplan.torch_api import get_proxy_mode, get_proxy_slot
 
 
 class SavedForBackward:
@@ -25,9 +25,9 @@ class SavedForBackward:
         self.names: set[str] = set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        mode = proxy_tensor.get_proxy_mode()
+        mode = get_proxy_mode()
         if mode is not None:
-            slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
+            slot = get_proxy_slot(t, mode.tracer, None)
             if slot is not None:
                 self.names.add(slot.proxy.node.name)
         return t

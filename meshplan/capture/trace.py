@@ -28,11 +28,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call, functionalize
 
+from meshplan.torch_api import FakeTensorMode, OpOverload, make_fx
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
 from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
@@ -142,7 +141,7 @@ def _mutates(gm: GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             target = node.target
-            if isinstance(target, torch._ops.OpOverload):
+            if isinstance(target, OpOverload):
                 if target._schema.is_mutable:
                     return True
             elif target is not operator.getitem:

@@ -15,12 +15,13 @@ import types
 from typing import Any
 import torch
 from torch import nn
-from torch._subclasses import fake_tensor
 from torch.nn.modules.module import (register_module_forward_hook,
                                      register_module_forward_pre_hook)
 
-_DATA_DEPENDENT = (fake_tensor.DynamicOutputShapeException,
-                   fake_tensor.DataDependentOutputException)
+from meshplan.torch_api import (DataDependentOutputException, DynamicOutputShapeException,
+                                OpOverload)
+
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 def _failing_op(exc: BaseException) -> str | None:
@@ -29,7 +30,7 @@ def _failing_op(exc: BaseException) -> str | None:
     if func is None:
         for frame in _frames(exc):
             cand = frame.f_locals.get("func")
-            if isinstance(cand, torch._ops.OpOverload):
+            if isinstance(cand, OpOverload):
                 func = cand  # keep the innermost
     return None if func is None else str(func).removeprefix("aten.")
 

@@ -205,13 +205,16 @@ def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
     torch's CPU dropout draws ``bernoulli(1 - p)`` over the whole input and scales by
     ``1 / (1 - p)``; drawing the same global mask from a generator seeded like the single-device
     run and keeping this rank's piece gives identical results on any sharding (at the price of
-    drawing the whole mask on every rank).
+    drawing the whole mask on every rank). On a GPU the mask is drawn there, from the rank's
+    CUDA generator: every plan draws the same masks as a one-device run of meshplan, though
+    not the bits of CUDA's fused dropout kernel.
     """
     if not train or p == 0:
         return x * 1.0
     if p >= 1:
         return x * 0.0
-    mask = torch.empty(global_shape, dtype=x.dtype).bernoulli_(1 - p, generator=rng)
+    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(
+        1 - p, generator=rng)
     for d, (start, length) in enumerate(offsets):
         mask = mask.narrow(d, start, length)
     return x * mask * (1.0 / (1 - p))
@@ -226,15 +229,17 @@ def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
                                                      offsets))
 
 
-def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any) -> torch.Tensor:
+def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any, *,
+                  device: torch.device) -> torch.Tensor:
     """``*_like`` and ``new_*`` constants (their shape and dtype come from another tensor, or
-    are given) made whole, of the *global* shape and the traced dtype."""
+    are given) made whole on ``device``, of the *global* shape and the traced dtype."""
     dt = getattr(torch, dtype)
     if kind in ("full_like", "new_full"):
-        return torch.full(shape, fill, dtype=dt)
+        return torch.full(shape, fill, dtype=dt, device=device)
     if kind in ("ones_like", "new_ones"):
-        return torch.ones(shape, dtype=dt)
-    return torch.zeros(shape, dtype=dt)  # empty: zeros, so a rank never reads garbage
+        return torch.ones(shape, dtype=dt, device=device)
+    # empty: zeros, so a rank never reads garbage
+    return torch.zeros(shape, dtype=dt, device=device)
 
 
 def fill_value(kind: str, orig: fx.Node) -> Any:
@@ -248,7 +253,7 @@ def fill_value(kind: str, orig: fx.Node) -> Any:
 def materialize_constant(value: torch.Tensor) -> torch.Tensor:
     """A real copy of a tensor constant kept in the traced program (make_fx stores the real
     tensor it met; a fake one would mean the constant was computed under tracing)."""
-    from torch._subclasses.fake_tensor import is_fake
+    from meshplan.torch_api import is_fake
     if is_fake(value):
         raise AssertionError("meshplan internal error: a traced tensor constant is fake")
     return value.detach().clone()

@@ -170,7 +170,8 @@ class _Lowerer:
             elif node.op in LIKE_OPS:  # from the global shape, not a local operand's
                 self.env[node.name] = self.out.call_function(
                     local_ops.constant_like, (node.op, node.out.shape, node.out.dtype,
-                                              local_ops.fill_value(node.op, orig)))
+                                              local_ops.fill_value(node.op, orig)),
+                    {"device": torch.device("cpu")})
             else:
                 self.env[node.name] = self.out.call_function(orig.target, orig.args,
                                                              dict(orig.kwargs))
@@ -362,9 +363,29 @@ class _Lowerer:
 
 
 def lower(traced: Traced, graph: Graph, plan: Plan, rank: int,
-          weights: tuple[tuple[float, ...], tuple[float, ...]]) -> LocalProgram:
-    """The local program of ``rank`` (see the module docstring)."""
-    return _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run()
+          weights: tuple[tuple[float, ...], tuple[float, ...]],
+          device: torch.device | str = "cpu") -> LocalProgram:
+    """The local program of ``rank`` (see the module docstring), making whatever it creates
+    (constants, masks, factory results) on ``device``."""
+    program = _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run()
+    place(program.graph_module, torch.device(device))
+    return program
+
+
+def place(gm: fx.GraphModule, device: torch.device) -> None:
+    """Move what ``gm`` creates onto ``device``: the program was traced on (fake) CPU tensors,
+    so its factory ops name the CPU (``arange(..., device=cpu)``, a copy ``to`` the CPU) and its
+    tensor constants live there."""
+    if device.type == "cpu":
+        return
+    for node in gm.graph.nodes:
+        where = node.kwargs.get("device")
+        if node.op == "call_function" and where is not None and torch.device(where).type == "cpu":
+            node.kwargs = {**node.kwargs, "device": device}
+    for name, value in list(gm.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, attr, value.to(device))
+    gm.recompile()
 
 
 __all__ = ["LocalProgram", "lower"]

@@ -111,7 +111,7 @@ class ShardedAdafactor:
                 self._reduce(b, partial)
 
     def _reduce(self, bucket: Bucket, partial: dict) -> None:
-        flat = torch.zeros(bucket.numel, dtype=torch.float32)
+        flat = torch.zeros(bucket.numel, dtype=torch.float32, device=self.comm.device)
         at = 0
         for p in bucket.pieces:
             v = partial[(p.param, p.what)].reshape(-1)

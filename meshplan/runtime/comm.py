@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshplan.runtime.devices import resolve_device
+from meshplan.torch_api import all_gather_single, new_group, reduce_scatter_single
+
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "resplit")
 PHASES: tuple[str, ...] = ("forward", "backward", "update", "recompute")
 IMPLS: tuple[str, ...] = ("padded", "broadcast")
@@ -124,14 +127,18 @@ def all_groups(mesh_shape: tuple[int, int]) -> dict[tuple[int, ...], tuple[tuple
 class Comm(ABC):
     """A rank's communicator over a 2-D mesh; subclasses provide the transport.
 
-    Attributes: ``rank`` (global rank), ``mesh_shape`` ``(r, c)``, ``records`` (every collective
-    issued, in order). All methods take ``phase`` in :data:`PHASES` and raise ValueError on bad
+    Attributes: ``rank`` (global rank), ``mesh_shape`` ``(r, c)``, ``device`` (where the rank's
+    tensors live), ``records`` (every collective issued, in order). All methods take ``phase`` in :data:`PHASES` and raise ValueError on bad
     axes, dims, sizes or phase, TypeError on a non-tensor. Sums are deterministic: every member
     gets bitwise the same result.
     """
 
-    def __init__(self, rank: int, mesh_shape: Sequence[int]) -> None:
+    def __init__(self, rank: int, mesh_shape: Sequence[int],
+                 device: torch.device | str = "cpu") -> None:
         self.mesh_shape = check_mesh_shape(mesh_shape)
+        # Where this rank's tensors live (`runtime/devices.py`): the trainer places parameters,
+        # batch pieces and scratch buffers there; collectives take their tensors' device.
+        self.device = torch.device(device)
         num_ranks = self.mesh_shape[0] * self.mesh_shape[1]
         if not _is_int(rank) or not 0 <= rank < num_ranks:
             raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
@@ -392,7 +399,8 @@ class Comm(ABC):
 
 
 class ProcessGroupComm(Comm):
-    """:class:`Comm` over torch.distributed process groups (gloo on CPU).
+    """:class:`Comm` over torch.distributed process groups (gloo on CPU, NCCL on CUDA; the rank's
+    device is ``device``, by default the environment's, `devices.resolve_device`).
 
     Build it on every rank of an initialized world whose size is ``r*c``; the constructor is
     itself collective (every rank creates the same row and column groups in the same order).
@@ -407,7 +415,8 @@ class ProcessGroupComm(Comm):
     initialized, ValueError if the world size differs from ``r*c``.
     """
 
-    def __init__(self, mesh_shape: Sequence[int]) -> None:
+    def __init__(self, mesh_shape: Sequence[int], device: torch.device | str | None = None
+                 ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ProcessGroupComm needs an initialized torch.distributed world")
         shape = check_mesh_shape(mesh_shape)
@@ -416,12 +425,13 @@ class ProcessGroupComm(Comm):
                 f"mesh_shape {shape} has {shape[0] * shape[1]} ranks but the world has "
                 f"{dist.get_world_size()}"
             )
-        super().__init__(dist.get_rank(), shape)
+        super().__init__(dist.get_rank(), shape, resolve_device(device))
         self._groups = _make_groups(shape, tuple(range(dist.get_world_size())))[self.rank]
+        self._host = _host_device(self.device)
 
     @classmethod
-    def for_stages(cls, meshes: Sequence[tuple[Sequence[int], Sequence[int]]]
-                   ) -> ProcessGroupComm:
+    def for_stages(cls, meshes: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   device: torch.device | str | None = None) -> ProcessGroupComm:
         """The communicator of this process's stage in a pipeline whose stages are
         ``(mesh_shape, global ranks)`` each: ranks numbered inside the stage, collectives over
         its own groups. Collective: every process creates every stage's groups, in stage
@@ -443,8 +453,9 @@ class ProcessGroupComm(Comm):
         assert mine is not None
         shape, ranks, groups = mine
         comm = cls.__new__(cls)
-        Comm.__init__(comm, ranks.index(me), shape)
+        Comm.__init__(comm, ranks.index(me), shape, resolve_device(device))
         comm._groups = groups
+        comm._host = _host_device(comm.device)
         return comm
 
     def _all_reduce(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -455,12 +466,12 @@ class ProcessGroupComm(Comm):
         n = self._groups[axes].size()
         out = buf.new_empty((n, *buf.shape))
         # gloo accepts only the flat "concatenation" form of all_gather_single.
-        dist.all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes])
+        all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes])
         return out
 
     def _reduce_scatter(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         out = buf.new_empty(buf.shape[1:])
-        dist.reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes])
+        reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes])
         return out
 
     def _all_to_all(
@@ -471,9 +482,9 @@ class ProcessGroupComm(Comm):
         return out
 
     def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
-        mine = torch.tensor([value], dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64, device=self._host)
         out = mine.new_empty(self._groups[axes].size())
-        dist.all_gather_single(out, mine, group=self._groups[axes])
+        all_gather_single(out, mine, group=self._groups[axes])
         return [int(v) for v in out.tolist()]
 
     def _broadcast(self, buf: torch.Tensor, src: int, axes: tuple[int, ...]) -> torch.Tensor:
@@ -486,6 +497,13 @@ class ProcessGroupComm(Comm):
         return buf if self._index(axes) == dst else None
 
 
+def _host_device(device: torch.device) -> torch.device:
+    """Where small host-side exchanges (sizes) travel: the CPU when the world has a CPU backend
+    (gloo, or NCCL beside gloo as `devices.backend_for` sets up), else the rank's device."""
+    backend = str(dist.get_backend())
+    return torch.device("cpu") if "gloo" in backend or device.type == "cpu" else device
+
+
 def _make_groups(shape: tuple[int, int], ranks: tuple[int, ...]
                  ) -> dict[int, dict[tuple[int, ...], dist.ProcessGroup]]:
     """Process groups of a mesh whose position i is global rank ``ranks[i]``: per position, its
@@ -496,7 +514,7 @@ def _make_groups(shape: tuple[int, int], ranks: tuple[int, ...]
             glob = [ranks[i] for i in members]
             # The world group already spans every rank; making another costs connections.
             whole = glob == list(range(dist.get_world_size()))
-            pg = dist.group.WORLD if whole else dist.new_group(glob)
+            pg = dist.group.WORLD if whole else new_group(glob)
             for i in members:
                 out[i][axes] = pg
     return out

@@ -6,8 +6,9 @@ slot list of its collective's parity, waits on the barrier, then reads every mem
 Alternating two slot lists is enough because a member can only reuse a list after passing the
 barrier of the next collective, by which time every member has finished reading this one.
 
-torch.autograd runs a CPU backward in the thread that calls it, so backward collectives
-rendezvous exactly like forward ones. Nothing global is set: the exchange lives only for one
+Every rank's thread runs its own backward (`devices.prepare_thread`: autograd would otherwise
+run a CUDA backward on one shared device thread), so backward collectives rendezvous exactly
+like forward ones, on the CPU and on a GPU the ranks share. Nothing global is set: the exchange lives only for one
 :func:`run_emulated` call.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from meshplan.runtime.comm import Comm, all_groups, check_mesh_shape
+from meshplan.runtime.devices import prepare_thread
 
 
 class _Exchange:
@@ -65,8 +67,9 @@ class EmulatedComm(Comm):
     rank programs that a real backend would turn into a hang or garbage).
     """
 
-    def __init__(self, rank: int, mesh_shape: Sequence[int], world: _World) -> None:
-        super().__init__(rank, mesh_shape)
+    def __init__(self, rank: int, mesh_shape: Sequence[int], world: _World,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(rank, mesh_shape, device)
         self._world = world
         self._seq: dict[tuple[int, ...], int] = {}
 
@@ -153,9 +156,11 @@ class EmulatedComm(Comm):
 
 
 def run_emulated(
-    fn: Callable[..., Any], mesh_shape: Sequence[int], *args: Any, timeout_s: float = 30.0
+    fn: Callable[..., Any], mesh_shape: Sequence[int], *args: Any, timeout_s: float = 30.0,
+    device: torch.device | str = "cpu",
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` for every rank of ``mesh_shape``, each in its own thread.
+    """Run ``fn(comm, *args)`` for every rank of ``mesh_shape``, each in its own thread; every
+    rank computes on ``device`` (``comm.device``; several ranks may share one GPU).
 
     Returns the results in rank order. If a rank raises, the barriers are broken so the others
     fail fast, and the first rank's exception is re-raised with a note naming the rank. A
@@ -168,10 +173,12 @@ def run_emulated(
     world = _World(shape, float(timeout_s))
     num_ranks = shape[0] * shape[1]
     results: list[Any] = [None] * num_ranks
+    dev = torch.device(device)
 
     def body(rank: int) -> None:
         try:
-            results[rank] = fn(EmulatedComm(rank, shape, world), *args)
+            prepare_thread(dev)
+            results[rank] = fn(EmulatedComm(rank, shape, world, dev), *args)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the caller's thread
             world.fail(rank, exc)
 
@@ -192,14 +199,15 @@ def run_emulated(
 
 def run_emulated_stages(
     fn: Callable[..., Any], meshes: Sequence[tuple[Sequence[int], Sequence[int]]], *args: Any,
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0, device: torch.device | str = "cpu"
 ) -> list[Any]:
     """Run ``fn(comm, p2p, *args)`` for every global rank of a pipeline's stage meshes, each in
     its own thread: ``meshes`` lists per stage its ``(mesh_shape, global ranks)``; ``comm`` is
     the rank's communicator inside its stage (ranks numbered in the stage), ``p2p`` its
     point-to-point endpoint between global ranks. Results in global rank order; the first
     failure stops every rank and is re-raised with a note naming its rank, as `run_emulated`.
-    Raises ValueError unless the stages' ranks are 0..N-1 exactly once."""
+    Raises ValueError unless the stages' ranks are 0..N-1 exactly once. Every rank computes on
+    ``device``."""
     from meshplan.runtime.p2p import Mailbox, MailboxP2P
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -214,11 +222,13 @@ def run_emulated_stages(
     lock = threading.Lock()
     failure: list[tuple[int, BaseException]] = []
     results: list[Any] = [None] * len(flat)
+    dev = torch.device(device)
 
     def body(stage: int, local: int, rank: int) -> None:
         try:
-            results[rank] = fn(EmulatedComm(local, shapes[stage], worlds[stage]),
-                               MailboxP2P(rank, mailbox), *args)
+            prepare_thread(dev)
+            results[rank] = fn(EmulatedComm(local, shapes[stage], worlds[stage], dev),
+                               MailboxP2P(rank, mailbox, dev), *args)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the caller's thread
             with lock:
                 failure.append((rank, exc))

@@ -16,11 +16,13 @@ from meshplan.runtime.pool import WorkerPool
 
 def launch(
     fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 600.0,
-    collective_timeout_s: float = 30.0
+    collective_timeout_s: float = 30.0, device: str | None = None
 ) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned processes; results in rank order.
 
-    Each process uses one torch thread and a gloo process group over a free loopback port.
+    Each process uses one torch thread and joins one world over a free loopback port: rank r
+    computes on ``device`` ("auto", the default: GPU r when CUDA is available, with NCCL beside
+    gloo; "cpu": gloo; "cuda").
     ``fn`` must be a picklable top-level function and its result picklable. If a rank raises or
     its process dies, the others are stopped and :class:`~meshplan.errors.WorkerError` (rank,
     message, traceback) is raised; TimeoutError if the whole run exceeds ``timeout_s`` seconds;
@@ -32,6 +34,7 @@ def launch(
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     start = time.monotonic()
-    with WorkerPool(nprocs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s) as pool:
+    with WorkerPool(nprocs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
+                    device=device) as pool:
         remaining = timeout_s - (time.monotonic() - start)
         return pool.run(fn, *tuple(args), timeout_s=max(remaining, 1e-3))

@@ -35,6 +35,7 @@ from torch import nn
 from meshplan.capture.batch import split_microbatches
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
+from meshplan.runtime.devices import check_backend, resolve_device
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.runtime.run_script import init_world
@@ -55,7 +56,7 @@ class ParallelModel(nn.Module):
         self._pipeline: PipelineTrainer | None = None
         # A pipeline's step runs its backward in the schedule: the loss returned hangs on
         # this leaf only, so the caller's loss.backward() has nothing left to do.
-        self._anchor = torch.zeros((), requires_grad=True)
+        self._anchor = torch.zeros((), requires_grad=True, device=comm.device)
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
 
     def _start(self, batch: Any) -> None:
@@ -97,7 +98,7 @@ class ParallelModel(nn.Module):
         local = last.detach() + sum(d / len(micro) for d in done)
         # The value reported is the whole batch's loss; the gradient flows through this
         # rank's part of the last micro-batch.
-        whole = torch.tensor(tr._report(local), dtype=last.dtype)
+        whole = torch.tensor(tr._report(local), dtype=last.dtype, device=last.device)
         return last + (whole - last.detach())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -111,15 +112,21 @@ class ParallelModel(nn.Module):
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                 loss_fn: Callable | None = None, *, comm: Comm | None = None,
-                p2p: P2P | None = None, captured: Any = None
+                p2p: P2P | None = None, captured: Any = None,
+                device: str | torch.device | None = None
                 ) -> tuple[ParallelModel, torch.optim.Optimizer]:
     """The model and optimizer of this rank under ``plan`` (module docstring). ``loss_fn`` is
     the plan's (None: the model returns its own loss). ``comm`` (this rank's stage mesh's
     communicator) and, for a pipeline, ``p2p`` default to the torch.distributed world
     (joined from the environment ``meshplan run`` or ``torchrun`` sets, `init_world`); ``captured``: a capture of the model at one
     micro-batch to reuse (ranks emulated as threads share one: tracing is not thread-safe).
+    ``device`` is where this rank computes ("cpu", "cuda", "cuda:K"; default: ``cuda:LOCAL_RANK``
+    when CUDA is available, else the CPU, `devices.resolve_device`); a given ``comm`` brings
+    its own. The model's state, the optimizer's and each batch's share are moved there; the
+    user's model object itself is left where it is.
     Raises TypeError for an optimizer that is not a torch optimizer, ValueError for one over
-    other tensors, RuntimeError when no world is initialized and no ``comm`` is given."""
+    other tensors or a ``device`` other than ``comm``'s, RuntimeError when no world is
+    initialized and no ``comm`` is given, or the world's backend cannot reach the device."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, got {type(optimizer).__name__}")
@@ -129,8 +136,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     if stray:
         raise ValueError(f"optimizer parameter group(s) {stray} hold tensors that are not "
                          "parameters of this model; give the optimizer of this model")
+    if comm is not None and device is not None and resolve_device(device) != comm.device:
+        raise ValueError(f"device={device!r} but the given comm computes on {comm.device}")
     if comm is None or (plan.num_stages > 1 and p2p is None):
-        if not init_world():
+        dev = comm.device if comm is not None else resolve_device(device)
+        if not init_world(device=dev):
             raise RuntimeError("parallelize needs a torch.distributed world (launch with "
                                "`meshplan run` or `torchrun`) or an explicit comm= (and p2p= "
                                "for a pipeline)")
@@ -140,10 +150,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
             raise ValueError(f"the plan runs on {ranks} processes, this world has "
                              f"{torch.distributed.get_world_size()}: launch it with "
                              f"--nproc {ranks} (or plan for this world)")
+        check_backend(dev)
         if comm is None:
-            comm = ProcessGroupComm.for_stages(plan.stage_meshes()) if plan.num_stages > 1 \
-                else ProcessGroupComm(plan.mesh_shape)
-        p2p = p2p or (ProcessGroupP2P() if plan.num_stages > 1 else None)
+            comm = ProcessGroupComm.for_stages(plan.stage_meshes(), dev) \
+                if plan.num_stages > 1 else ProcessGroupComm(plan.mesh_shape, dev)
+        p2p = p2p or (ProcessGroupP2P(dev) if plan.num_stages > 1 else None)
     return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured), optimizer
 
 

@@ -66,6 +66,9 @@ class PipelineTrainer:
         if plan.num_stages < 2:
             raise ValueError(f"plan {plan.model!r} has one stage: train it with "
                              "meshplan.runtime.trainer.Trainer, not PipelineTrainer")
+        if comm.device != p2p.device:
+            raise ValueError(f"the stage's communicator computes on {comm.device} but the "
+                             f"point-to-point endpoint receives on {p2p.device}")
         self.plan, self.p2p, self.rank = plan, p2p, p2p.rank
         self.program = pipeline_program(plan)
         self.mesh = self.program.mesh_of(self.rank)
@@ -207,7 +210,8 @@ class PipelineTrainer:
             shape = tuple(b - a for a, b in tr.box)
             piece = self.p2p.recv(shape, tr.src, _tag(kind, j, k, n))
             if out is None:
-                out = torch.zeros(tuple(b - a for a, b in box), dtype=piece.dtype)
+                out = torch.zeros(tuple(b - a for a, b in box), dtype=piece.dtype,
+                                  device=piece.device)
             where = _local_slices(tr.box, box)
             out[where] = out[where] + piece if tr.summed else piece
         for g in move.gathers:
@@ -314,7 +318,8 @@ class PipelineTrainer:
                 for s, ranks in enumerate(meshes):
                     if s != home:
                         for r in ranks:
-                            self.p2p.send(torch.tensor([loss], dtype=torch.float64), r, tag,
+                            self.p2p.send(torch.tensor([loss], dtype=torch.float64,
+                                                   device=self.p2p.device), r, tag,
                                           "loss")
                 self.p2p.wait_all()
             return loss

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import WorkerError
+from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
 _HUNG_GRACE_S = 3.0  # how long the other peers of a silent rank get to time out too
@@ -56,7 +57,9 @@ def find_free_port() -> int:
 
 
 class WorkerPool:
-    """``nprocs`` spawned worker processes with torch.distributed (gloo) initialized once.
+    """``nprocs`` spawned worker processes with torch.distributed initialized once: rank r on
+    ``device`` ("auto", the default: GPU r when CUDA is available, else the CPU; "cpu";
+    "cuda"), NCCL beside gloo on GPUs.
 
     ``run(fn, *args)`` runs ``fn(rank, nprocs, *args)`` on every rank and returns the results in
     rank order; ``fn`` must be a picklable top-level function and its results picklable. Each
@@ -67,7 +70,8 @@ class WorkerPool:
     """
 
     def __init__(
-        self, nprocs: int, *, timeout_s: float = 600.0, collective_timeout_s: float = 30.0
+        self, nprocs: int, *, timeout_s: float = 600.0, collective_timeout_s: float = 30.0,
+        device: str | None = None,
     ) -> None:
         if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
             raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
@@ -78,6 +82,8 @@ class WorkerPool:
         self.nprocs = nprocs
         self.timeout_s = float(timeout_s)
         self.collective_timeout_s = float(collective_timeout_s)
+        if device not in (None, *DEVICE_CHOICES):
+            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {device!r}")
         self._closed = False
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -87,7 +93,7 @@ class WorkerPool:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, nprocs, port, float(collective_timeout_s), child_end),
+                args=(rank, nprocs, port, float(collective_timeout_s), device, child_end),
                 name=f"meshplan-worker-{rank}",
                 daemon=True,
             )
@@ -261,13 +267,21 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _worker_main(
-    rank: int, nprocs: int, port: int, collective_timeout_s: float, conn: Connection
+    rank: int, nprocs: int, port: int, collective_timeout_s: float, device: str | None,
+    conn: Connection
 ) -> None:
-    """Body of worker ``rank``: init gloo, then serve tasks until told to stop."""
+    """Body of worker ``rank``: join the world (NCCL beside gloo on GPU ``rank``, gloo on the
+    CPU), then serve tasks until told to stop."""
     torch.set_num_threads(1)  # 2 cores shared by N workers
+    # What torchrun would set: the ranks' own code (parallelize) finds its device from it.
+    os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
+                       **({DEVICE_ENV: device} if device else {})})
     try:
+        dev = resolve_device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         dist.init_process_group(
-            "gloo",
+            backend_for(dev),
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=nprocs,

@@ -17,31 +17,39 @@ import sys
 import time
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from meshplan.errors import WorkerError
+from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
 from meshplan.runtime.pool import find_free_port
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_world(timeout_s: float = 300.0) -> bool:
-    """Join the torch.distributed world of the environment (gloo; torchrun's or ``meshplan
-    run``'s variables), unless one is joined already. Returns whether a world is joined."""
+def init_world(timeout_s: float = 300.0, device: str | torch.device | None = None) -> bool:
+    """Join the torch.distributed world of the environment (torchrun's or ``meshplan run``'s
+    variables), unless one is joined already: NCCL beside gloo when this rank computes on a
+    GPU (`devices.resolve_device`), gloo on the CPU. Returns whether a world is joined."""
     if dist.is_available() and dist.is_initialized():
         return True
     if not all(k in os.environ for k in ENV_KEYS):
         return False
-    dist.init_process_group("gloo", init_method="env://",
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend_for(dev), init_method="env://",
                             timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 
 def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
-               poll_s: float = 0.1) -> None:
+               poll_s: float = 0.1, device: str | None = None) -> None:
     """Run ``python script *args`` on ``nproc`` local processes joined as one world; returns
-    when all exit 0. Raises ValueError for a bad ``nproc`` or a missing script, WorkerError
-    (naming the rank and its exit code) when a process fails; the others are then killed."""
+    when all exit 0. ``device`` ("auto", "cpu", "cuda"; None: each rank's default) is where
+    the ranks compute: rank r on ``cuda:r`` (modulo the GPUs) when CUDA. Raises ValueError
+    for a bad ``nproc`` or a missing script, WorkerError (naming the rank and its exit code)
+    when a process fails; the others are then killed."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive number of processes, got {nproc!r}")
     if not os.path.isfile(script):
@@ -52,7 +60,8 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               **({DEVICE_ENV: device} if device else {})}
         procs.append(subprocess.Popen([sys.executable, script, *args], env=env))
     try:
         while True:
@@ -87,13 +96,30 @@ def _free_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), find_free_port()
 
 
+def ray_placement(device: str | None, cluster_gpus: float, nproc: int) -> tuple[int, str]:
+    """(GPUs each rank's actor asks for, the device its script runs on) for a ``device`` of
+    "cuda", "cpu" or "auto"/None (GPUs when the cluster has one for every rank). Raises
+    ValueError when "cuda" is asked of a cluster with fewer GPUs than ranks."""
+    choice = device or "auto"
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {device!r}")
+    if choice == "cuda" and cluster_gpus < nproc:
+        raise ValueError(f"--device cuda on Ray needs a GPU per rank: {nproc} ranks, the "
+                         f"cluster has {cluster_gpus:g} GPUs")
+    if choice == "cuda" or (choice == "auto" and cluster_gpus >= nproc):
+        return 1, "cuda"
+    return 0, "cpu"
+
+
 def run_script_on_ray(script: str, nproc: int, args: Sequence[str] = (),
-                      address: str | None = None, *, poll_s: float = 0.1) -> None:
-    """Run ``python script *args`` as ``nproc`` ranks, one Ray actor each (one CPU), on the
-    cluster at ``address`` (None: a local Ray started here; "auto": the running one). The
-    ranks join one gloo world at rank 0's actor. Raises ValueError for a bad ``nproc`` or a
-    missing script, ImportError naming the extra when Ray is not installed, WorkerError
-    (naming the rank) when a rank fails; the others are then killed."""
+                      address: str | None = None, *, poll_s: float = 0.1,
+                      device: str | None = None) -> None:
+    """Run ``python script *args`` as ``nproc`` ranks, one Ray actor each (one CPU, and one GPU
+    when the ranks compute on GPUs: `ray_placement` of ``device``), on the cluster at
+    ``address`` (None: a local Ray started here; "auto": the running one). The ranks join one
+    world at rank 0's actor (gloo, NCCL beside it on GPUs). Raises ValueError for a bad
+    ``nproc``, ``device`` or a missing script, ImportError naming the extra when Ray is not
+    installed, WorkerError (naming the rank) when a rank fails; the others are then killed."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
     if not os.path.isfile(script):
@@ -109,13 +135,14 @@ def run_script_on_ray(script: str, nproc: int, args: Sequence[str] = (),
                  include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     try:
-        rank = ray.remote(num_cpus=1)(_Rank)
+        gpus, where = ray_placement(device, ray.cluster_resources().get("GPU", 0.0), nproc)
+        rank = ray.remote(num_cpus=1, num_gpus=gpus)(_Rank)
         actors = [rank.remote() for _ in range(nproc)]
         host, port = ray.get(actors[0].address.remote())
         pending = {actors[r].run.remote(script, list(args), {
             "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1"}): r for r in range(nproc)}
+            "OMP_NUM_THREADS": "1", DEVICE_ENV: where}): r for r in range(nproc)}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=None)
             r = pending.pop(done[0])

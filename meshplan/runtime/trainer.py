@@ -30,6 +30,7 @@ from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
 from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm
+from meshplan.runtime.devices import generator_for
 from meshplan.runtime.grad_sync import all_gather_params, all_reduce_grads
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
@@ -44,6 +45,7 @@ class _Param:
     def __init__(self, name: str, node: str, local: torch.Tensor, mode: str,
                  axes: tuple[int, ...], comm: Comm) -> None:
         self.name, self.node, self.mode, self.axes = name, node, mode, axes
+        local = local.to(comm.device)
         self.full_shape = tuple(local.shape)
         self.compute: torch.Tensor | None = None
         if self.whole:
@@ -75,8 +77,8 @@ class _Param:
 class Trainer:
     """Trains with ``plan`` on the rank of ``comm``; ``step(batch) -> loss``.
 
-    ``model`` holds the initial state on CPU (every rank passes the same state: each keeps its
-    shards). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
+    ``model`` holds the initial state (every rank passes the same state: each keeps its
+    shards, on the communicator's device, ``comm.device``). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
     batch split on a (1, 2) mesh is ``((1.0,), (3.0, 1.0))``). ``captured`` reuses a capture
     of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
     trace differs from the program the plan was made for.
@@ -105,12 +107,13 @@ class Trainer:
         w = tuple(tuple(float(x) for x in a) for a in weights) if weights else \
             plan.axis_weights or even_weights(plan.mesh_shape)
         self.comm, self.plan, self.graph = comm, plan, graph
+        self.device = comm.device
         self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
-        self.program = lower(traced, graph, plan, comm.rank, w)
+        self.program = lower(traced, graph, plan, comm.rank, w, device=self.device)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
-        self.buffers = {n.name: state[n.state_name].detach() for n in graph.nodes
-                        if n.role == "buffer"}
+        self.buffers = {n.name: state[n.state_name].detach().to(self.device)
+                        for n in graph.nodes if n.role == "buffer"}
         self.spec = OptimizerSpec.from_dict(plan.optimizer)
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
@@ -148,7 +151,8 @@ class Trainer:
         out = []
         for n in self.graph.nodes:
             if n.role in ("input", "target") and n.state_name:
-                out.append(take_local(full[n.state_name], self.program.values[n.name], self.pos))
+                piece = take_local(full[n.state_name], self.program.values[n.name], self.pos)
+                out.append(piece.to(self.device, non_blocking=True))
         return out
 
     def _program_args(self, batch_pieces: list[torch.Tensor],
@@ -218,7 +222,7 @@ class Trainer:
     def begin_step(self, seed: int | None = None) -> torch.Generator:
         """Before a step's micro-batches: the step's dropout generator (seeded ``seed``,
         default the step number)."""
-        rng = torch.Generator().manual_seed(self._steps if seed is None else seed)
+        rng = generator_for(self.device).manual_seed(self._steps if seed is None else seed)
         self._steps += 1
         return rng
 
@@ -255,7 +259,7 @@ class Trainer:
             return self.program.graph_module(self.comm, rng, *a)
 
         keep_shards = self._zero3.hooks() if self._zero3 is not None else nullcontext()
-        with keep_shards, autocast_for(self.plan.dtype, args[0].device.type if args else "cpu"):
+        with keep_shards, autocast_for(self.plan.dtype, self.device.type):
             if not self.plan.recompute:
                 return program(*args)
             return recomputed(program, args, rng, self.comm)
@@ -270,7 +274,7 @@ class Trainer:
         if self.spec.max_grad_norm is None:
             return None
         r, c = self.plan.mesh_shape
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
             g = p.update.grad
             if g is None or p.name in counted_elsewhere:
@@ -289,11 +293,11 @@ class Trainer:
         global norm ``total`` (bitwise the same on every rank, so every rank scales alike)."""
         limit = self.spec.max_grad_norm
         assert limit is not None
-        scale = limit / (float(total.sqrt()) + 1e-6)   # torch.nn.utils.clip_grad_norm_'s
-        if scale < 1.0:
-            for p in self.params:
-                if p.update.grad is not None:
-                    p.update.grad.mul_(scale)
+        # torch.nn.utils.clip_grad_norm_'s factor, kept on the device (no host round trip).
+        scale = (limit / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            if p.update.grad is not None:
+                p.update.grad.mul_(scale.to(p.update.grad.dtype))
 
     def _groups(self, mode: str) -> list[tuple[tuple[int, ...], list[_Param]]]:
         """The synchronized parameters of update ``mode`` by mesh axes (one bucket each)."""
