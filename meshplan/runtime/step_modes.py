@@ -20,10 +20,11 @@ from meshplan.runtime.comm import Comm
 
 
 def autocast_for(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
-    """``torch.autocast`` at ``dtype`` ("bf16", "fp16"), or nothing for "fp32"."""
+    """``torch.autocast`` on ``device_type`` at ``dtype`` ("bf16", "fp16"), or nothing for
+    "fp32"."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown training dtype {dtype!r}; valid: {list(DTYPES)}")
-    if dtype == "fp32":
+    if dtype == "fp32" or device_type == "meta":   # meta: shapes only, no autocast there
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=getattr(torch, DTYPES[dtype]))
 
