@@ -9,7 +9,7 @@ The zoo GPT (default hidden 256, 4 layers, seq 128, batch 16, AdamW) on P local 
   megatron  torch TP (parallelize_module, Colwise/Rowwise, vocab-parallel embedding + loss)
                                                         vs meshplan "megatron" on mesh (1, P)
   pipeline  torch.distributed.pipelining, 2 stages, Schedule1F1B (DDP per stage when P > 2)
-                                                        vs meshplan "megatron:dp=P/2,tp=1,pp=2,mb=.."
+                                                   vs meshplan "megatron:dp=P/2,tp=1,pp=2,mb=.."
 
 Both sides of a pair live in the same worker processes: every rank builds each side's model
 with the same seed (same initial weights) and a `torch.optim.AdamW` with the same settings; each
@@ -18,7 +18,9 @@ machine noise falls on both alike. A step is timed on every rank from a barrier 
 ``optimizer.step()``/``zero_grad()`` (meshplan: ``model(batch)``, ``loss.backward()``,
 ``optimizer.step()``, ``optimizer.zero_grad()`` under `meshplan.parallelize`); its time is the
 slowest rank's. Reported: medians over ``--steps`` rounds after ``--warmup`` rounds, the ratio
-meshplan / torch against its target, and the step-1 losses of both sides (the whole batch's mean
+meshplan / torch of the medians against its target, the per-round ratios (the two steps of a
+round run back to back, so their ratio is the least disturbed by other jobs' load; their spread
+says how noisy the run was), and the step-1 losses of both sides (the whole batch's mean
 cross-entropy from the same weights: they must agree, or the two would time different math).
 
 Where a target is missed (or with ``--profile``) the step's phases are printed side by side
@@ -105,11 +107,11 @@ def meshplan_system(plan: meshplan.Plan, spec: str, rank: int, lr: float) -> tb.
     opt = torch.optim.AdamW(w.model.parameters(), lr=lr)
     model, opt = meshplan.parallelize(w.model, opt, plan, w.loss_fn)
     piped = plan.num_stages > 1
-    clock: list[tb._Clock] = []
+    clock: list[tb.Clock] = []
     hooked = [False]
 
     def step(batch: tb.Batch) -> tb.StepResult:
-        clock[:] = [tb._Clock()]
+        clock[:] = [tb.Clock()]
         loss = model(batch)
         clock[0].lap("schedule" if piped else "forward")
         if not hooked[0]:
@@ -151,10 +153,11 @@ def _timed(system: tb.System, batch: tb.Batch) -> dict[str, Any]:
 def _profiled(system: tb.System, batch: tb.Batch, rank: int) -> str:
     from torch.profiler import ProfilerActivity, profile
     dist.barrier()
+    if rank != 0:   # the peers step unprofiled
+        system.step(batch)
+        return ""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         system.step(batch)
-    if rank != 0:
-        return ""
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
 
@@ -210,6 +213,8 @@ def run_nproc(nproc: int, args: argparse.Namespace, batches: list[tb.Batch]
                 "nproc": nproc, "pair": pair, "torch_system": TORCH_SIDE[pair],
                 "meshplan_method": method, "torch": torch_side, "meshplan": mine,
                 "ratio": mine["step_ms"] / torch_side["step_ms"], "target": TARGETS[pair],
+                "round_ratios": [m / t for m, t in zip(mine["steps_ms"][args.warmup:],
+                                                       torch_side["steps_ms"][args.warmup:])],
                 "loss_diff_step1": abs(mine["losses"][0] - torch_side["losses"][0]),
                 "loss_diff_last": abs(mine["losses"][-1] - torch_side["losses"][-1]),
                 "notes": ranks[0]["notes"], "profiles": ranks[0].get("profiles"),
@@ -222,14 +227,17 @@ def run_nproc(nproc: int, args: argparse.Namespace, batches: list[tb.Batch]
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| P | pair | torch | torch step (ms) | meshplan | meshplan step (ms) | "
-          "meshplan / torch | target | met | step-1 loss torch / meshplan |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "meshplan / torch | target | met | per-round ratio: median (min-max) | "
+          "step-1 loss torch / meshplan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         met = "yes" if r["ratio"] <= r["target"] else "**no**"
+        rr = r["round_ratios"]
         print(f"| {r['nproc']} | {r['pair']} | {r['torch_system']} | "
               f"{r['torch']['step_ms']:.0f} | {r['meshplan_method']} | "
-              f"{r['meshplan']['step_ms']:.0f} | {r['ratio']:.2f}x | <= {r['target']:.2f}x | "
-              f"{met} | {r['torch']['losses'][0]:.6f} / {r['meshplan']['losses'][0]:.6f} |")
+              f"{r['meshplan']['step_ms']:.0f} | {r['ratio']:.3f}x | <= {r['target']:.2f}x | "
+              f"{met} | {statistics.median(rr):.2f}x ({min(rr):.2f}-{max(rr):.2f}) | "
+              f"{r['torch']['losses'][0]:.6f} / {r['meshplan']['losses'][0]:.6f} |")
     print(f"\nmax |step-1 loss difference| {max(r['loss_diff_step1'] for r in rows):.2e}; "
           f"after the last step {max(r['loss_diff_last'] for r in rows):.2e} "
           "(the same weights and batches: the two sides compute the same losses)")

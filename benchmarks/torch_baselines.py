@@ -46,7 +46,7 @@ class System:
     notes: list[str] = field(default_factory=list)
 
 
-class _Clock:
+class Clock:
     """Phase durations by ``lap(name)``: the time since the previous lap."""
 
     def __init__(self) -> None:
@@ -69,7 +69,7 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch,
                 loss_ctx: Callable[[], Any] = nullcontext) -> StepResult:
     """forward + loss, backward, optimizer step and zero_grad, each timed."""
     (x,), t = batch
-    clock = _Clock()
+    clock = Clock()
     with loss_ctx():   # loss_parallel's cross-entropy needs its backward inside it too
         loss = gpt_loss(model(x), t)
         clock.lap("forward")
@@ -167,8 +167,10 @@ def tensor_parallel(model: GPT, rank: int, nprocs: int, lr: float) -> System:
         # Every rank holds the whole batch's loss: count it once.
         return out if rank == 0 else StepResult(out.phases)
 
-    return System("TP", step, ["attention on local heads (reshape(b, s, -1)); "
-                               "no SequenceParallel"])
+    return System("TP", step, ["Colwise q/k/v/fc_in, Rowwise out_proj/fc_out, vocab-parallel "
+                               "wte + LM head + loss_parallel; attention on local heads "
+                               "(num_heads / P, reshape(b, s, -1): no DTensor rule for CPU "
+                               "SDPA); no SequenceParallel"])
 
 
 class _FirstStage(nn.Module):
@@ -242,7 +244,7 @@ def pipeline(model: GPT, rank: int, nprocs: int, lr: float, microbatches: int) -
 
     def step(batch: Batch) -> StepResult:
         (x,), t = replica_rows(batch, replica, dp, microbatches)
-        clock = _Clock()
+        clock = Clock()
         losses: list[Tensor] = []
         if stage_index == 0:
             schedule.step(x)
@@ -258,5 +260,9 @@ def pipeline(model: GPT, rank: int, nprocs: int, lr: float, microbatches: int) -
         return StepResult(clock.phases, sum(float(v) for v in losses) * rows,
                           rows * len(losses))
 
-    return System("pipelining", step, [f"pp=2 x dp={dp}" + (" (DDP per stage)" if dp > 1
-                                                              else "")])
+    layout = f"pp=2 x dp={dp}" + (" (each stage DDP over its replicas)" if dp > 1 else "")
+    return System("pipelining", step, [f"{layout}, manual PipelineStage split (blocks "
+                                       f"[0, {cut}) | [{cut}, {len(model.blocks)})), "
+                                       f"Schedule1F1B, {microbatches} micro-batches; tied "
+                                       "wte / LM head: a copy per stage, gradients all-reduced "
+                                       "between the stages"])
