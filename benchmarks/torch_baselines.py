@@ -149,6 +149,9 @@ def tensor_parallel(model: GPT, rank: int, nprocs: int, lr: float) -> System:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    loss_parallel, parallelize_module)
+    if model.config.num_heads % nprocs:
+        raise ValueError(f"tensor parallelism over {nprocs} ranks needs heads divisible by it, "
+                         f"got {model.config.num_heads} heads")
     mesh = init_device_mesh("cpu", (nprocs,))
     styles = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
               "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
