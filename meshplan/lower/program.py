@@ -34,6 +34,7 @@ from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops
 from meshplan.lower.grain import cut_units
+from meshplan.lower.overlap import plan_units
 from meshplan.lower.shards import (MeshPos, Sharded, cut, gathered, local_shape, op_output,
                                    piece_offsets, source_sharded, split_more, uneven,
                                    with_partial)
@@ -85,8 +86,11 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
-        # ZeRO-3 parameters not yet gathered (-> their ZeRO axes), and the gathered values.
-        self.to_gather: dict[str, tuple[int, ...]] = {}
+        # ZeRO-3 parameters not yet gathered, their units (`lower/overlap.py`), and the
+        # gathered values.
+        self.to_gather: set[str] = set()
+        self.zero3_units = plan_units(plan, graph)[0]
+        self.unit_of = {p: u for u, g in enumerate(self.zero3_units) for p in g.params}
         self.gathers: set[fx.Node] = set()
         self.constants: dict[str, torch.Tensor] = {}   # the program's tensor constants
         self.comm = self.out.placeholder("comm")
@@ -182,8 +186,8 @@ class _Lowerer:
         if node.role == "param":
             dec = self.params[node.name]
             spec = dec.spec
-            if dec.update == "zero3" and dec.sync_axes:
-                self.to_gather[node.name] = tuple(dec.sync_axes)
+            if dec.update == "zero3" and node.name in self.unit_of:
+                self.to_gather.add(node.name)
         elif node.role == "buffer":
             spec = Layout.replicated(len(node.out.shape)).spec()
         else:
@@ -309,14 +313,18 @@ class _Lowerer:
         return val, fxn
 
     def _gather(self, name: str) -> None:
-        """A ZeRO-3 parameter gathered from its shards, emitted before its first use so that it
-        is whole only from there to its last use."""
-        axes = self.to_gather.pop(name)
-        rows = local_shape(self.values[name], self.pos)[0]
-        sizes = C.shard_sizes(rows, self.pos.group(axes))
-        self.env[name] = self.out.call_function(zero3.gather, (self.comm, self.env[name], axes,
-                                                              sizes))
-        self.gathers.add(self.env[name])
+        """A ZeRO-3 parameter's unit gathered from its shards, emitted before the first use of
+        any of its members, so that each is whole only from there to its last use."""
+        u = self.unit_of[name]
+        members = self.zero3_units[u].params
+        missing = [p for p in members if p not in self.env]
+        assert not missing, f"meshplan internal error: unit {u} is used before {missing} exist"
+        whole = self.out.call_function(zero3.gather_unit,
+                                       (self.comm, u, *[self.env[p] for p in members]))
+        for i, p in enumerate(members):
+            self.to_gather.discard(p)
+            self.env[p] = self.out.call_function(operator.getitem, (whole, i))
+            self.gathers.add(self.env[p])
 
     def _param_use(self, name: str, use_axes: tuple[int, ...]) -> fx.Node:
         """A parameter's use whose gradient is partial over ``use_axes`` while the update phase

@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-PLAN_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1 had no training-step fields: they take their defaults
+PLAN_VERSION = 3
+# Version 1 had no training-step fields, version 2 no overlap (`buckets`, `units`): they take
+# their defaults, and the runtime synchronizes as those versions did (`lower/overlap.py`).
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,36 @@ class CollectiveEntry:
     phase: str
     count: int
     segment: int = 0   # the model segment whose shard weights it runs on (`Plan.segment_of`)
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Parameters the runtime moves as one collective (DESIGN.md §8): a gradient *bucket* of
+    replicated parameters, all-reduced as soon as all their gradients are complete in the
+    step's last backward; or a ZeRO-3 *unit*, gathered whole by one all-gather and its gradient
+    reduce-scattered by one. ``params``: node names; ``axes``: the mesh axes it spans;
+    ``bytes``: its local tensors' total (what the collective moves, B of DESIGN.md §4)."""
+
+    params: tuple[str, ...]
+    axes: tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class AsyncEntry:
+    """A collective the runtime issues without waiting for it, placed on the compute of its
+    pass: issued once ``issue_s`` seconds of the pass's compute are done, needed by the compute
+    at ``wait_s`` (None: only after the pass — a ZeRO gradient reduce-scatter is drained when
+    its backward ends, a gradient bucket at the update). ``during``: "forward" or "backward"
+    (every micro-batch's) or "last_backward" (the step's last backward only). The simulator
+    and the planner's estimate run these on a communication stream beside the compute."""
+
+    kind: str
+    bytes: int
+    mesh_axes: tuple[int, ...]
+    during: str
+    issue_s: float
+    wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +184,17 @@ class Plan:
     # segment other than its producer's reads it. Empty: one segment, ``axis_weights``.
     segment_weights: tuple[tuple[tuple[float, ...], ...], ...] = ()
     segment_of: dict[str, int] = field(default_factory=dict)
+    # Overlap of communication with compute (DESIGN.md §8), what the runtime follows: the
+    # gradient buckets in launch order, the ZeRO-3 units in forward order with the order
+    # the backward gathers the kept ones again (``unit_regather``) and reduce-scatters them
+    # (``unit_scatter``), units gathered ``prefetch`` ahead of their use; ``overlap``: the
+    # collectives so issued, where they fall on the passes' compute.
+    buckets: tuple[SyncGroup, ...] = ()
+    units: tuple[SyncGroup, ...] = ()
+    unit_regather: tuple[int, ...] = ()
+    unit_scatter: tuple[int, ...] = ()
+    prefetch: int = 1
+    overlap: tuple[AsyncEntry, ...] = ()
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -229,12 +272,18 @@ def plan_from_json(d: dict[str, Any]) -> Plan:
                        for s in d.get("stages", ()))
         transfers = tuple(TransferEntry(**{f: _tuples(v) for f, v in t.items()})
                           for t in d.get("transfers", ()))
+        groups = {k: tuple(SyncGroup(**{f: _tuples(v) for f, v in g.items()})
+                           for g in d.get(k, ())) for k in ("buckets", "units")}
+        overlap = tuple(AsyncEntry(**{f: _tuples(v) for f, v in e.items()})
+                        for e in d.get("overlap", ()))
         rest = {k: _tuples(v) if k not in ("cluster", "optimizer", "ilp", "predicted", "options",
                                            "segment_of")
                 else v for k, v in d.items()
-                if k not in ("params", "ops", "sources", "collectives", "stages", "transfers")}
+                if k not in ("params", "ops", "sources", "collectives", "stages", "transfers",
+                             "buckets", "units", "overlap")}
         rest["stages"] = stages
         rest["transfers"] = transfers
+        rest.update(groups, overlap=overlap)
         rest["version"] = PLAN_VERSION
         return Plan(ops=ops, params=params, sources=sources, collectives=colls, **rest)
     except (KeyError, TypeError) as e:

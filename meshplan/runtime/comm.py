@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,27 @@ KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_
 PHASES: tuple[str, ...] = ("forward", "backward", "update", "recompute")
 IMPLS: tuple[str, ...] = ("padded", "broadcast")
 _IMPL_KINDS = ("all_gather", "reduce_scatter")  # the kinds with a choice of implementation
+
+
+class Pending:
+    """A collective issued without waiting for it: ``wait()`` returns its result (once
+    computed, again on later calls)."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._result: torch.Tensor | None = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> Pending:
+        out = cls(lambda: result)
+        out.wait()
+        return out
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        assert self._result is not None
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -165,13 +186,20 @@ class Comm(ABC):
         """Sum of ``t`` over the group (same shape on every member). ``scratch``: ``t`` is a
         contiguous buffer the caller gives up (a gradient bucket), which the sum may overwrite
         instead of a copy — one bucket of memory at the synchronization, not two."""
+        return self.all_reduce_async(t, axes, phase=phase, scratch=scratch).wait()
+
+    def all_reduce_async(self, t: torch.Tensor, axes: Sequence[int], *, phase: str,
+                         scratch: bool = False) -> Pending:
+        """`all_reduce` issued without waiting for it (recorded now); ``wait()`` gives the sum.
+        Every member issues its asynchronous collectives in the same order."""
         ax = self._begin(t, axes, phase)
         if not ax:
-            return t
+            return Pending.done(t)
         self._record("all_reduce", _nbytes(t), ax, phase)
         if scratch and t.is_contiguous() and not t.requires_grad:
-            return self._all_reduce(t, ax)
-        return self._all_reduce(t.detach().clone(memory_format=torch.contiguous_format), ax)
+            return self._all_reduce_start(t, ax)
+        return self._all_reduce_start(t.detach().clone(memory_format=torch.contiguous_format),
+                                      ax)
 
     def all_gather(
         self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
@@ -180,6 +208,14 @@ class Comm(ABC):
         """Concatenate the members' shards along ``dim``; ``sizes[m]`` is member m's length of
         ``dim`` (uneven allowed). ``impl`` (module doc): shards padded to the largest for one
         all-gather, or one unpadded broadcast per member; both give bitwise the same result."""
+        return self.all_gather_async(t, axes, dim, sizes, phase=phase, impl=impl).wait()
+
+    def all_gather_async(
+        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
+        impl: str = "padded",
+    ) -> Pending:
+        """`all_gather` issued without waiting for it (impl "padded"; "broadcast" runs at once,
+        its rounds being rooted collectives); ``wait()`` gives the whole tensor."""
         check_impl(impl)
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
@@ -190,12 +226,19 @@ class Comm(ABC):
                 f"{sizes[self._index(ax)]} (sizes={sizes})"
             )
         if not ax:
-            return t
+            return Pending.done(t)
         self._record("all_gather", _nbytes_along(t, d, sum(sizes)), ax, phase, impl)
         if impl == "broadcast":
-            return self._gather_by_broadcast(t, d, sizes, ax)
-        stacked = self._all_gather(_pad_along(t, d, max(sizes)), ax)
-        return torch.cat([stacked[m].narrow(d, 0, s) for m, s in enumerate(sizes)], dim=d)
+            return Pending.done(self._gather_by_broadcast(t, d, sizes, ax))
+        started = self._all_gather_start(_pad_along(t, d, max(sizes)), ax)
+
+        def trim() -> torch.Tensor:
+            stacked = started.wait()
+            if all(s == sizes[0] for s in sizes):   # even: the stack is the concatenation
+                return stacked.movedim(0, d).flatten(d, d + 1) if d else \
+                    stacked.reshape(-1, *stacked.shape[2:])
+            return torch.cat([stacked[m].narrow(d, 0, s) for m, s in enumerate(sizes)], dim=d)
+        return Pending(trim)
 
     def reduce_scatter(
         self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
@@ -207,6 +250,14 @@ class Comm(ABC):
         member. Each is deterministic; whether the two agree bitwise is the backend's affair
         (the emulation sums both in member order; gloo's orders may differ, see
         :class:`ProcessGroupComm`)."""
+        return self.reduce_scatter_async(t, axes, dim, sizes, phase=phase, impl=impl).wait()
+
+    def reduce_scatter_async(
+        self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
+        impl: str = "padded",
+    ) -> Pending:
+        """`reduce_scatter` issued without waiting for it (impl "padded"; "broadcast" runs at
+        once); ``wait()`` gives my summed piece."""
         check_impl(impl)
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
@@ -214,15 +265,22 @@ class Comm(ABC):
         if sum(sizes) != t.shape[d]:
             raise ValueError(f"reduce_scatter: sizes {sizes} do not sum to {t.shape[d]} (dim {d})")
         if not ax:
-            return t
+            return Pending.done(t)
         self._record("reduce_scatter", _nbytes(t), ax, phase, impl)
         if impl == "broadcast":
-            return self._scatter_by_reduce(t, d, sizes, ax)
-        buf = t.new_zeros((len(sizes), *_with_size(t.shape, d, max(sizes))))
-        for m, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
-            buf[m].narrow(d, 0, size).copy_(t.detach().narrow(d, offset, size))
-        mine = self._reduce_scatter(buf, ax)
-        return mine.narrow(d, 0, sizes[self._index(ax)]).contiguous()
+            return Pending.done(self._scatter_by_reduce(t, d, sizes, ax))
+        if d == 0 and all(s == sizes[0] for s in sizes):
+            # Even pieces along dim 0 are the stack already; a copy, as the transport reads it
+            # after this returns and the caller may reuse its tensor.
+            buf = t.detach().clone(memory_format=torch.contiguous_format).view(
+                len(sizes), *_with_size(t.shape, 0, sizes[0]))
+        else:
+            buf = t.new_zeros((len(sizes), *_with_size(t.shape, d, max(sizes))))
+            for m, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
+                buf[m].narrow(d, 0, size).copy_(t.detach().narrow(d, offset, size))
+        started = self._reduce_scatter_start(buf, ax)
+        me = sizes[self._index(ax)]
+        return Pending(lambda: started.wait().narrow(d, 0, me).contiguous())
 
     def all_to_all(
         self,
@@ -327,6 +385,18 @@ class Comm(ABC):
     @abstractmethod
     def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
         """Every member's ``value`` in member order (metadata, not recorded)."""
+
+    # -- the same, issued without waiting: a backend overlapping communication overrides them
+    # (the default runs the collective at once).
+
+    def _all_reduce_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
+        return Pending.done(self._all_reduce(buf, axes))
+
+    def _all_gather_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
+        return Pending.done(self._all_gather(buf, axes))
+
+    def _reduce_scatter_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
+        return Pending.done(self._reduce_scatter(buf, axes))
 
     # -- rooted primitives: every member passes a buffer of the same shape -------------------
 
@@ -459,20 +529,31 @@ class ProcessGroupComm(Comm):
         return comm
 
     def _all_reduce(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        dist.all_reduce(buf, group=self._groups[axes])
-        return buf
+        return self._all_reduce_start(buf, axes).wait()
 
     def _all_gather(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return self._all_gather_start(buf, axes).wait()
+
+    def _reduce_scatter(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return self._reduce_scatter_start(buf, axes).wait()
+
+    def _all_reduce_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
+        work = dist.all_reduce(buf, group=self._groups[axes], async_op=True)
+        return _after(work, buf, buf)
+
+    def _all_gather_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
         n = self._groups[axes].size()
         out = buf.new_empty((n, *buf.shape))
         # gloo accepts only the flat "concatenation" form of all_gather_single.
-        all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes])
-        return out
+        work = all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes],
+                                 async_op=True)
+        return _after(work, out, buf)
 
-    def _reduce_scatter(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    def _reduce_scatter_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
         out = buf.new_empty(buf.shape[1:])
-        reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes])
-        return out
+        work = reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes],
+                                     async_op=True)
+        return _after(work, out, buf)
 
     def _all_to_all(
         self, flat: torch.Tensor, in_splits: list[int], out_splits: list[int], axes: tuple[int, ...]
@@ -495,6 +576,18 @@ class ProcessGroupComm(Comm):
         # Only dst's buffer holds the sum; gloo may leave partial sums in the others'.
         dist.reduce(buf, group=self._groups[axes], group_dst=dst)
         return buf if self._index(axes) == dst else None
+
+
+def _after(work: dist.Work, out: torch.Tensor, keep: torch.Tensor) -> Pending:
+    """``out`` once ``work`` is done; ``keep`` (its input) is held until then, so the buffer
+    the transport reads cannot be freed under it."""
+    held = [keep]
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        held.clear()
+        return out
+    return Pending(finish)
 
 
 def _host_device(device: torch.device) -> torch.device:

@@ -9,17 +9,21 @@ gradients, :func:`all_gather_params` rebuilds full tensors from them.
 
 The bucket layout for the sharded pair is member-major: member m's pieces of every tensor are
 contiguous, so a single (uneven) reduce-scatter or all-gather along the flat buffer moves them.
+
+:class:`GradBuckets` is the overlapped form of :func:`all_reduce_grads`: the plan's buckets
+all-reduced asynchronously as the step's last backward completes them (`lower/overlap.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
 from meshplan.runtime.collectives import shard_sizes
-from meshplan.runtime.comm import Comm
+from meshplan.runtime.comm import Comm, Pending
 
 
 def all_reduce_grads(comm: Comm, grads: Sequence[torch.Tensor], axes: Sequence[int]) -> None:
@@ -128,3 +132,101 @@ def _dtype_buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     for k, t in enumerate(tensors):
         buckets.setdefault(t.dtype, []).append(k)
     return list(buckets.values())
+
+
+class InOrder:
+    """Items launched in one fixed order, each once it is ready and every earlier one has been
+    launched, so every rank issues the same collectives in the same order whatever order its
+    backward completes them in."""
+
+    def __init__(self, count: int, launch: Callable[[int], None]) -> None:
+        self.count, self._launch = count, launch
+        self.reset()
+
+    def reset(self) -> None:
+        self._ready: set[int] = set()
+        self.next = 0
+
+    def ready(self, k: int) -> None:
+        self._ready.add(k)
+        while self.next < self.count and self.next in self._ready:
+            self.next += 1
+            self._launch(self.next - 1)
+
+    def flush(self) -> None:
+        """Launch every item not launched yet, in order."""
+        while self.next < self.count:
+            self.next += 1
+            self._launch(self.next - 1)
+
+
+class GradBuckets:
+    """Replicated gradients all-reduced in buckets while the step's last backward still runs
+    (`lower/overlap.py`: the plan's buckets, in launch order).
+
+    ``buckets``: per bucket its mesh axes and the parameters' gradient-holding tensors (leaves
+    whose ``.grad`` autograd fills). Once `arm`-ed (before the step's last backward), a hook on
+    each tensor marks it ready when its gradient is complete; a complete bucket is flattened
+    and all-reduced asynchronously, in order. `finish` launches what is left (a parameter
+    without a gradient counts as zeros), waits, and writes the sums back into the gradients."""
+
+    def __init__(self, comm: Comm, buckets: Sequence[tuple[tuple[int, ...],
+                                                           Sequence[torch.Tensor]]]) -> None:
+        self.comm = comm
+        self.buckets = [(tuple(axes), list(ts)) for axes, ts in buckets]
+        self._where = {id(t): k for k, (_, ts) in enumerate(self.buckets) for t in ts}
+        self._order = InOrder(len(self.buckets), self._launch)
+        self._armed = False
+        self._seen: list[set[int]] = [set() for _ in self.buckets]
+        self._pending: list[tuple[int, Pending]] = []
+        # Weakly: each tensor keeps its hook, and a strong reference back to the buckets (which
+        # hold the tensors) would be a cycle through C++ that Python's collector cannot free.
+        me = weakref.ref(self)
+
+        def hook(t: torch.Tensor) -> None:
+            buckets = me()
+            if buckets is not None:
+                buckets._hook(t)
+        for _, ts in self.buckets:
+            for t in ts:
+                t.register_post_accumulate_grad_hook(hook)
+
+    def arm(self) -> None:
+        """The next backward is the step's last: launch buckets as they fill."""
+        self._armed = True
+
+    def reset(self) -> None:
+        self._armed = False
+        self._order.reset()
+        self._seen = [set() for _ in self.buckets]
+        self._pending = []
+
+    def _hook(self, t: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        k = self._where[id(t)]
+        self._seen[k].add(id(t))
+        if len(self._seen[k]) == len(self.buckets[k][1]):
+            self._order.ready(k)
+
+    def _launch(self, k: int) -> None:
+        axes, ts = self.buckets[k]
+        with torch.no_grad():
+            flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t))
+                              .reshape(-1) for t in ts])
+        self._pending.append((k, self.comm.all_reduce_async(flat, axes, phase="update",
+                                                            scratch=True)))
+
+    def finish(self) -> None:
+        """Every bucket synchronized into its tensors' ``.grad`` (missing ones as zeros)."""
+        self._order.flush()
+        with torch.no_grad():
+            for k, pending in self._pending:
+                summed = pending.wait()
+                _, ts = self.buckets[k]
+                for t, piece in zip(ts, summed.split([t.numel() for t in ts])):
+                    if t.grad is None:
+                        t.grad = piece.view(t.shape).clone()
+                    else:
+                        t.grad.copy_(piece.view(t.shape))
+        self.reset()

@@ -94,6 +94,8 @@ class ParallelModel(nn.Module):
                 (loss / len(micro)).backward()
                 tr.own_gradients()
             done.append(loss.detach())
+        if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
+            tr.last_backward()
         last = tr.run_microbatch(micro[-1], rng) / len(micro)
         local = last.detach() + sum(d / len(micro) for d in done)
         # The value reported is the whole batch's loss; the gradient flows through this

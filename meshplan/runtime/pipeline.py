@@ -137,6 +137,8 @@ class PipelineTrainer:
                         outs.append(value)
                         seeds.append(grads[key][name])
                 if outs:
+                    if j == count - 1:
+                        t.last_backward()
                     torch.autograd.backward(outs, seeds)
                     t.own_gradients()
             elif ins.op == "SEND" and ins.kind == "gradient":

@@ -25,18 +25,20 @@ from meshplan.capture.batch import check_static, flatten_batch, split_microbatch
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
+from meshplan.lower.overlap import plan_units
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
 from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
-from meshplan.runtime.comm import Comm
+from meshplan.runtime.comm import Comm, Pending
 from meshplan.runtime.devices import generator_for
-from meshplan.runtime.grad_sync import all_gather_params, all_reduce_grads
+from meshplan.runtime.grad_sync import GradBuckets, all_gather_params
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
 from meshplan.runtime.step_modes import autocast_for, recomputed
-from meshplan.runtime.zero3 import Rematerializer
+from meshplan.runtime import zero3
+from meshplan.runtime.zero3 import Rematerializer, Unit, Units
 
 
 class _Param:
@@ -46,6 +48,8 @@ class _Param:
                  axes: tuple[int, ...], comm: Comm) -> None:
         self.name, self.node, self.mode, self.axes = name, node, mode, axes
         local = local.to(comm.device)
+        # ZeRO: reduce-scatters of this parameter's gradient issued and not yet waited for.
+        self.scattering: list[Pending] = []
         self.full_shape = tuple(local.shape)
         self.compute: torch.Tensor | None = None
         if self.whole:
@@ -119,10 +123,34 @@ class Trainer:
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
         self._steps = 0
-        self._zero3 = Rematerializer() if any(p.mode == "zero3" for p in self.params) else None
+        self._units = self._make_units(traced, graph)
+        self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
+        self._buckets = self._make_buckets()
+
+    def _make_units(self, traced: Traced, graph: Graph) -> Units | None:
+        """The plan's ZeRO-3 units over this rank's shards (`runtime/zero3.py`), or None."""
+        groups, regather, scatter = plan_units(self.plan, graph)
+        if not groups:
+            return None
+        by_node = {p.node: p for p in self.params}
+        units = [Unit(self.comm, g.axes, [by_node[n].update for n in g.params],
+                      [by_node[n].full_shape for n in g.params]) for g in groups]
+        return Units(units, regather, scatter, self.plan.prefetch)
+
+    def _make_buckets(self) -> GradBuckets:
+        """The plan's gradient buckets over this rank's tensors (`lower/overlap.py`); a plan of
+        an older meshplan has one per mesh axes, synchronized after the backward."""
+        if self.plan.buckets:
+            by_node = {p.node: p for p in self.params}
+            groups = [(g.axes, [by_node[n].compute for n in g.params])
+                      for g in self.plan.buckets]
+        else:
+            groups = [(axes, [p.compute for p in ps])
+                      for axes, ps in self._groups("replicated")]
+        return GradBuckets(self.comm, groups)
 
     def _make_optimizer(self, spec: OptimizerSpec) -> Any:
         tensors = [p.update for p in self.params]
@@ -191,8 +219,10 @@ class Trainer:
         rng = self.begin_step(seed)
         micro = split_microbatches(batch, self.plan.microbatches)
         total = None
-        for piece in micro:
+        for k, piece in enumerate(micro):
             loss = self.run_microbatch(piece, rng)
+            if k == len(micro) - 1:
+                self.last_backward()
             (loss / len(micro)).backward()
             self.own_gradients()
             total = loss.detach() if total is None else total + loss.detach()
@@ -203,12 +233,19 @@ class Trainer:
         """This rank's local loss of one global micro-batch ``piece`` (its share taken)."""
         return self._run(self._program_args(self.local_batch(piece)), rng)
 
+    def last_backward(self) -> None:
+        """The next backward is the step's last: its complete gradient buckets are
+        all-reduced while it runs."""
+        self._buckets.arm()
+
     def own_gradients(self) -> None:
-        """After a micro-batch's backward: give every parameter a gradient tensor of its own.
+        """After a micro-batch's backward: its ZeRO reduce-scatters waited for and added to the
+        shards' gradients, and every parameter given a gradient tensor of its own.
         Autograd may hand one gradient tensor to two parameters (it steals an incoming gradient
         as ``.grad`` when it sees no other user; two batch-norm biases summed into one residual
         got the same tensor). The next micro-batch then accumulates into it in place twice:
         one parameter's part counted for both."""
+        self._drain()
         seen: set[int] = set()
         for p in self.params:
             g = p.compute.grad if p.compute is not None else None
@@ -224,6 +261,7 @@ class Trainer:
         default the step number)."""
         rng = generator_for(self.device).manual_seed(self._steps if seed is None else seed)
         self._steps += 1
+        self._buckets.reset()
         return rng
 
     def apply_gradients(self) -> None:
@@ -256,7 +294,8 @@ class Trainer:
         """The local program on one micro-batch, at the plan's dtype, recomputed in backward
         when the plan says so."""
         def program(*a: torch.Tensor) -> torch.Tensor:
-            return self.program.graph_module(self.comm, rng, *a)
+            with zero3.running(self._units) if self._units is not None else nullcontext():
+                return self.program.graph_module(self.comm, rng, *a)
 
         keep_shards = self._zero3.hooks() if self._zero3 is not None else nullcontext()
         with keep_shards, autocast_for(self.plan.dtype, self.device.type):
@@ -319,19 +358,31 @@ class Trainer:
             mine = ref()
             assert mine is not None   # the hook's tensor belongs to it
             with torch.no_grad():
-                piece = comm.reduce_scatter(param.grad, mine.axes, 0, sizes, phase="backward")
-                mine.update.grad = piece if mine.update.grad is None else \
-                    mine.update.grad.add_(piece)
+                mine.scattering.append(comm.reduce_scatter_async(param.grad, mine.axes, 0,
+                                                                 sizes, phase="backward"))
             param.grad = None
         return hook
 
+    def _drain(self) -> None:
+        """ZeRO reduce-scatters issued in backward, waited for and added to the shards'
+        gradients (in the order they were issued)."""
+        if self._units is not None:
+            self._units.end_backward()
+        with torch.no_grad():
+            for p in self.params:
+                for pending in p.scattering:
+                    piece = pending.wait()
+                    p.update.grad = piece if p.update.grad is None else \
+                        p.update.grad.add_(piece)
+                p.scattering.clear()
+
     def _synchronize(self) -> None:
-        # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward.
+        # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward: waited for here.
+        self._drain()
         for p in self.params:
             if p.whole and p.compute.grad is None:
                 p.compute.grad = torch.zeros_like(p.compute)
-        for axes, ps in self._groups("replicated"):
-            all_reduce_grads(self.comm, [p.compute.grad for p in ps], axes)
+        self._buckets.finish()
 
     def _refresh_zero2(self) -> None:
         for axes, ps in self._groups("zero2"):

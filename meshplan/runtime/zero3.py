@@ -1,29 +1,38 @@
-"""ZeRO-3 parameters gathered where they are used, and nowhere else (DESIGN.md §3.5).
+"""ZeRO-3 parameters gathered where they are used, a unit at a time, ahead of their use
+(DESIGN.md §3.5, §8).
 
-A ZeRO-3 parameter lives as its dim-0 shard over its data-parallel group. The local program
-gathers it (`gather`) right before its first use in each forward; the gathered tensor dies
-after its last use in that forward (fx frees values after their last use), and its gradient is
-reduce-scattered back to the shard in backward as soon as autograd has summed it, so neither
-the whole parameter nor its whole gradient outlives the ops that need them.
+A ZeRO-3 parameter lives as its dim-0 shard over its data-parallel group. The plan groups them
+into units (`lower/overlap.py`: consecutive parameters of one block, as FSDP's per-block units):
+a unit is gathered by one all-gather of every member's shards flattened together, its gradient
+reduce-scattered by one. The local program calls `gather_unit` at the first use of any member;
+`Units` (one per trainer) has by then issued that gather — ``prefetch`` units ahead, so the
+next unit's gather runs while this one computes — and issues the following one. Gathered
+members die after their last use in the forward (fx frees values after their last use).
 
-What autograd saves for backward would keep the gathered tensor alive through the whole step
-(a matmul keeps its weight). `Rematerializer.hooks()` (``saved_tensors_hooks``) packs a saved
-gathered parameter — or a view or half-precision cast of it — as a token and gathers it again
-when backward unpacks it: once per parameter and backward, shared by its uses, dropped when
-its gradient has been reduce-scattered. With recomputation the recomputed forward gathers
-again instead (checkpointing's own hooks handle what it saves).
+What autograd saves for backward would keep a gathered member alive through the whole step (a
+matmul keeps its weight). `Rematerializer.hooks()` (``saved_tensors_hooks``) packs a saved
+member — or a view or half-precision cast of it — as a token, and the backward gathers its
+unit again when it first unpacks one: in the plan's order (``unit_regather``: as the backward
+meets them, their last forward use latest first), ``prefetch`` ahead; the copy is dropped when
+the unit's gradient has been reduce-scattered. A unit's reduce-scatter is issued, without
+waiting, when autograd has summed its members' gradients, in the plan's order
+(``unit_scatter``), and waited for when the backward ends (`Units.end_backward`), which adds
+it to the shards' gradients. With recomputation the forward's replay gathers again instead
+(checkpointing's own hooks handle what it saves).
 
-Collectives, recorded on the comm: per forward one all-gather ("forward", or "recompute" when
-replayed); per backward one all-gather if autograd kept the parameter and one reduce-scatter.
+Collectives, recorded on the comm: per forward one all-gather per unit ("forward", or
+"recompute" when replayed); per backward one all-gather per unit autograd kept and one
+reduce-scatter per unit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,12 +40,13 @@ from torch.autograd import Function
 from torch.autograd.function import FunctionCtx
 
 from meshplan.lower.local_ops import cast_float
-from meshplan.runtime.comm import Comm
+from meshplan.runtime.collectives import shard_sizes
+from meshplan.runtime.comm import Comm, Pending
+from meshplan.runtime.grad_sync import InOrder
 
 
-# How a packed tensor derives from its gathered parameter: None (it is the gathered tensor or
-# a view of it), or (dtype, view): a cast to dtype of the parameter or of the view
-# (size, stride, offset) of it.
+# How a packed tensor derives from its gathered member: None (it is the member or a view of
+# it), or (dtype, view): a cast to dtype of the member or of the view (size, stride, offset).
 Derivation = tuple[torch.dtype, tuple | None] | None
 
 
@@ -44,58 +54,178 @@ def _geometry(t: torch.Tensor) -> tuple:
     return tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
 
-@dataclass(eq=False)
-class _Gathered:
-    """One forward's gathered parameter: how to gather it again, and the copies backward uses."""
+class Unit:
+    """One unit on this rank: its members' shards (the leaves the optimizer steps) and how the
+    members' dim 0 is cut over the group."""
 
-    comm: Comm
-    shard: torch.Tensor
-    axes: tuple[int, ...]
-    sizes: tuple[int, ...]
-    copies: dict[Derivation, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, comm: Comm, axes: Sequence[int], shards: Sequence[torch.Tensor],
+                 shapes: Sequence[Sequence[int]]) -> None:
+        self.comm, self.axes = comm, tuple(axes)
+        self.shards = list(shards)
+        self.shapes = [tuple(s) for s in shapes]
+        n, self.me = comm.group_size(self.axes), comm.group_index(self.axes)
+        self.rows = [shard_sizes(s[0], n) for s in self.shapes]       # [member][rank]
+        self.row_numel = [math.prod(s[1:]) for s in self.shapes]
+        # Each rank's flat piece: its rows of every member, member after member.
+        self.flat = [sum(r[m] * k for r, k in zip(self.rows, self.row_numel))
+                     for m in range(n)]
 
-    def rebuild(self, how: Derivation) -> torch.Tensor:
-        """The tensor ``how`` derives from the parameter, gathered again if this backward has
-        not yet (kept until the gradient is reduce-scattered: every use unpacks before that)."""
-        if how not in self.copies:
-            if how is None:
-                self.copies[None] = self.comm.all_gather(self.shard.detach(), self.axes, 0,
-                                                         self.sizes, phase="backward")
-            else:
-                dtype, view = how
-                whole = self.rebuild(None)
-                # .to() keeps a dense input's strides, so this has the original cast's layout.
-                self.copies[how] = (whole if view is None else whole.as_strided(*view)).to(dtype)
-        return self.copies[how]
+    def gather(self, phase: str) -> Pending:
+        """The unit's all-gather, issued; ``wait()`` gives the flat rank-major whole."""
+        mine = torch.cat([s.detach().reshape(-1) for s in self.shards])
+        return self.comm.all_gather_async(mine, self.axes, 0, self.flat, phase=phase)
 
-    def release(self) -> None:
-        self.copies = {}
+    def members(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The whole members from the gathered flat (rank after rank, each its rows of every
+        member)."""
+        out = []
+        for i, (rows, k, shape) in enumerate(zip(self.rows, self.row_numel, self.shapes)):
+            pieces = []
+            for m, start in enumerate(_offsets(self.flat)):
+                at = start + sum(r[m] * q for r, q in zip(self.rows[:i], self.row_numel[:i]))
+                pieces.append(whole.narrow(0, at, rows[m] * k).view(rows[m], *shape[1:]))
+            out.append(torch.cat(pieces))
+        return tuple(out)
+
+    def scatter(self, grads: Sequence[torch.Tensor | None]) -> Pending:
+        """The members' gradients summed over the group, issued; ``wait()`` gives this rank's
+        pieces, one per member."""
+        grads = [g if g is not None else torch.zeros(s, device=self.shards[0].device)
+                 for g, s in zip(grads, self.shapes)]
+        flat = torch.cat([g.detach().narrow(0, sum(rows[:m]), rows[m]).reshape(-1)
+                          for m in range(len(self.flat))
+                          for g, rows in zip(grads, self.rows)])
+        started = self.comm.reduce_scatter_async(flat, self.axes, 0, self.flat,
+                                                 phase="backward")
+        sizes = [rows[self.me] * k for rows, k in zip(self.rows, self.row_numel)]
+        return Pending(lambda: tuple(p.view(rows[self.me], *shape[1:]) for p, rows, shape
+                                     in zip(started.wait().split(sizes), self.rows,
+                                            self.shapes)))
+
+
+class Units:
+    """The ZeRO-3 units of one trainer and the order their collectives run in (module
+    docstring): ``regather`` the kept units in the backward's order, ``scatter`` every unit in
+    the order its gradient completes."""
+
+    def __init__(self, units: Sequence[Unit], regather: Sequence[int], scatter: Sequence[int],
+                 prefetch: int) -> None:
+        self.units = list(units)
+        self.prefetch = prefetch
+        self.regather = tuple(regather)
+        self._at = {u: k for k, u in enumerate(self.regather)}
+        self._scatter_order = tuple(scatter)
+        self._scatter_at = {u: k for k, u in enumerate(self._scatter_order)}
+        self._order = InOrder(len(self._scatter_order), self._launch_scatter)
+        self._ahead: dict[int, Pending] = {}      # forward gathers issued, not yet used
+        self._back: dict[int, Pending] = {}       # backward gathers issued, not yet used
+        self._copies: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._derived: dict[tuple, torch.Tensor] = {}
+        self._grads: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self._scattering: list[tuple[int, Pending]] = []
+        self._next_back = 0
+        self._backward_ran = False
+
+    # ---------------------------------------------------------------- forward
+    def forward_members(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit ``u``'s members whole, for the forward (or its replay)."""
+        phase = "forward"
+        if u not in self._ahead:
+            self._ahead[u] = self.units[u].gather(phase)
+        for v in range(u + 1, min(u + 1 + self.prefetch, len(self.units))):
+            if v not in self._ahead:
+                self._ahead[v] = self.units[v].gather(phase)
+        return self.units[u].members(self._ahead.pop(u).wait())
+
+    # ---------------------------------------------------------------- backward
+    def backward_member(self, u: int, i: int, how: Derivation) -> torch.Tensor:
+        """Member ``i`` of unit ``u`` (as ``how`` derives from it), gathered again for the
+        backward, in the plan's order, until its gradient has been reduce-scattered."""
+        self._backward_ran = True
+        if u not in self._copies and u not in self._at:
+            raise AssertionError(f"meshplan internal error: the backward needs ZeRO-3 unit {u} "
+                                 f"again, which the plan says autograd does not keep")
+        if u not in self._copies:
+            last = self._at[u] + self.prefetch
+            while self._next_back <= min(last, len(self.regather) - 1):
+                v = self.regather[self._next_back]
+                self._back[v] = self.units[v].gather("backward")
+                self._next_back += 1
+            self._copies[u] = self.units[u].members(self._back.pop(u).wait())
+        if how is None:
+            return self._copies[u][i]
+        key = (u, i, how)
+        if key not in self._derived:
+            dtype, view = how
+            whole = self._copies[u][i]
+            # .to() keeps a dense input's strides, so this has the original cast's layout.
+            self._derived[key] = (whole if view is None else whole.as_strided(*view)).to(dtype)
+        return self._derived[key]
+
+    def gradient(self, u: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Unit ``u``'s members' gradients are complete: drop its backward copy, reduce-scatter
+        it in the plan's order."""
+        self._backward_ran = True
+        self._copies.pop(u, None)
+        self._derived = {k: v for k, v in self._derived.items() if k[0] != u}
+        self._grads[u] = grads
+        self._order.ready(self._scatter_at[u])
+
+    def _launch_scatter(self, k: int) -> None:
+        u = self._scatter_order[k]
+        grads = self._grads.pop(u, (None,) * len(self.units[u].shards))
+        self._scattering.append((u, self.units[u].scatter(grads)))
+
+    def end_backward(self) -> None:
+        """After a backward: every unit reduce-scattered (one that got no gradient as zeros),
+        waited for and added to its shards' gradients."""
+        if not self._backward_ran:
+            return
+        self._order.flush()
+        with torch.no_grad():
+            for u, pending in self._scattering:
+                for shard, piece in zip(self.units[u].shards, pending.wait()):
+                    shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+        for pending in self._back.values():   # kept by the plan, never unpacked: let go
+            pending.wait()
+        self._scattering, self._back, self._copies, self._derived = [], {}, {}, {}
+        self._order.reset()
+        self._next_back, self._backward_ran = 0, False
+
+
+@dataclass(frozen=True)
+class _Member:
+    """Member ``index`` of unit ``unit`` of ``units``, as one forward gathered it."""
+
+    units: Units
+    unit: int
+    index: int
 
 
 @dataclass(frozen=True)
 class _Token:
     """A saved tensor packed away: the view ``geometry`` of what ``how`` derives from the
-    gathered ``entry``."""
+    gathered ``member``."""
 
-    entry: _Gathered
+    member: _Member
     how: Derivation
     geometry: tuple
 
 
 class Rematerializer:
-    """The gathered parameters of the forward in progress and the hooks that pack them (module
+    """The gathered members of the forward in progress and the hooks that pack them (module
     docstring). One per rank; `active()` is the one whose hooks this thread has installed
     (emulated ranks are threads, and autograd's hooks are per thread too)."""
 
     def __init__(self) -> None:
-        # id(tensor) -> (weak reference to it, its entry, how it derives from the parameter):
-        # weak, so the registry never keeps a gathered tensor alive.
-        self._known: dict[int, tuple[weakref.ref, _Gathered, Derivation]] = {}
+        # id(tensor) -> (weak reference to it, its member, how it derives from it): weak, so
+        # the registry never keeps a gathered tensor alive.
+        self._known: dict[int, tuple[weakref.ref, _Member, Derivation]] = {}
 
-    def register(self, t: torch.Tensor, entry: _Gathered, how: Derivation) -> None:
-        self._known[id(t)] = (weakref.ref(t), entry, how)
+    def register(self, t: torch.Tensor, member: _Member, how: Derivation) -> None:
+        self._known[id(t)] = (weakref.ref(t), member, how)
 
-    def lookup(self, t: torch.Tensor) -> tuple[_Gathered, Derivation] | None:
+    def lookup(self, t: torch.Tensor) -> tuple[_Member, Derivation] | None:
         hit = self._known.get(id(t))
         if hit is None or hit[0]() is not t:
             return None
@@ -112,11 +242,13 @@ class Rematerializer:
     def _unpack(packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Token):
             return packed
-        return packed.entry.rebuild(packed.how).as_strided(*packed.geometry)
+        m = packed.member
+        return m.units.backward_member(m.unit, m.index, packed.how).as_strided(
+            *packed.geometry)
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        """Within: gathered parameters saved for backward are packed as tokens."""
+        """Within: gathered members saved for backward are packed as tokens."""
         before = active()
         _ACTIVE.remat = self
         try:
@@ -135,21 +267,37 @@ def active() -> Rematerializer | None:
     return getattr(_ACTIVE, "remat", None)
 
 
-def gather(comm: Comm, shard: torch.Tensor, axes: Sequence[int], sizes: Sequence[int]
-           ) -> torch.Tensor:
-    """The whole (local) parameter from every member's dim-0 shard (``sizes[m]`` rows); its
-    gradient comes back reduce-scattered to ``shard``."""
-    entry = _Gathered(comm, shard, tuple(axes), tuple(sizes))
-    whole = _Gather.apply(shard, entry)
+@contextlib.contextmanager
+def running(units: Units) -> Iterator[None]:
+    """Within: the local program's `gather_unit` calls gather from ``units`` (its forward,
+    or the forward's replay inside the backward)."""
+    before = getattr(_ACTIVE, "units", None)
+    _ACTIVE.units = units
+    try:
+        yield
+    finally:
+        _ACTIVE.units = before
+
+
+def gather_unit(comm: Comm, unit: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unit ``unit``'s members whole, from this rank's ``shards`` of them (what the local
+    program calls at the unit's first use); their gradients go back reduce-scattered to the
+    shards."""
+    units: Units | None = getattr(_ACTIVE, "units", None)
+    if units is None:
+        raise AssertionError("meshplan internal error: a ZeRO-3 program ran outside its "
+                             "trainer (no units to gather from)")
+    members = _GatherUnit.apply(units, unit, *shards)
     remat = active()
     if remat is not None:
-        remat.register(whole, entry, None)
-    return whole
+        for i, t in enumerate(members):
+            remat.register(t, _Member(units, unit, i), None)
+    return members
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` at ``dtype``; a cast of a gathered parameter (or of a view of it) is gathered
-    again in backward too."""
+    """``x`` at ``dtype``; a cast of a gathered member (or of a view of it) is gathered again
+    in backward too."""
     out = cast_float(x, dtype)
     remat = active()
     if remat is None or out is x:
@@ -161,16 +309,19 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class _Gather(Function):
+class _GatherUnit(Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, shard: torch.Tensor, entry: _Gathered) -> torch.Tensor:
-        ctx.entry = entry
-        return entry.comm.all_gather(shard, entry.axes, 0, entry.sizes, phase="forward")
+    def forward(ctx: FunctionCtx, units: Units, unit: int, *shards: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.units, ctx.unit, ctx.count = units, unit, len(shards)
+        return units.forward_members(unit)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        entry: _Gathered = ctx.entry
-        entry.release()
-        piece = entry.comm.reduce_scatter(grad.contiguous(), entry.axes, 0, entry.sizes,
-                                          phase="backward")
-        return piece, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        # The shards' gradients arrive when the reduce-scatter is waited for (end_backward).
+        ctx.units.gradient(ctx.unit, grads)
+        return (None, None) + (None,) * ctx.count
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    return [sum(sizes[:m]) for m in range(len(sizes))]

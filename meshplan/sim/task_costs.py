@@ -1,10 +1,11 @@
 """What each instruction of a plan costs: the durations the simulator's clock advances by.
 
 A stage's RUN of one micro-batch is its program's compute on one device plus the collectives
-the program issues in that pass, one after another as the runtime issues them (in line,
-between the ops that need them): forward-phase collectives in the forward, backward- and
-recompute-phase ones in the backward. APPLY_GRAD is the stage's update-phase collectives (the
-gradient synchronization buckets). A SEND moves one micro-batch's share of the plan's listed
+the program issues in line in that pass (forward-phase ones in the forward, backward- and
+recompute-phase ones in the backward), with the ones the runtime overlaps (`Plan.overlap`: a
+ZeRO-3 unit's prefetched gathers, ZeRO reduce-scatters) on a stream beside the compute, as
+`lower/overlap.step_passes` times them. APPLY_GRAD is what the step's last backward leaves of
+its gradient buckets, overlapped with that backward, and the update's own collectives. A SEND moves one micro-batch's share of the plan's listed
 point-to-point messages between the two stages (`Plan.transfers`): every rank sends its own
 at once, so a SEND lasts as long as its busiest link — a host's network for messages between
 hosts (the inter-host bandwidth is per host), a device's link inside a host.
@@ -20,9 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from meshplan.cost.cluster import Cluster, cluster_from_dict
-from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import logical_mesh, with_shares
 from meshplan.lower.instructions import Instruction
+from meshplan.lower.overlap import step_passes
 from meshplan.plan.plan import Plan, StagePlan, TransferEntry
 from meshplan.sim.engine import TaskCost
 
@@ -51,15 +52,9 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     # Each collective on its model segment's shares (one segment: the plan's axis weights).
     meshes = [with_shares(flat, w, p.options.get("gather_impl", "auto"))
               for w in p.segment_weights or (p.axis_weights,)]
-    per_pass: dict[str, float] = defaultdict(float)
-    for c in p.collectives:
-        per_pass[c.phase] += c.count * collective_cost(c.kind, meshes[c.segment], c.mesh_axes,
-                                                       c.bytes)
-    b = p.microbatches
-    forward = p.predicted["forward_s"] + per_pass["forward"] / b
-    backward = p.predicted["backward_s"] + (per_pass["backward"] + per_pass["recompute"]) / b
-    if p.recompute:
-        backward += p.predicted["forward_s"]
+    forward, backward, update = step_passes(
+        p.predicted["forward_s"], p.predicted["backward_s"], p.collectives, p.overlap, meshes,
+        p.microbatches, p.recompute)
     state = p.predicted["state_bytes"]
     kept = full = p.predicted["activation_bytes"]
     if stage is not None:
@@ -70,7 +65,7 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
     extra = {k: max(p.predicted.get(k, 0.0) - held, 0.0) for k, held in (
         ("forward_peak_bytes", full), ("backward_peak_bytes", kept),
         ("backward_held_peak_bytes", kept))}
-    return TaskCost(forward_s=forward, backward_s=backward, update_s=per_pass["update"],
+    return TaskCost(forward_s=forward, backward_s=backward, update_s=update,
                     state_bytes=state, activation_bytes=kept,
                     working_bytes=p.predicted.get("working_bytes", 0.0),
                     grad_bytes=p.predicted.get("grad_bytes", 0.0),

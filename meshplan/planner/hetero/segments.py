@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from meshplan.cost.collectives import collective_cost
+from meshplan.lower.overlap import step_passes
 from meshplan.cost.mesh import LogicalMesh, with_shares
 from meshplan.ir.graph import Graph
 from meshplan.lower.grain import cut_units
@@ -191,12 +191,11 @@ def segmented_plan(plan: Plan, form: Formulation, choices: tuple[int, ...], real
     colls = tuple(CollectiveEntry(kind, b, a, p, n, k)
                   for (kind, b, a, p, k), n in sorted(entries.items()))
     forward, backward = _compute(form, choices, real, segment_of, meshes, result.figures)
-    comm = sum(c.count * collective_cost(c.kind, meshes[c.segment], c.mesh_axes, c.bytes)
-               for c in colls)
     m = real.microbatches
-    compute = m * (forward * (1 + real.recompute) + backward)
+    f_s, b_s, u_s = step_passes(forward, backward, colls, plan.overlap, meshes, m,
+                                real.recompute)
     predicted = {**plan.predicted, "forward_s": forward, "backward_s": backward,
-                 "step_time_s": compute + comm}
+                 "step_time_s": m * (f_s + b_s) + u_s}
     return replace(plan, collectives=colls, predicted=predicted,
                    options={**plan.options, "segment_recuts": len(found)},
                    axis_weights=tuple(weights[0]),

@@ -1,9 +1,13 @@
 """Read an ILP solution back into plan decisions: per-op strategies, parameters, collectives.
 
 The collective list is derived from the same resharding recipes the ILP priced and lowering
-emits, plus the update-phase buckets of the gradient synchronization: one bucket per kind and
-mesh axes (replicated: all-reduce; ZeRO-2: reduce-scatter then all-gather of the new values;
-ZeRO-3: reduce-scatter, with each parameter all-gathered before the forward pass).
+emits, plus the parameters' synchronization as the runtime groups it (`lower/overlap.py`):
+replicated gradients all-reduced in buckets, overlapped with the last backward; ZeRO-2
+gradients reduce-scattered one by one in every backward, the new values all-gathered in one
+bucket per mesh axes after the update; ZeRO-3 parameters gathered and their gradients
+reduce-scattered per unit, prefetched. Where each overlapped collective falls on its pass's
+compute (`AsyncEntry`) is worked out here, from each op's own times, and priced by
+`lower/overlap.step_passes` — the simulator's own function.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
+from meshplan.lower import overlap as ov
 from meshplan.lower.factored_stats import factored_buckets, update_dims
 from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.fanout import param_sync, use_charges
@@ -23,7 +28,8 @@ from meshplan.planner.intra.ilp_problem import working_peak
 from meshplan.planner.intra.liveness import StepPeaks, Value, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
-from meshplan.plan.plan import CollectiveEntry, OpDecision, ParamDecision, SourceDecision
+from meshplan.plan.plan import (AsyncEntry, CollectiveEntry, OpDecision, ParamDecision,
+                                SourceDecision, SyncGroup)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,24 @@ class IntraResult:
     # Every collective with the node that owns it (the op whose partial sums it reduces or
     # whose operand it moves, the parameter it synchronizes; "" for the update's buckets).
     owned: tuple[tuple[str, CollectiveEntry], ...] = ()
+    sync: "Sync | None" = None
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The parameters' grouping and overlap, as the `Plan` fields of those names."""
+
+    buckets: tuple[SyncGroup, ...] = ()
+    units: tuple[SyncGroup, ...] = ()
+    unit_regather: tuple[int, ...] = ()
+    unit_scatter: tuple[int, ...] = ()
+    prefetch: int = ov.PREFETCH
+    overlap: tuple[AsyncEntry, ...] = ()
+
+    def fields(self) -> dict:
+        return {"buckets": self.buckets, "units": self.units,
+                "unit_regather": self.unit_regather, "unit_scatter": self.unit_scatter,
+                "prefetch": self.prefetch, "overlap": self.overlap}
 
 
 def node_indices(form: Formulation, choices: tuple[int, ...]) -> dict[str, int]:
@@ -74,12 +98,14 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     memory, state, forward, backward = 0.0, 0.0, 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
+    times: list[tuple[float, float]] = []   # each node's forward and backward seconds
     for node in g.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         held = costs.memory(node, choice)
         memory += held
         state += held if node.role == "param" else 0.0
         f, b = real_costs.pass_times(node, choice)
+        times.append((f, b))
         forward, backward = forward + f, backward + b
         for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
             for label, n in form.ctx.phase_counts(phase):
@@ -115,7 +141,8 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                               tuple(lay.spec() for lay in s.inputs), s.output.spec(),
                               s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
                               reshard[node.name], costs.memory(node, choice), s.sync_axes))
-    params = _params(form, idx, sync, sfb, counts)
+    params, grouped = _params(form, idx, sync, sfb, counts)
+    groups = _sync(form, grouped, times, counts)
     working = working_peak(form.problem, choices)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec())
@@ -123,11 +150,9 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
     owned = tuple((o, CollectiveEntry(k, b, a, p, c))
                   for (k, b, a, p, o), c in sorted(counts.items()))
     colls = _merged(entry for _, entry in owned)
-    comm_time = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
-                    for c in colls)
-    # `OpCosts.compute_cost` summed over the ops: per micro-batch, the forward (twice when
-    # recomputed) and the backward.
-    compute = real.microbatches * (forward * (1 + real.recompute) + backward)
+    m = real.microbatches
+    f_s, b_s, u_s = ov.step_passes(forward, backward, colls, groups.overlap, [real.mesh], m,
+                                   real.recompute)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
     peaks = _step_peaks(costs, nc, idx)
@@ -139,7 +164,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
     return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory + working,
-                       compute + comm_time, figures, owned)
+                       m * (f_s + b_s) + u_s, figures, owned, groups)
 
 
 def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
@@ -197,11 +222,17 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
 
 
 def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],
-            sfb: dict[str, tuple[int, ...]], counts: Counter) -> tuple[ParamDecision, ...]:
+            sfb: dict[str, tuple[int, ...]], counts: Counter
+            ) -> tuple[tuple[ParamDecision, ...], dict[str, list[ov.GroupParam]]]:
+    """The parameters' decisions, their collectives counted except those of the groups the
+    runtime makes; the synchronized parameters by mode, for `_sync` ("replicated" buckets,
+    "zero3" units; "zero2" for its reduce-scatters' timing)."""
     nc, g = form.choices, form.choices.graph
     shape = tuple(form.ctx.mesh.shape)
-    # The runtime synchronizes one bucket per (update mode, axes) and collective kind.
-    buckets: Counter[tuple[str, tuple[int, ...], str, str]] = Counter()
+    uses = ov.param_uses(g)
+    # ZeRO-2 gathers its new values in one bucket per axes after the update.
+    buckets: Counter[tuple[str, tuple[int, ...], str]] = Counter()
+    grouped: dict[str, list[ov.GroupParam]] = {"replicated": [], "zero2": [], "zero3": []}
     out = []
     shapes: list[tuple[int, ...]] = []
     dims: list[tuple[tuple[int, ...], ...]] = []
@@ -219,21 +250,76 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
         nbytes = local_bytes(n, spec, shape)
         for extra in backward:  # uses synchronized apart from the update (`param_sync`)
             counts[("all_reduce", nbytes, extra, "backward", n.name)] += form.ctx.microbatches
-        if axes and mode == "replicated":
-            buckets[("all_reduce", axes, "update", mode)] += nbytes
-        elif axes:   # ZeRO: one parameter at a time in the passes, the update's bucketed
+        if axes and n.name in uses:
+            grouped[mode].append(ov.GroupParam(n.name, n.state_name or n.name, axes,
+                                               n.out.dtype, nbytes, uses[n.name]))
+        if axes and mode == "zero2":   # reduce-scattered one by one, gathered bucketed
             for kind, phase, count in zero_counts(mode, form.ctx, n.kept is not False):
                 if phase == "update":
-                    buckets[(kind, axes, phase, mode)] += nbytes
+                    buckets[(kind, axes, phase)] += nbytes
                 else:
                     counts[(kind, nbytes, axes, phase, n.name)] += count
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
         shapes.append(n.out.shape)
         dims.append(update_dims(spec.dims, mode, axes))
-    for (kind, axes, phase, _), nbytes in buckets.items():
+    for (kind, axes, phase), nbytes in buckets.items():
         counts[(kind, nbytes, axes, phase, "")] += 1
     if form.ctx.optimizer.factored:  # its statistics completed over the shards (runtime's)
         for b in factored_buckets(shapes, dims, shape):
             counts[("all_reduce", 4 * b.numel, b.axes, "update", "")] += 1
-    return tuple(out)
+    return tuple(out), grouped
+
+
+def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
+          times: list[tuple[float, float]], counts: Counter) -> Sync:
+    """Buckets and ZeRO-3 units (`lower/overlap.py`), their collectives counted, and where each
+    overlapped collective falls on its pass: forward times from the start of the forward,
+    backward times from the start of the backward (after the forward's replay when
+    recomputed), each op's backward running in reverse order."""
+    g, ctx = form.choices.graph, form.ctx
+    index = {n.name: i for i, n in enumerate(g.nodes)}
+    fwd_at, bwd_done = [0.0], [0.0] * (len(times) + 1)
+    for f, _ in times:
+        fwd_at.append(fwd_at[-1] + f)
+    replay = fwd_at[-1] if ctx.recompute else 0.0
+    for i in range(len(times) - 1, -1, -1):     # backward of node i done
+        bwd_done[i] = bwd_done[i + 1] + times[i][1]
+    bwd_done = [replay + t for t in bwd_done]
+    uses = ov.param_uses(g)
+    entries: list[AsyncEntry] = []
+
+    buckets = ov.grad_buckets(grouped["replicated"])
+    ready = [bwd_done[min(uses[p].first for p in b.params)] for b in buckets]
+    for (k, at), b in zip(ov.launched(range(len(buckets)), ready), buckets):
+        counts[("all_reduce", b.bytes, b.axes, "update", "")] += 1
+        entries.append(AsyncEntry("all_reduce", b.bytes, b.axes, "last_backward", at))
+    # ZeRO-2 gradients: reduce-scattered from their hooks as they complete, drained when the
+    # backward ends.
+    for p in sorted(grouped["zero2"], key=lambda q: -q.use.first):
+        entries.append(AsyncEntry("reduce_scatter", p.nbytes, p.axes, "backward",
+                                  bwd_done[p.use.first]))
+    units = ov.zero3_units(grouped["zero3"])
+    kept = {n.name: n.kept is not False for n in g.params()}
+    regather, scatter = ov.unit_orders(units, uses, kept.__getitem__)
+    if ctx.recompute:
+        regather = ()   # the forward's replay gathers them
+    for u in units:
+        for kind, phase, count in zero_counts("zero3", ctx, any(kept[p] for p in u.params)):
+            counts[(kind, u.bytes, u.axes, phase, u.params[0])] += count
+    first = [min(uses[p].first for p in u.params) for u in units]
+    for i, at in ov.prefetched(range(len(units)), [fwd_at[f] for f in first], ov.PREFETCH):
+        u = units[i]
+        entries.append(AsyncEntry("all_gather", u.bytes, u.axes, "forward", at,
+                                  fwd_at[first[i]]))
+    need = [bwd_done[max(uses[p].last for p in units[i].params) + 1] for i in regather]
+    for (i, at), wait in zip(ov.prefetched(regather, need, ov.PREFETCH), need):
+        u = units[i]
+        entries.append(AsyncEntry("all_gather", u.bytes, u.axes, "backward", at, wait))
+    done = [bwd_done[first[i]] for i in scatter]
+    for i, at in ov.launched(scatter, done):
+        u = units[i]
+        entries.append(AsyncEntry("reduce_scatter", u.bytes, u.axes, "backward", at))
+    return Sync(buckets, units, regather, scatter, ov.PREFETCH, tuple(entries))
+
+

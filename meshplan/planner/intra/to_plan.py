@@ -49,4 +49,5 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
         options={k: v for k, v in asdict(options).items()
                  if k not in ("memory_budget", "replicated_updates")}
         | {"replicated_updates": sorted(options.replicated_updates)}
-        | {"memory_budget_bytes": budget, "unsupported_ops": list(unsupported_ops)})
+        | {"memory_budget_bytes": budget, "unsupported_ops": list(unsupported_ops)},
+        **(result.sync.fields() if result.sync else {}))
