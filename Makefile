@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-pipeline test bench coverage clean
+.PHONY: demo demo-pipeline test bench coverage gpu-check clean
 
 # constraints.txt pins the versions the tests run on; the package declares ranges.
 $(STAMP): pyproject.toml constraints.txt
@@ -25,6 +25,12 @@ $(CHROMIUM):
 
 test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest tests
+
+# meshplan on a real GPU (meshplan/gpu_check.py; docs/gpu.md). It runs on the machine's own
+# Python and torch, no venv: a GPU machine brings its own CUDA build (torch>=2.11).
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m meshplan.gpu_check
 
 coverage: $(STAMP)
 	$(BIN)/python benchmarks/coverage.py --workers 2

@@ -25,28 +25,53 @@ from scipy.optimize import linprog
 SIZES = tuple(1024 * 4 ** k for k in range(9))   # 1 KiB .. 64 MiB
 
 
-def _median_seconds(fn: Any, reps: int) -> float:
+def _median_seconds(fn: Any, reps: int, device: torch.device = torch.device("cpu")) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()   # warm up
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def matmul_tflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
-    """Dense matmul throughput of this process at ``dtype``, TFLOP/s."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n ** 3 / _median_seconds(lambda: a @ b, reps) / 1e12
+def matmul_tflops(dtype: torch.dtype, n: int = 1024, reps: int = 5,
+                  device: torch.device | str = "cpu") -> float:
+    """Dense matmul throughput of this process at ``dtype`` on ``device``, TFLOP/s."""
+    dev = torch.device(device)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    return 2 * n ** 3 / _median_seconds(lambda: a @ b, reps, dev) / 1e12
 
 
-def copy_gbps(nbytes: int = 64 * 2 ** 20, reps: int = 5) -> float:
-    """Memory bandwidth of a large copy (read + write), GB/s."""
-    src = torch.empty(nbytes // 4)
+def copy_gbps(nbytes: int = 64 * 2 ** 20, reps: int = 5,
+              device: torch.device | str = "cpu") -> float:
+    """Memory bandwidth of a large copy (read + write) on ``device``, GB/s."""
+    dev = torch.device(device)
+    src = torch.empty(nbytes // 4, device=dev)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), reps) / 1e9
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), reps, dev) / 1e9
+
+
+def device_figures(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What the cost model needs of one device, measured: matmul TFLOP/s per dtype (large
+    square products on a GPU, where small ones cannot fill it) and copy bandwidth."""
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    n, nbytes = (8192, 2 ** 30) if gpu else (1024, 64 * 2 ** 20)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if gpu else \
+        (torch.float32, torch.bfloat16)
+    if gpu:   # strict fp32, as the presets' fp32 peaks are
+        torch.backends.cuda.matmul.allow_tf32 = False
+    tflops = {str(d).removeprefix("torch."): matmul_tflops(d, n, 10 if gpu else 5, dev)
+              for d in dtypes}
+    return {"matmul_tflops": tflops, "copy_gbps": copy_gbps(nbytes, 10 if gpu else 5, dev)}
 
 
 def all_reduce_times(rank: int, nprocs: int, sizes: tuple[int, ...],

@@ -191,6 +191,18 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
     return value
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+              is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+              scale: float | None = None) -> tuple[torch.Tensor, None]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (what a CPU trace records for
+    ``scaled_dot_product_attention``) on any device: the same attention by the device's own
+    kernel choice. Its second output, the log-sum-exp only that kernel's backward reads, is
+    not made."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out, None
+
+
 def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``aten.copy(dst, src)`` (a functionalized ``dst.copy_(src)``) as differentiable ops:
     src cast to dst's dtype and broadcast to its shape; dst's values are not read."""

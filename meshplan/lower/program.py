@@ -382,13 +382,18 @@ def lower(traced: Traced, graph: Graph, plan: Plan, rank: int,
 
 def place(gm: fx.GraphModule, device: torch.device) -> None:
     """Move what ``gm`` creates onto ``device``: the program was traced on (fake) CPU tensors,
-    so its factory ops name the CPU (``arange(..., device=cpu)``, a copy ``to`` the CPU) and its
-    tensor constants live there."""
+    so its factory ops name the CPU (``arange(..., device=cpu)``, a copy ``to`` the CPU), its
+    tensor constants live there, and its attention is the CPU kernel's (run as the same
+    attention by the device's own kernels, `local_ops.attention`)."""
     if device.type == "cpu":
         return
     for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            node.target = local_ops.attention
         where = node.kwargs.get("device")
-        if node.op == "call_function" and where is not None and torch.device(where).type == "cpu":
+        if where is not None and torch.device(where).type == "cpu":
             node.kwargs = {**node.kwargs, "device": device}
     for name, value in list(gm.named_buffers()):
         owner, _, attr = name.rpartition(".")

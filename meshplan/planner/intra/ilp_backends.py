@@ -17,7 +17,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import highspy
 import numpy as np
 
 from meshplan.errors import InfeasibleIlpError
@@ -104,8 +103,20 @@ def _to_csc(model: MilpModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, rows.astype(np.int32), vals
 
 
-def _highs_lp(model: MilpModel) -> highspy.HighsLp:
+def _highspy():
+    """highspy, imported when its backend is asked for (the default, scipy, needs only scipy:
+    a machine without highspy still plans)."""
+    try:
+        import highspy
+    except ImportError as e:
+        raise ImportError("the 'highs' ILP backend needs highspy (pip install highspy); "
+                          "the default backend 'scipy' does not") from e
+    return highspy
+
+
+def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
     """The model as a continuous HighsLp, passed in bulk (no per-nonzero Python calls)."""
+    highspy = _highspy()
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
     lp.col_cost_ = model.cost
@@ -118,6 +129,7 @@ def _highs_lp(model: MilpModel) -> highspy.HighsLp:
 
 
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None) -> RawSolution:
+    highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
     for name, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0)):
