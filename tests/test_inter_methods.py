@@ -250,8 +250,11 @@ def test_cli_names_a_bad_megatron_spec(capsys: pytest.CaptureFixture[str]) -> No
 def test_candidates_solved_whole_never_lose_to_the_dps_own_pick(tiny, monkeypatch) -> None:
     # By parts the DP misjudges long stages; its near-best pipelines (equal stages included),
     # each stage on its best logical mesh, are solved whole and the fastest kept. With one
-    # candidate and a margin of zero that is the DP's own pick as it stood before.
+    # candidate and a margin of zero that is the DP's own pick as it stood before. (The
+    # pipeline check that follows, which may trade the pipeline for one stage on a near-tie
+    # as the simulator times them, has its own test below: off here.)
     import meshplan.planner.inter.search as search
+    monkeypatch.setattr(search, "_one_stage_if_simulated_faster", lambda plan, *_: plan)
     kw = dict(microbatches=2, memory_budget_gb=0.004)
     chosen = _plan(tiny, FOUR, **kw)
     monkeypatch.setattr(search, "REFINE_MAX", 1)

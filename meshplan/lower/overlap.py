@@ -101,12 +101,13 @@ def grad_buckets(params: Sequence[GroupParam], bucket_bytes: int = BUCKET_BYTES,
                  for b in done)
 
 
-_INDEX = re.compile(r"^(.*?\.\d+)(\.|$)")
+_INDEX = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")
 
 
 def block_of(state: str) -> str:
     """The block a parameter belongs to: its module path up to the first list index
-    (``model.layers.3.mlp.up.weight`` -> ``model.layers.3``), else its own name."""
+    (``model.layers.3.mlp.up.weight`` -> ``model.layers.3``, a Sequential's ``0.weight`` ->
+    ``0``), else its own name."""
     found = _INDEX.match(state)
     return found[1] if found else state
 

@@ -2,13 +2,15 @@
 
 One `Trainer` per rank. It traces the model (cheap: fake tensors), checks the trace is the
 program the plan was made for, lowers the plan to this rank's local program, and keeps only the
-rank's shards of every parameter. A step runs the local forward (ZeRO-3 parameters gathered at
-their first use, `runtime/zero3.py`), autograd's backward through the program's collectives
-(ZeRO-2 and ZeRO-3 gradients reduce-scattered there, each as soon as it is complete), one
-bucketed all-reduce per mesh axes of the replicated ones, the optimizer on the local update
-tensors, and one bucketed all-gather per mesh axes refreshing the ZeRO-2 parameters. An SFB
-weight (`meshplan.runtime.sfb`) is kept whole like a replicated one, but its gradient arrives
-whole from backward: nothing to synchronize.
+rank's shards of every parameter, on the rank's device (``comm.device``). A step runs the local
+forward (ZeRO-3 parameters gathered a unit at a time, the next unit prefetched,
+`runtime/zero3.py`), autograd's backward through the program's collectives (ZeRO-2 and ZeRO-3
+gradients reduce-scattered asynchronously as soon as they are complete, waited for when the
+backward ends; in the step's last backward the replicated gradients all-reduced in the plan's
+buckets as they fill, `grad_sync.GradBuckets`), the optimizer on the local update tensors,
+and one bucketed all-gather per mesh axes refreshing the ZeRO-2 parameters. An SFB weight
+(`meshplan.runtime.sfb`) is kept whole like a replicated one, but its gradient arrives whole
+from backward: nothing to synchronize.
 """
 
 from __future__ import annotations

@@ -128,7 +128,9 @@ def zero_counts(mode: str, ctx: CostContext, kept: bool) -> tuple[tuple[str, str
     complete. ZeRO-2 then gathers the updated shards once per step (bucketed, `runtime/
     trainer.py`); ZeRO-3 (`runtime/zero3.py`) gathers the parameter in every forward (and its
     replay), and again in every backward when autograd keeps it (not under recomputation: the
-    replayed forward gathered it)."""
+    replayed forward gathered it). The runtime gathers ZeRO-3 parameters by units of a block
+    (`lower/overlap.py`), each unit's collectives these with one latency for all its members;
+    the ILP, pricing each parameter alone, charges each its own (an upper bound)."""
     scatter = ("reduce_scatter", "backward", ctx.microbatches)
     if mode == "zero2":
         return scatter, ("all_gather", "update", 1)
