@@ -332,6 +332,10 @@ def _add_calibrate_parser(subparsers: Any) -> None:
                    help="processes (devices) to measure over (default: 4)")
     p.add_argument("-o", "--output", metavar="YAML", required=True, help="the profile to write")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="measure the CPU (gloo, the default) or the GPUs (matmul TFLOP/s per "
+                        "dtype and HBM bandwidth of GPU 0; all-reduce over NCCL, one process "
+                        "per GPU)")
     p.set_defaults(run=_run_calibrate)
 
 
@@ -340,7 +344,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         return _fail(f"--nproc must be at least 2 to measure a collective, got {args.nproc}")
     try:
-        text, report = run_calibration(args.nproc, args.output)
+        text, report = run_calibration(args.nproc, args.output, args.device)
+    except RuntimeError as err:   # --device cuda without a GPU
+        return _fail(str(err))
     except OSError as err:
         return _fail(f"cannot write the profile to {args.output!r}: {err.strerror or err}")
     print(f"{PROG}: profile written to {args.output}", file=sys.stderr)

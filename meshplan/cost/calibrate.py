@@ -106,13 +106,18 @@ def _burst_seconds(group: Any, nbytes: int) -> float:
     scheduler's wake-ups. Each on a tensor of its own, as a step's gradient buckets are: one
     tensor reduced again and again would stay in cache and look faster than a step sees it."""
     inner = max(1, min(32, 2 ** 22 // nbytes))
-    buffers = [torch.ones(max(nbytes // 4, 1))
+    device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    buffers = [torch.ones(max(nbytes // 4, 1), device=device)
                for _ in range(max(1, min(32, 2 ** 26 // nbytes)))]
     dist.all_reduce(buffers[0], group=group)   # warm up
     dist.barrier(group=group)
+    if device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(inner):
         dist.all_reduce(buffers[i % len(buffers)], group=group)
+    if device == "cuda":   # NCCL returns before the GPU is done
+        torch.cuda.synchronize()
     return (time.perf_counter() - t0) / inner
 
 
@@ -175,19 +180,28 @@ def profile_yaml(name: str, nprocs: int, tflops: dict[str, float], mem_gbps: flo
             f"{link.alpha * 1e6:.6g}}}\n")
 
 
-def run_calibration(nprocs: int, output: str) -> tuple[str, dict[str, Any]]:
-    """Measure, fit and write the profile to ``output`` (module docstring); returns the
-    report as text and as a JSON-able dict."""
+def run_calibration(nprocs: int, output: str, device: str = "cpu"
+                    ) -> tuple[str, dict[str, Any]]:
+    """Measure, fit and write the profile to ``output`` (module docstring) for ``device``
+    ("cpu": processes of this machine over gloo; "cuda": its GPUs, one process each over
+    NCCL); returns the report as text and as a JSON-able dict. RuntimeError for "cuda"
+    without enough GPUs."""
+    from meshplan.runtime.devices import resolve_device
     from meshplan.runtime.pool import WorkerPool   # runtime imports cost: not at import
-    tflops = {"float32": matmul_tflops(torch.float32),
-              "bfloat16": matmul_tflops(torch.bfloat16)}
-    mem = copy_gbps()
+    dev = resolve_device(device)
+    if dev.type == "cuda" and torch.cuda.device_count() < nprocs:
+        raise RuntimeError(f"--device cuda measures one process per GPU: {nprocs} asked, "
+                           f"{torch.cuda.device_count()} GPUs here")
+    figures = device_figures(dev)
+    tflops, mem = figures["matmul_tflops"], figures["copy_gbps"]
     groups = tuple(g for g in (2, 4, 8, 16) if g < nprocs) + (nprocs,)
-    with WorkerPool(nprocs) as pool:
+    with WorkerPool(nprocs, device=device) as pool:
         measured = pool.run(all_reduce_times, SIZES, groups)[0]
     fits = {g: fit_link(g, SIZES, measured[g]) for g in groups}
     link = fits[nprocs]
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    ram = torch.cuda.get_device_properties(dev).total_memory / 2 ** 30 * nprocs \
+        if dev.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     with open(output, "w") as f:
         f.write(profile_yaml("calibrated", nprocs, tflops, mem, ram / nprocs, link))
     lines = [f"matmul: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in tflops.items()),
