@@ -299,6 +299,9 @@ class Trainer:
             with zero3.running(self._units) if self._units is not None else nullcontext():
                 return self.program.graph_module(self.comm, rng, *a)
 
+        # A backward whose reduce-scatters nobody waited for yet (a caller accumulating
+        # gradients over several calls of its own): finished before the next forward.
+        self._drain()
         keep_shards = self._zero3.hooks() if self._zero3 is not None else nullcontext()
         with keep_shards, autocast_for(self.plan.dtype, self.device.type):
             if not self.plan.recompute:
