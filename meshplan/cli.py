@@ -197,16 +197,17 @@ def _add_plan_parser(subparsers: Any) -> None:
     p.add_argument("-o", "--output", metavar="PATH", help="save the plan as JSON to PATH")
     p.add_argument("--simulate", action="store_true",
                    help="also simulate the plan's step (step time, TFLOP/s, MFU, bubble, peak "
-                        "memory) and write its timeline; with --json as the object 'simulated'")
+                        "memory); with --json as the object 'simulated'; --timeline writes "
+                        "its timeline")
     _add_timeline_argument(p)
     p.set_defaults(run=_run_plan)
 
 
 def _add_timeline_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeline", metavar="PREFIX",
-                   help="where the simulated timeline goes: PREFIX.timeline.json and "
-                        "PREFIX.gantt.png (default: the plan file's path without .json, or "
-                        "'meshplan' in the current directory)")
+                   help="write the simulated timeline to PREFIX.timeline.json and a Gantt "
+                        "chart to PREFIX.gantt.png (the chart needs matplotlib; without it "
+                        "the JSON alone is written); without --timeline no file is written")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,7 +230,7 @@ def _add_simulate_parser(subparsers: Any) -> None:
         description="Run the per-rank instruction lists of the plan in PLAN_JSON on a virtual "
                     "clock with the cost model's durations and print the step time, "
                     "samples/s, TFLOP/s per device, MFU, pipeline bubble and peak memory per "
-                    "device; the timeline is written as JSON and as a PNG Gantt chart.")
+                    "device; --timeline writes the timeline as JSON and as a PNG Gantt chart.")
     p.add_argument("plan_json", metavar="PLAN_JSON", help="a plan file")
     p.add_argument("--json", action="store_true",
                    help="print {\"simulated\": {...}} as one JSON document on stdout")
@@ -243,31 +244,35 @@ def _run_simulate(args: argparse.Namespace) -> int:
         loaded = load_plan(args.plan_json)
     except ValueError as err:
         return _fail(str(err))
-    prefix = args.timeline or os.path.splitext(args.plan_json)[0]
-    return _simulated(loaded, prefix, args.json, None)
+    return _simulated(loaded, args.timeline, args.json, None)
 
 
-def _simulated(result: Plan, prefix: str, as_json: bool, document: dict | None) -> int:
-    """Simulate ``result``, write its timeline files and print the figures (or, with
-    ``as_json``, ``document`` with the object "simulated" added)."""
+def _simulated(result: Plan, prefix: str | None, as_json: bool, document: dict | None) -> int:
+    """Simulate ``result``, write its timeline files when ``prefix`` is given (the chart
+    where matplotlib is installed) and print the figures (or, with ``as_json``, ``document``
+    with the object "simulated" added)."""
     from meshplan.report.gantt import write_gantt
     from meshplan.sim.simulate import format_simulation, simulate
     try:
         sim = simulate(result)
     except ValueError as err:
         return _fail(str(err))
-    files = (f"{prefix}.timeline.json", f"{prefix}.gantt.png")
-    try:
-        with open(files[0], "w") as f:
-            json.dump(sim.timeline.to_json(), f)
-        write_gantt(sim.timeline, files[1], title=f"{result.model}: simulated step")
-    except OSError as err:
-        return _fail(f"cannot write the timeline to {prefix!r}: {err.strerror or err}")
-    except RuntimeError as err:   # no matplotlib
-        return _fail(str(err))
+    files: tuple[str, ...] = ()
+    if prefix is not None:
+        try:
+            files = (f"{prefix}.timeline.json",)
+            with open(files[0], "w") as f:
+                json.dump(sim.timeline.to_json(), f)
+            write_gantt(sim.timeline, f"{prefix}.gantt.png",
+                        title=f"{result.model}: simulated step")
+            files += (f"{prefix}.gantt.png",)
+        except OSError as err:
+            return _fail(f"cannot write the timeline to {prefix!r}: {err.strerror or err}")
+        except RuntimeError as err:   # no matplotlib: the JSON timeline alone
+            print(f"{PROG}: no Gantt chart: {err}", file=sys.stderr)
     if as_json:
-        out = (document or {}) | {"simulated": sim.summary() | {"timeline_json": files[0],
-                                                               "gantt_png": files[1]}}
+        written = dict(zip(("timeline_json", "gantt_png"), files))
+        out = (document or {}) | {"simulated": sim.summary() | written}
         return _emit(json.dumps(out, indent=1))
     return _emit(format_simulation(result, sim, files))
 
@@ -454,11 +459,10 @@ def _run_plan(args: argparse.Namespace) -> int:
             return _fail(f"cannot write plan to {args.output!r}: {err.strerror or err}")
         print(f"{PROG}: plan saved to {args.output}", file=sys.stderr)
     if args.simulate:
-        prefix = args.timeline or (os.path.splitext(args.output)[0] if args.output
-                                   else PROG)
         if not args.json:
             _emit(result.explain())
-        return _simulated(result, prefix, args.json, result.to_json() if args.json else None)
+        return _simulated(result, args.timeline, args.json,
+                          result.to_json() if args.json else None)
     return _emit(json.dumps(result.to_json(), indent=1) if args.json else result.explain())
 
 

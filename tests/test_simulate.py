@@ -153,13 +153,27 @@ def test_cli_simulates_a_saved_plan_and_writes_the_timeline(tmp_path, capsys,
                         "peak_memory_bytes"}
     assert out["step_time_s"] == pytest.approx(simulate(pipelines["1f1b"]).step_time_s)
     assert len(out["peak_memory_bytes"]) == 4
-    timeline = json.loads((tmp_path / "wide.timeline.json").read_text())
-    assert timeline["step_time_s"] == out["step_time_s"] and timeline["spans"]
-    assert (tmp_path / "wide.gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wide.json"]   # no --timeline: no file
     assert main(["simulate", str(path), "--timeline", str(tmp_path / "t")]) == 0
     text = capsys.readouterr().out
     assert "step time" in text and "pipeline bubble" in text and "MFU" in text
-    assert (tmp_path / "t.gantt.png").exists()
+    timeline = json.loads((tmp_path / "t.timeline.json").read_text())
+    assert timeline["step_time_s"] == out["step_time_s"] and timeline["spans"]
+    assert (tmp_path / "t.gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_json_needs_no_matplotlib_and_writes_nothing(tmp_path, capsys,
+                                                              monkeypatch) -> None:
+    import sys
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` fails
+    assert main(["plan", "mlp:batch=8", "--cluster", "local:2", "--simulate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["simulated"]["step_time_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+    assert main(["plan", "mlp:batch=8", "--cluster", "local:2", "--simulate",
+                 "--timeline", "t"]) == 0
+    assert "no Gantt chart" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.timeline.json"]
 
 
 def test_cli_plan_simulate_adds_the_simulated_object(tmp_path, capsys) -> None:
