@@ -40,6 +40,16 @@ FLAG_FIELDS = frozenset({"bias", "flash"})  # 0 or 1
 # were in use: models named before keep their names).
 QUIET_FIELDS = frozenset({"flash"})
 FLOAT_FIELDS = frozenset({"capacity"})  # a finite float > 0; every other field is an int size >= 1
+# The largest value of each size field: far past every published model (at most ~200 layers,
+# hidden 25,600, a few hundred thousand vocabulary entries) yet small enough that the model
+# builds on the meta device and its tensors' sizes stay within int64; beyond them a spec is a
+# typo (10^9 layers would be 10^9 modules to build).
+UPPER: Mapping[str, Value] = MappingProxyType({
+    "layers": 4096, "hidden": 2 ** 20, "heads": 2 ** 14, "seq": 2 ** 22, "vocab": 2 ** 24,
+    "batch": 2 ** 24, "experts": 2 ** 16, "expert_ffn": 2 ** 22, "capacity": 1e3,
+    "channels": 2 ** 16, "width": 2 ** 10, "image": 2 ** 16, "classes": 2 ** 24, "fc": 2 ** 20,
+    "patch": 2 ** 12,
+})
 
 
 def _table(columns: tuple[str, ...], rows: Mapping[str, tuple[int, ...]], **common: int
@@ -120,13 +130,14 @@ def check_value(kind: str, name: str, value: object) -> Value:
     """Validate field ``name`` of ``kind`` and return it normalised (float fields become float).
 
     Raises TypeError for a non-number (an int where one is required, bools never), ValueError for a
-    flag not 0/1, a size < 1, or a float field that is not a finite number > 0.
+    flag not 0/1, a size < 1 or above `UPPER`, or a float field that is not a finite number > 0.
     """
     if name in FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{kind} field {name!r} must be a number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{kind} field {name!r} must be a finite number > 0, got {value}")
+        _check_upper(kind, name, value)
         return float(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{kind} field {name!r} must be an int, got {value!r}")
@@ -134,4 +145,12 @@ def check_value(kind: str, name: str, value: object) -> Value:
         raise ValueError(f"{kind} field {name!r} must be 0 or 1, got {value}")
     if name not in FLAG_FIELDS and value < 1:
         raise ValueError(f"{kind} field {name!r} must be >= 1, got {value}")
+    _check_upper(kind, name, value)
     return value
+
+
+def _check_upper(kind: str, name: str, value: Value) -> None:
+    top = UPPER.get(name)
+    if top is not None and value > top:
+        raise ValueError(f"{kind} field {name!r} must be at most {top:,}, got {value:,} "
+                         "(far past any published model: a typo?)")

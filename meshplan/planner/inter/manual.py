@@ -62,7 +62,7 @@ def plan_megatron(graph_for: GraphFor, batch: int, spec: MegatronSpec, counts: l
     t0 = time.perf_counter()
     check_on_cluster(spec, req.cluster.num_hosts, req.cluster.devices_per_host)
     _check_schedule(spec, req)
-    layers = partial(_layers_for, pp=spec.pp * spec.virtual, req=req)
+    layers = partial(_layers_for, pp=spec.pp, req=req, virtual=spec.virtual)
     priced = (_price(_profiled(graph_for, b, req, layers, [spec]), spec.dp, spec.tp, spec.pp,
                      req, spec.virtual) for b in _counts_for(spec, batch, counts))
     best, needs = None, []
@@ -182,23 +182,30 @@ def _grid_layers(graph: Graph, req: PipelineRequest) -> int:
     return n if n > 1 else default_num_layers(graph, req.cluster.num_devices)
 
 
-def _layers_for(graph: Graph, pp: int, req: PipelineRequest) -> int:
-    """L for ``pp`` equal stages (pp·virtual chunks when interleaved): the user's ``num_layers`` or the repeated-unit count, which
-    ``pp`` must divide (Megatron's rule); without repetition the default L rounded up to a
-    multiple of ``pp``. Raises ValueError naming the valid pipeline sizes."""
+def _layers_for(graph: Graph, pp: int, req: PipelineRequest, virtual: int = 1) -> int:
+    """L for ``pp`` equal stages of ``virtual`` chunks each (pp·virtual equal chunks): the
+    user's ``num_layers`` or the repeated-unit count, which the chunks must divide (Megatron's
+    rule); without repetition the default L rounded up to a multiple of them. Raises
+    ValueError naming the constraint and the valid sizes."""
+    chunks = pp * virtual
+    cut = f"pp={pp}" if virtual == 1 else \
+        f"pp={pp} with virtual={virtual} ({chunks} chunks of layers, pp x virtual)"
     if req.num_layers is not None:
-        if req.num_layers % pp:
-            raise ValueError(f"pp={pp} does not divide num_layers={req.num_layers}: the stages "
-                             "would not hold equal layers")
+        if req.num_layers % chunks:
+            raise ValueError(f"{cut} does not divide num_layers={req.num_layers}: the "
+                             f"{'stages' if virtual == 1 else 'chunks'} would not hold equal "
+                             "layers")
         return req.num_layers
     n = repeat_count(graph)
     if n > 1:
-        if n % pp:
+        if n % chunks:
             valid = [p for p in range(1, n + 1) if n % p == 0]
-            raise ValueError(f"pp={pp} does not divide the model's {n} repeated blocks, so the "
-                             f"stages would not hold equal blocks; valid pp: {valid}")
+            what = "pp" if virtual == 1 else "pp x virtual"
+            raise ValueError(f"{cut} does not divide the model's {n} repeated blocks, so the "
+                             f"{'stages' if virtual == 1 else 'chunks'} would not hold equal "
+                             f"blocks; valid {what}: {valid}")
         return n
-    return math.ceil(default_num_layers(graph, req.cluster.num_devices) / pp) * pp
+    return math.ceil(default_num_layers(graph, req.cluster.num_devices) / chunks) * chunks
 
 
 # ---------------------------------------------------------------- pricing
