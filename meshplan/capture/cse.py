@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
-from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+from torch.fx import GraphModule, Node
 
 
 def _is_impure(target: Any) -> bool:
@@ -22,10 +21,37 @@ def _is_impure(target: Any) -> bool:
     return (schema is not None and schema.is_mutable) or torch.Tag.nondeterministic_seeded in tags
 
 
-def merge_common_subexpressions(gm: GraphModule) -> GraphModule:
-    """A copy of ``gm`` with repeated pure calls merged (node names and metadata kept)."""
-    banned = set(get_CSE_banned_ops())
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and _is_impure(node.target):
-            banned.add(getattr(node.target, "overloadpacket", node.target))
-    return CSEPass(banned_ops=banned)(gm).graph_module
+def _key(value: Any) -> Any:
+    """A hashable form of an fx argument (nodes by identity, lists as tuples); TypeError for
+    what cannot be compared so."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, float):
+        return (float, repr(value))   # -0.0 is not 0.0, and nan equals nan here
+    hash(value)
+    return (type(value), value)
+
+
+def merge_common_subexpressions(gm: GraphModule) -> dict[str, str]:
+    """Merge ``gm``'s repeated pure calls in place (the first of each kept, with its name and
+    metadata); returns what was merged: name -> the name of the node now holding its value (so
+    what capture learned about a merged node, e.g. that autograd saves it, follows it)."""
+    seen: dict[Any, Node] = {}
+    merged: dict[str, str] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or _is_impure(node.target):
+            continue
+        try:
+            key = (node.target, _key(node.args), _key(node.kwargs))
+        except TypeError:
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            merged[node.name] = first.name
+            gm.graph.erase_node(node)
+    if merged:
+        gm.recompile()
+    return merged

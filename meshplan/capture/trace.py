@@ -5,8 +5,10 @@ This is the one module that touches torch's tracing internals (``make_fx`` and
 buffers and the example batch become fake *CPU* tensors (fake CUDA breaks autograd on a CPU
 build), so a model built on the ``meta`` device traces at any size.
 
-The traced function is the step's loss on ``functional_call(model, state, args, kwargs)``
-(``capture/batch.py``: the batch forms and the loss conventions); its placeholders are, in
+The traced function is the step's loss on the model called with its parameters and buffers
+swapped for stand-ins (`stand_ins`: by identity, every slot restored afterwards, so planning
+leaves the model as it was) (``capture/batch.py``: the batch forms and the loss conventions);
+its placeholders are, in
 order, every parameter, every buffer, every batch tensor (positional, keyword, target). The
 backward pass is not traced: at run time autograd differentiates the sharded forward program.
 
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.fx import GraphModule
-from torch.func import functional_call, functionalize
+from torch.func import functionalize
 
 from meshplan.torch_api import FakeTensorMode, OpOverload, make_fx
 from meshplan.capture.cse import merge_common_subexpressions
@@ -83,7 +85,7 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 
 # make_fx patches torch globally while it traces; two threads tracing at once corrupt each other
-# (and functional_call swaps the shared model's parameters), so tracing is serialized.
+# (and `stand_ins` swaps the shared model's parameters), so tracing is serialized.
 _TRACE_LOCK = threading.Lock()
 
 
@@ -190,11 +192,12 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     fake_state = {k: _as_fake(mode, v).requires_grad_(k in params and v.requires_grad)
                   for k, v in {**params, **buffers}.items()}
     fake_batch = [_as_fake(mode, t) for t in batch.values()]
-    names = list(fake_state)
+    originals = [id(v) for v in {**params, **buffers}.values()]
 
     def step(state_list: list[torch.Tensor], batch_list: list[torch.Tensor]) -> torch.Tensor:
         args, kwargs, target = layout.call(batch_list)
-        out = functional_call(model, dict(zip(names, state_list)), args, kwargs, strict=False)
+        with stand_ins(model, dict(zip(originals, state_list))):
+            out = model(*args, **kwargs)
         return step_loss(loss_fn, out, target)
 
     with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
@@ -216,8 +219,35 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
              + [("target" if k == "target" and layout.has_target else "input", k)
                 for k in batch])
-    gm = merge_common_subexpressions(gm)
+    renames = {**renames, **merge_common_subexpressions(gm)}
     return Traced(gm, tuple(roles), layout, renamed(saved, renames, gm))
+
+
+@contextlib.contextmanager
+def stand_ins(model: nn.Module, by_tensor: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within: every slot of ``model`` (a module's parameter or buffer, under any of its names)
+    holding a tensor whose ``id`` is a key of ``by_tensor`` holds that tensor's stand-in;
+    afterwards each slot holds its own tensor again, whatever happened. A module registered
+    under two names and a parameter two modules share are each swapped once, by identity —
+    ``torch.func.functional_call`` swaps by name and, for a module registered twice, restored
+    its stand-ins instead of its parameters."""
+    slots = []
+    seen: set[int] = set()
+    for _, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and id(t) in by_tensor:
+                    slots.append((table, attr, t))
+    try:
+        for table, attr, t in slots:
+            table[attr] = by_tensor[id(t)]
+        yield
+    finally:
+        for table, attr, t in slots:
+            table[attr] = t
 
 
 def drop_empty_cat_operands(gm: GraphModule) -> None:
