@@ -6,6 +6,7 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 from __future__ import annotations
 
 import functools
+import warnings
 
 import time
 from dataclasses import asdict, dataclass, replace
@@ -146,8 +147,8 @@ def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> Infe
     return InfeasiblePlanError(budget, need, " ".join(tips))
 
 
-def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
-         cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
+def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
+          cluster: Cluster | str, *, mesh_shape: Sequence[int] | None = None,
          alpha: Sequence[float] | None = None, beta: Sequence[float] | None = None,
          method: str = "auto", force_batch_dim: int | None = None,
          prefer_reduce_scatter: bool = False, memory_budget_gb: float | None = None,
@@ -339,6 +340,38 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
                         unsupported_ops=graph.unsupported_ops, axis_weights=weights)
     result.options["gather_impl"] = gather
     return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+
+@functools.wraps(_plan, assigned=("__doc__",))
+def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
+         cluster: Cluster | str, **kwargs: Any) -> Plan:
+    found = _plan(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
+    return _microbatch_loss(found, model, loss_fn, example_batch)
+
+
+def _microbatch_loss(found: Plan, model: nn.Module, loss_fn: Callable | None,
+                     example_batch: Any) -> Plan:
+    """A plan of several micro-batches with what makes its step the full batch's: the loss's
+    reductions over the batch, each scaled per micro-batch (`lower/microbatch.py`), recorded
+    in ``options["microbatch_loss"]``; a loss micro-batches cannot add up is named in a
+    warning, with what runs instead."""
+    if found.microbatches <= 1:
+        return found
+    from meshplan.lower.microbatch import StepScales
+    traced, graph = capture(model, loss_fn, split_microbatches(example_batch,
+                                                               found.microbatches)[0])
+    scales = StepScales(traced.graph_module, graph,
+                        lambda: capture(model, loss_fn, example_batch)[1])
+    found.options["microbatch_loss"] = {
+        "exact": scales.inexact is None,
+        "reductions": [[r.node, r.kind] for r in scales.reductions],
+        "why": scales.inexact}
+    if scales.inexact is not None:
+        warnings.warn(f"meshplan: {found.microbatches} micro-batches cannot make this loss's "
+                      f"full-batch step exactly: {scales.inexact}. Their losses are averaged "
+                      "(each micro-batch weighted equally), as plain gradient accumulation "
+                      "does; plan with microbatches=1 for the exact step", stacklevel=3)
+    return found
 
 
 def _sfb_choice(sfb: str | None, method: str, pipelines: bool) -> str:

@@ -32,7 +32,7 @@ from meshplan.cost.collectives import uneven_gather_impl
 from meshplan.cost.mesh import LogicalMesh, with_shares
 from meshplan.cost.precision import DTYPES, HALF_OPS
 from meshplan.ir.graph import Graph, Node
-from meshplan.lower import local_ops
+from meshplan.lower import local_ops, microbatch
 from meshplan.lower.grain import cut_units
 from meshplan.lower.overlap import plan_units
 from meshplan.lower.shards import (MeshPos, Sharded, cut, gathered, local_shape, op_output,
@@ -61,6 +61,9 @@ class LocalProgram:
     # it sends to later stages, in its sinks' order; ``has_loss``: whether it computes the loss.
     sent: tuple[str, ...] = ()
     has_loss: bool = True
+    # The loss's batch reductions scaled per micro-batch, in the order of their placeholders
+    # (right after comm and rng; `lower/microbatch.py`).
+    scaled: tuple[str, ...] = ()
 
     def split_output(self, out: object) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """(local loss or None, values sent) of what the program returned."""
@@ -129,9 +132,12 @@ class _Lowerer:
         impl = uneven_gather_impl(self.mesh, s.axes, s.nbytes)
         return "padded" if impl == "ring" else impl
 
-    def run(self) -> LocalProgram:
+    def run(self, scaled: tuple[str, ...] = ()) -> LocalProgram:
         phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
                if n.is_source and n.role != "constant"]
+        # Each of the loss's batch reductions times its micro-batch scale (`microbatch.py`):
+        # placeholders right after comm and rng.
+        scales = {name: self.out.placeholder(f"scale_{name}") for name in scaled}
         for node in self.graph.nodes:
             self._at(self.segment_of.get(node.name, 0))
             if node.is_source:
@@ -140,6 +146,9 @@ class _Lowerer:
                 self._sink(node)
             else:
                 self._op(node)
+                if node.name in scales:
+                    self.env[node.name] = self.out.call_function(
+                        microbatch.scaled, (self.env[node.name], scales[node.name]))
         sinks = [n for n in self.graph.nodes if n.op == SINK_OP]
         has_loss = self.graph.loss not in {n.name for n in sinks}
         if sinks:   # a pipeline stage: (loss or None, *values sent to later stages)
@@ -153,7 +162,7 @@ class _Lowerer:
         gm = fx.GraphModule(root, self.out)
         partial = self.values[self.graph.loss].layout.partial if has_loss else ()
         return LocalProgram(gm, tuple(phs), self.values, partial,
-                            tuple(n.inputs[0] for n in sinks), has_loss)
+                            tuple(n.inputs[0] for n in sinks), has_loss, tuple(scales))
 
     def _sink(self, node: Node) -> None:
         """A value sent to a later stage, in the (never partial) layout the plan sends it in."""
@@ -372,10 +381,12 @@ class _Lowerer:
 
 def lower(traced: Traced, graph: Graph, plan: Plan, rank: int,
           weights: tuple[tuple[float, ...], tuple[float, ...]],
-          device: torch.device | str = "cpu") -> LocalProgram:
+          device: torch.device | str = "cpu", scaled: tuple[str, ...] = ()) -> LocalProgram:
     """The local program of ``rank`` (see the module docstring), making whatever it creates
-    (constants, masks, factory results) on ``device``."""
-    program = _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run()
+    (constants, masks, factory results) on ``device``; the results of the nodes ``scaled``
+    (the loss's batch reductions) multiplied by per-micro-batch scales it takes as inputs."""
+    program = _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run(
+        tuple(scaled))
     place(program.graph_module, torch.device(device))
     return program
 

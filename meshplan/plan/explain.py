@@ -32,6 +32,13 @@ def summary(plan: Plan) -> str:
         f"{'es' if plan.microbatches != 1 else ''}"
         f"{', recomputed' if plan.recompute else ''}, {_stage_count(plan)}",
     ]
+    loss = plan.options.get("microbatch_loss")
+    if loss is not None:   # how the micro-batches make the full batch's step
+        kinds = ", ".join(f"{kind} ({node})" for node, kind in loss["reductions"])
+        lines.append("  micro-batches    " + (
+            f"the full batch's step: the loss's batch reductions scaled per micro-batch: "
+            f"{kinds}" if loss["exact"] else
+            f"averaged (not the full batch's step exactly: {loss['why']})"))
     if "megatron" in plan.options:
         lines.append(_megatron(plan.options))
     if "mixed_auto" in plan.options:   # auto on a cluster of mixed devices: what it weighed

@@ -87,16 +87,17 @@ class ParallelModel(nn.Module):
         assert tr is not None
         rng = tr.begin_step()
         micro = split_microbatches(batch, self._plan.microbatches)
+        scales = tr.step_scales(micro)
         done = []
-        for piece in micro[:-1]:   # accumulated here; the last backward is the caller's
-            loss = tr.run_microbatch(piece, rng)
+        for piece, scale in zip(micro[:-1], scales):   # here; the last backward is the caller's
+            loss = tr.run_microbatch(piece, rng, scale)
             if torch.is_grad_enabled():
                 (loss / len(micro)).backward()
                 tr.own_gradients()
             done.append(loss.detach())
         if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
             tr.last_backward()
-        last = tr.run_microbatch(micro[-1], rng) / len(micro)
+        last = tr.run_microbatch(micro[-1], rng, scales[-1]) / len(micro)
         local = last.detach() + sum(d / len(micro) for d in done)
         # The value reported is the whole batch's loss; the gradient flows through this
         # rank's part of the last micro-batch.

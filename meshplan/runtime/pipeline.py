@@ -32,11 +32,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import split_microbatches
+from meshplan.capture.batch import flatten_batch, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.cross_mesh import Box
+from meshplan.lower.microbatch import StepScales
 from meshplan.lower.pipeline_program import Exchange, pipeline_program, stage_graphs
 from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
@@ -79,8 +80,12 @@ class PipelineTrainer:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
         graphs = stage_graphs(graph, plan)
+        # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
+        self._scales = StepScales(traced.graph_module, graph,
+                                  lambda: capture(model, loss_fn, example_batch)[1])
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
-                                    captured=(traced, graphs[s])) for s in self.stages}
+                                    captured=(traced, graphs[s]), scales=self._scales)
+                         for s in self.stages}
         self._moves = stage_moves(plan, self.program, graph, local_gather)
         self._tied = [(k, name, me, {i: (self._moves.tied[(name, me, i)],
                                          self._moves.tied[(name, i, me)])
@@ -99,6 +104,8 @@ class PipelineTrainer:
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)
+        scales = self._scales([flatten_batch(p)[1] for p in micro]) \
+            if any(t.program.scaled for t in self.trainers.values()) else [None] * count
         # Keyed by (stage, micro-batch): a rank may run several stages.
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -112,8 +119,8 @@ class PipelineTrainer:
                     value = self._receive(k, e, "activation", j)
                     inbox.setdefault(key, {})[e.value] = value.requires_grad_(self._grad(e))
             elif ins.op == "RUN" and ins.kind == "forward":
-                out = t._run(t._program_args(t.local_batch(micro[j]), inbox.get(key, {})),
-                             rngs[ins.stage])
+                out = t._run(t._program_args(t.local_batch(micro[j]), inbox.get(key, {}),
+                                             scales[j]), rngs[ins.stage])
                 loss, values = t.program.split_output(out)
                 kept[key] = (loss, dict(zip(t.program.sent, values)))
                 if loss is not None:

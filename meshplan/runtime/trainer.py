@@ -27,6 +27,7 @@ from meshplan.capture.batch import check_static, flatten_batch, split_microbatch
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
+from meshplan.lower.microbatch import StepScales
 from meshplan.lower.overlap import plan_units
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
@@ -92,7 +93,8 @@ class Trainer:
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
-                 captured: tuple[Traced, Graph] | None = None) -> None:
+                 captured: tuple[Traced, Graph] | None = None,
+                 scales: StepScales | None = None) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -115,7 +117,14 @@ class Trainer:
         self.comm, self.plan, self.graph = comm, plan, graph
         self.device = comm.device
         self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
-        self.program = lower(traced, graph, plan, comm.rank, w, device=self.device)
+        # The loss's batch reductions, scaled per micro-batch so that the step is the full
+        # batch's (`lower/microbatch.py`); a pipeline's stages share their whole program's.
+        self.scales = scales if scales is not None else StepScales(
+            traced.graph_module, graph, lambda: capture(model, loss_fn, example_batch)[1])
+        scaled = tuple(r.node for r in self.scales.reductions if r.node in graph.by_name) \
+            if plan.microbatches > 1 else ()
+        self.program = lower(traced, graph, plan, comm.rank, w, device=self.device,
+                             scaled=scaled)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
         self.buffers = {n.name: state[n.state_name].detach().to(self.device)
@@ -186,12 +195,18 @@ class Trainer:
         return out
 
     def _program_args(self, batch_pieces: list[torch.Tensor],
-                      received: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The program's arguments: parameters, buffers, this rank's batch pieces and, in a
+                      received: dict[str, torch.Tensor] | None = None,
+                      scales: dict[str, float] | None = None) -> list[torch.Tensor]:
+        """The program's arguments: the micro-batch's ``scales`` of the loss's batch
+        reductions (`step_scales`), parameters, buffers, this rank's batch pieces and, in a
         pipeline stage, the local pieces of values ``received`` from earlier stages (inputs
         without a batch name)."""
         pieces = iter(batch_pieces)
-        args = []
+        if self.program.scaled and scales is None:
+            raise AssertionError("meshplan internal error: a micro-batch of a plan with "
+                                 "scaled batch reductions ran without its scales")
+        args = [torch.tensor(scales[n], dtype=torch.float32, device=self.device)
+                for n in self.program.scaled]
         for n in self.graph.nodes:
             if n.role == "param":
                 args.append(self._by_node[n.name].program_arg)
@@ -211,8 +226,10 @@ class Trainer:
 
         ``batch`` has the example batch's form: ``(inputs, target)`` or a dict of keyword
         arguments, every tensor split along dim 0 as planned. It runs as the plan's
-        micro-batches (equal cuts along dim 0, gradients accumulated, one update), each loss
-        weighted 1/B as the mean over the whole batch would (the usual gradient accumulation).
+        micro-batches (equal cuts along dim 0, gradients accumulated, one update), averaged
+        with each of the loss's batch reductions scaled so that the step is one full-batch
+        forward and backward: a sum counts whole, a cross-entropy mean divides by the real
+        targets of the whole batch, not of its micro-batch (`lower/microbatch.py`).
 
         Dropout masks come from a generator seeded with ``seed`` (default: the step number),
         the same on every rank: the step equals single-device training run after
@@ -220,9 +237,10 @@ class Trainer:
         """
         rng = self.begin_step(seed)
         micro = split_microbatches(batch, self.plan.microbatches)
+        scales = self.step_scales(micro)
         total = None
         for k, piece in enumerate(micro):
-            loss = self.run_microbatch(piece, rng)
+            loss = self.run_microbatch(piece, rng, scales[k])
             if k == len(micro) - 1:
                 self.last_backward()
             (loss / len(micro)).backward()
@@ -231,9 +249,19 @@ class Trainer:
         self.apply_gradients()
         return self._report(total / len(micro))
 
-    def run_microbatch(self, piece: Any, rng: torch.Generator) -> torch.Tensor:
-        """This rank's local loss of one global micro-batch ``piece`` (its share taken)."""
-        return self._run(self._program_args(self.local_batch(piece)), rng)
+    def run_microbatch(self, piece: Any, rng: torch.Generator,
+                       scales: dict[str, float] | None = None) -> torch.Tensor:
+        """This rank's local loss of one global micro-batch ``piece`` (its share taken),
+        its batch reductions by ``scales`` (`step_scales`)."""
+        return self._run(self._program_args(self.local_batch(piece), None, scales), rng)
+
+    def step_scales(self, micro: Sequence[Any]) -> list[dict[str, float] | None]:
+        """Per micro-batch of a step (global micro-batches, in order), the scales of the
+        loss's batch reductions that make the step the full batch's (`lower/microbatch.py`);
+        None each when the program has none."""
+        if not self.program.scaled:
+            return [None] * len(micro)
+        return self.scales([flatten_batch(p)[1] for p in micro])
 
     def last_backward(self) -> None:
         """The next backward is the step's last: its complete gradient buckets are

@@ -1,0 +1,269 @@
+"""A step of M micro-batches is one full-batch step, whatever the loss's reductions (issue 25.1,
+`lower/microbatch.py`): cross-entropy means over -100-padded labels whose padding differs
+between micro-batches (Hugging Face models computing their own loss included), class weights,
+sums, and mixtures — single-stage plans and pipelines, 1/2/4 micro-batches, against one
+device's single forward and backward of the whole batch. A loss micro-batches cannot add up is
+named when planning."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshplan
+from meshplan.capture.batch import flatten_batch, split_microbatches, step_loss
+from meshplan.capture.to_ir import capture
+from meshplan.lower.microbatch import batch_reductions
+from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+from meshplan.runtime.optim import OptimizerSpec
+from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.runtime.trainer import Trainer
+from meshplan.zoo.spec import Workload
+
+import transformers  # noqa: E402 -- pinned in the test extra
+
+SGD = OptimizerSpec("sgd", lr=0.1)
+VOCAB, SEQ, BATCH = 64, 8, 8
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                    for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _padded_labels(g: torch.Generator) -> torch.Tensor:
+    """Labels with -100 on a padding that differs a lot between rows (so between
+    micro-batches: row r keeps r+1 real targets... most of the first rows are padding)."""
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    for r in range(BATCH):
+        labels[r, (r % SEQ) + 1:] = -100
+    return labels
+
+
+def _lm_workload(loss: Callable) -> Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return Workload(TinyLM(), loss, ((ids,), _padded_labels(g)), "tiny-lm")
+
+
+def _ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, VOCAB), t.reshape(-1), ignore_index=-100)
+
+
+_WEIGHT = torch.linspace(0.5, 2.0, VOCAB)
+
+
+def _weighted_ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, VOCAB), t.reshape(-1), ignore_index=-100,
+                           weight=_WEIGHT)
+
+
+def _summed_ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, VOCAB), t.reshape(-1), ignore_index=-100,
+                           reduction="sum") / 50.0
+
+
+def _mixed(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # A padded cross-entropy plus a small penalty on the logits' mean square: two
+    # reductions over the batch of different kinds, each with its own scale.
+    return _ce(out, t) + 0.01 * out.pow(2).mean()
+
+
+def _batches(w: Workload, n: int) -> list:
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(10 + i)
+        (ids,), _ = w.example_batch
+        out.append(((torch.randint(0, VOCAB, ids.shape, generator=g),), _padded_labels(g)))
+    return out
+
+
+def full_batch_reference(w: Workload, data: list) -> tuple[list[float], dict]:
+    """One device, one forward and one backward of each whole batch: the oracle."""
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in data:
+        layout, tensors = flatten_batch(batch)
+        args, kwargs, target = layout.call(list(tensors.values()))
+        loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _check(got: tuple[list[float], dict], ref: tuple[list[float], dict]) -> None:
+    losses, params = got
+    ref_losses, ref_params = ref
+    assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
+    for name, r in ref_params.items():
+        err = (params[name] - r).abs().max().item()
+        assert err <= 1e-5 * max(r.abs().max().item(), 1e-3), (name, err)
+
+
+def _rank(comm, plan, w, data, captured) -> tuple:
+    tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, captured=captured)
+    return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+
+def _stage_rank(comm, p2p, plan, w, data, captured) -> tuple:
+    tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p,
+                         captured=captured)
+    return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+
+def _train(w: Workload, plan: meshplan.Plan, data: list) -> tuple[list[float], dict]:
+    captured = capture(w.model, w.loss_fn, split_microbatches(w.example_batch,
+                                                              plan.microbatches)[0])
+    if plan.num_stages > 1:
+        results = run_emulated_stages(_stage_rank, plan.stage_meshes(), plan, w, data,
+                                      captured)
+        params: dict = {}
+        for _, state in results:
+            params.update(state)
+        return results[0][0], params
+    return run_emulated(_rank, plan.mesh_shape, plan, w, data, captured)[0]
+
+
+def _plan(w: Workload, cluster: str, **kw: Any) -> meshplan.Plan:
+    return meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch, cluster, memory_budget_gb=0,
+                         **kw)
+
+
+LOSSES = {"ce": _ce, "weighted": _weighted_ce, "sum": _summed_ce, "mixed": _mixed}
+KINDS = {"ce": ["nll_mean"], "weighted": ["nll_mean"], "sum": ["nll_sum"],
+         "mixed": ["nll_mean", "mean"]}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_each_reduction_is_found_with_its_kind(loss: str) -> None:
+    w = _lm_workload(LOSSES[loss])
+    _, graph = capture(w.model, w.loss_fn, w.example_batch)
+    found = batch_reductions(graph)
+    assert found.inexact is None
+    assert sorted(r.kind for r in found.found) == sorted(KINDS[loss])
+
+
+@pytest.mark.parametrize("loss,method,shape,micro", [
+    ("ce", "data", (1, 2), 2), ("ce", "zero3", (2, 2), 4), ("ce", "intra-only", (2, 2), 2),
+    ("weighted", "data", (1, 4), 4), ("sum", "megatron", (1, 2), 2),
+    ("mixed", "data", (2, 1), 2)])
+def test_micro_batches_make_the_full_batch_step(loss: str, method: str, shape, micro: int
+                                                ) -> None:
+    w = _lm_workload(LOSSES[loss])
+    plan = _plan(w, f"local:{shape[0] * shape[1]}", mesh_shape=shape, method=method,
+                 microbatches=micro)
+    data = _batches(w, 3)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_a_pipeline_makes_the_full_batch_step() -> None:
+    w = _lm_workload(_ce)
+    plan = _plan(w, "local:4", method="megatron:dp=1,tp=2,pp=2", microbatches=4)
+    assert plan.num_stages == 2
+    data = _batches(w, 3)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def _hf(name: str) -> Workload:
+    t = transformers
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32,
+                                               n_layer=2, n_head=4, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        model = t.LlamaForCausalLM(t.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    labels = ids.clone()
+    for r in range(BATCH):   # right padding, more in the first rows
+        mask[r, (r % SEQ) + 2:] = 0
+        labels[r, (r % SEQ) + 2:] = -100
+    return Workload(model.train(), None, {"input_ids": ids, "attention_mask": mask,
+                                          "labels": labels}, name)
+
+
+def _hf_batches(w: Workload, n: int) -> list:
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(20 + i)
+        b = {k: v.clone() for k, v in w.example_batch.items()}
+        b["input_ids"] = torch.randint(0, VOCAB, b["input_ids"].shape, generator=g)
+        b["labels"] = torch.where(b["labels"] == -100, -100, b["input_ids"])
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("name,method,micro", [("gpt2", "data", 2), ("llama", "zero3", 4),
+                                               ("gpt2", "megatron:dp=1,tp=1,pp=2", 4)])
+def test_hugging_face_models_with_their_own_loss_make_the_full_batch_step(
+        name: str, method: str, micro: int) -> None:
+    w = _hf(name)
+    kw = {} if "pp=" in method else {"mesh_shape": (1, 2)}
+    plan = _plan(w, "local:2", method=method, microbatches=micro, **kw)
+    data = _hf_batches(w, 2)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def _gloo(rank: int, nprocs: int, plan, data) -> tuple:
+    from meshplan.runtime.comm import ProcessGroupComm
+    w = _lm_workload(_ce)
+    return _rank(ProcessGroupComm(plan.mesh_shape), plan, w, data, None)
+
+
+def test_the_full_batch_step_on_gloo(pool2) -> None:
+    w = _lm_workload(_ce)
+    plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=4)
+    data = _batches(w, 2)
+    ref = full_batch_reference(w, data)
+    for got in pool2.run(_gloo, plan, data):
+        _check(got, ref)
+
+
+def _rms(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (out.reshape(-1, VOCAB).float() - 1.0).pow(2).mean().sqrt()
+
+
+def test_a_loss_micro_batches_cannot_add_up_is_named_when_planning() -> None:
+    w = _lm_workload(_rms)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
+    said = [str(c.message) for c in caught if "micro-batch" in str(c.message)]
+    assert said and "'sqrt'" in said[0] and "averaged" in said[0]
+    assert plan.options["microbatch_loss"]["exact"] is False
+    one = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=1)
+    assert "microbatch_loss" not in one.options or one.options["microbatch_loss"]["exact"]
+
+
+def test_micro_batches_of_one_sample_make_the_full_batch_step() -> None:
+    """One sample per micro-batch: its size-1 batch dim folds away in the micro-batch's
+    program, so the reductions are found on the whole batch's and matched by place."""
+    w = _lm_workload(_ce)
+    plan = _plan(w, "local:2", method="megatron:dp=1,tp=1,pp=2", microbatches=BATCH)
+    assert plan.options["microbatch_loss"]["exact"]
+    data = _batches(w, 2)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
