@@ -8,6 +8,7 @@ single-device training, and the collectives the runtime recorded with the plan's
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from typing import Any
 
@@ -70,9 +71,39 @@ def reference(w: Workload, opt: OptimizerSpec, data: list[Any], *, microbatches:
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+@functools.cache
+def meta_workload(spec: str) -> Workload:
+    """One meta model per zoo spec for the session: every plan of it reuses meshplan's capture
+    (`capture/memo.py` keys captures by model object). The planner only reads it."""
+    return build_workload(spec, device="meta")
+
+
+@functools.cache
+def seeded_run(spec: str, opt: OptimizerSpec, steps: int = 3
+               ) -> tuple[Workload, list[Any], tuple[list[float], dict]]:
+    """The seeded CPU workload of ``spec``, ``steps`` batches and the oracle's result on them,
+    made once per session: training reads the workload, never changes it (a run that did would
+    no longer match the oracle computed from it)."""
+    w = cpu_workload(spec)
+    data = batches(w, steps)
+    return w, data, reference(w, opt, data)
+
+
+@functools.cache
+def cpu_workload(spec: str) -> Workload:
+    """The seeded CPU workload of ``spec``, one per session (see `seeded_run`)."""
+    return build_workload(spec, device="cpu", seed=0)
+
+
+@functools.cache
+def cpu_capture(spec: str) -> Any:
+    """The capture of `cpu_workload(spec)`, traced once per session."""
+    return shared_capture(cpu_workload(spec))
+
+
 def make_plan(spec: str, shape: tuple[int, int], method: str, opt: OptimizerSpec, *,
               abstract: bool = False, **kw: Any) -> Plan:
-    w = build_workload(spec, device="meta")
+    w = meta_workload(spec)
     extra = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if abstract else {}
     return api.plan(w.model, w.loss_fn, opt, w.example_batch, f"local:{shape[0] * shape[1]}",
                     mesh_shape=shape, method=method, memory_budget_gb=0, name=spec, **extra, **kw)

@@ -15,8 +15,8 @@ from meshplan.lower.factored_stats import factored_buckets, update_dims
 from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec, optimizer_spec
 from meshplan.zoo.spec import build_workload
-from oracle import GPT, MLP, assert_matches, batches, make_plan, reference, shared_capture, \
-    train_rank
+from oracle import (GPT, MLP, assert_matches, batches, cpu_capture, make_plan, meta_workload,
+                    reference, seeded_run, train_rank)
 from random_plans import random_plan
 
 AF = OptimizerSpec("adafactor", lr=1e-2, weight_decay=0.01)
@@ -26,10 +26,14 @@ CASES = [(m, s) for m in ("data", "megatron", "zero2", "zero3") for s in ((1, 2)
 
 
 def _check(spec: str, plan, opt: OptimizerSpec = AF, microbatches: int = 1) -> None:
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 3)
-    ref = reference(w, opt, data, microbatches=microbatches)
-    captured = shared_capture(w) if microbatches == 1 else None  # traced at the micro-batch
+    if microbatches == 1:   # the session's seeded workload, oracle result and capture
+        w, data, ref = seeded_run(spec, opt)
+        captured = cpu_capture(spec)
+    else:                   # traced at the micro-batch
+        w = build_workload(spec, device="cpu", seed=0)
+        data = batches(w, 3)
+        ref = reference(w, opt, data, microbatches=microbatches)
+        captured = None
     for r in run_emulated(train_rank, plan.mesh_shape, plan, w, data, captured):
         assert_matches(r, ref, plan, opt)
 
@@ -49,11 +53,10 @@ def test_micro_batches_with_adafactor() -> None:
 @pytest.mark.parametrize("spec", [MLP, GPT.replace("layers=2", "layers=1"), MOE],
                          ids=["mlp", "gpt", "moe"])
 def test_random_plans_equal_single_device_adafactor(spec: str, shape, monkeypatch) -> None:
-    meta = build_workload(spec, device="meta")
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 2)
-    ref = reference(w, AF, data)
-    captured = shared_capture(w)
+    # One meta model, workload, oracle result and capture per spec for its 4 mesh shapes.
+    meta = meta_workload(spec)
+    w, data, ref = seeded_run(spec, AF, 2)
+    captured = cpu_capture(spec)
     split_both = 0
     for seed in range(4):
         plan = random_plan(meta.model, meta.loss_fn, AF, meta.example_batch, shape,

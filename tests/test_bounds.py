@@ -3,6 +3,8 @@ program on one device comes close to it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import meshplan.api as api
@@ -16,8 +18,14 @@ GPT = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=512,batch=32"
 MLP = "mlp:hidden=4096,layers=3,batch=4096"
 
 
+@functools.cache
+def _meta(spec: str) -> object:
+    """One meta model per spec for the module: meshplan's capture memo then traces it once."""
+    return build_workload(spec, device="meta")
+
+
 def _bound(spec: str, cluster: str, dtype: str) -> tuple[float, object]:
-    w = build_workload(spec, device="meta")
+    w = _meta(spec)
     _, graph = capture(w.model, w.loss_fn, w.example_batch)
     return compute_bound_s(with_compute_dtype(graph, dtype), parse_cluster_spec(cluster)), w
 

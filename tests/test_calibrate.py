@@ -13,10 +13,33 @@ from meshplan.cli import main
 from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import logical_mesh
+from meshplan.runtime.pool import WorkerPool
+
+
+class _Borrowed:
+    """The session's pool as calibrate's ``with WorkerPool(n) as pool``, left open at the end
+    (spawning 4 workers and closing them cost ~5 s on 2 cores)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def __enter__(self) -> WorkerPool:
+        return self.pool
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def test_calibrate_writes_a_profile_that_predicts_all_reduce(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], pool4: WorkerPool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshplan.runtime.pool
+
+    def borrow(nprocs: int) -> _Borrowed:
+        assert nprocs == 4
+        return _Borrowed(pool4)
+
+    monkeypatch.setattr(meshplan.runtime.pool, "WorkerPool", borrow)
     profile = tmp_path / "local.yaml"
     assert main(["calibrate", "--nproc", "4", "-o", str(profile), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

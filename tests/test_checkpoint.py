@@ -70,13 +70,27 @@ def test_a_checkpoint_of_another_model_is_refused(pool4, tmp_path: Path) -> None
     other_plan = meshplan.plan(wo.model, wo.loss_fn, "adamw", wo.example_batch, "local:4",
                                mesh_shape=(1, 4), method="data", memory_budget_gb=0,
                                dtype="fp32", name=other)
-    with pytest.raises(meshplan.WorkerError, match="is of another model"):
-        pool4.run(resume_and_train, other_plan, other, batches(build_workload(other, device="cpu"), 1),
-                  str(tmp_path / "a"), str(tmp_path / "b"), 1)
+    # Each rank refuses it (caught on the rank: a raise would close the session's pool, and the
+    # next test would pay for a new one).
+    refusals = pool4.run(_refused, other_plan, other,
+                         batches(build_workload(other, device="cpu"), 1), str(tmp_path / "a"),
+                         str(tmp_path / "b"), 1)
+    assert len(refusals) == 4
+    for message in refusals:
+        assert message is not None and "is of another model" in message, message
     with pytest.raises(ValueError, match="not a meshplan checkpoint"):
         meshplan.load_model_state(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="is of another model"):
         meshplan.load_model_state(str(tmp_path / "a"), into=build_workload(other).model)
+
+
+def _refused(rank: int, nprocs: int, *args) -> str | None:
+    """`resume_and_train` on a rank: the ValueError it raises, as text (None if it ran)."""
+    try:
+        resume_and_train(rank, nprocs, *args)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def test_a_checkpoint_moves_between_world_sizes(pool2, pool4, tmp_path: Path) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshplan.runtime.emulated import run_emulated
-from meshplan.zoo.spec import build_workload
-from oracle import (ADAMW, GPT, MLP, SGD, assert_matches, batches, make_plan, reference,
-                    shared_capture, train_rank)
+from oracle import (ADAMW, GPT, MLP, SGD, assert_matches, cpu_capture, make_plan, seeded_run,
+                    train_rank)
 
 CASES = [(method, shape) for method in ("data", "megatron", "zero2", "zero3")
          for shape in ((1, 2), (1, 4))] + [("megatron", (2, 2)), ("auto", (2, 2))]
@@ -16,10 +15,8 @@ CASES = [(method, shape) for method in ("data", "megatron", "zero2", "zero3")
 def run_case(spec: str, shape: tuple[int, int], method: str, opt, *, abstract: bool = False,
              **kw) -> None:
     plan = make_plan(spec, shape, method, opt, abstract=abstract, **kw)
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 3)
-    ref = reference(w, opt, data)
-    results = run_emulated(train_rank, shape, plan, w, data, shared_capture(w))
+    w, data, ref = seeded_run(spec, opt)
+    results = run_emulated(train_rank, shape, plan, w, data, cpu_capture(spec))
     for r in results:
         assert_matches(r, ref, plan, opt)
 
@@ -53,8 +50,7 @@ def test_uneven_split_really_is_uneven() -> None:
     from meshplan.lower.program import lower
     spec = MLP
     plan = make_plan(spec, (1, 2), "data", SGD, axis_weights=((1.0,), (3.0, 1.0)))
-    w = build_workload(spec, device="cpu", seed=0)
-    traced, graph = shared_capture(w)
+    traced, graph = cpu_capture(spec)
     sizes = []
     for rank in range(2):
         prog = lower(traced, graph, plan, rank, plan.axis_weights)

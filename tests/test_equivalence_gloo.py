@@ -11,7 +11,8 @@ from meshplan.runtime.comm import ProcessGroupComm
 from meshplan.runtime.launcher import launch
 from meshplan.runtime.pool import WorkerPool
 from meshplan.zoo.spec import build_workload
-from oracle import ADAMW, GPT, MLP, SGD, assert_matches, batches, make_plan, reference, train_rank
+from oracle import (ADAMW, GPT, MLP, SGD, assert_matches, batches, make_plan, seeded_run,
+                    train_rank)
 
 
 def _train(rank: int, nprocs: int, plan, spec: str, data) -> tuple:
@@ -22,9 +23,7 @@ def _train(rank: int, nprocs: int, plan, spec: str, data) -> tuple:
 
 def _check(pool: WorkerPool, spec: str, shape, method: str, opt, **kw) -> None:
     plan = make_plan(spec, shape, method, opt, **kw)
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 3)
-    ref = reference(w, opt, data)
+    _, data, ref = seeded_run(spec, opt)
     for result in pool.run(_train, plan, spec, data):
         assert_matches(result, ref, plan, opt)
 

@@ -9,6 +9,7 @@ float64 one by ~1e-4 after three steps, and a 1e-7 nudge of the weights moves th
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -34,7 +35,10 @@ METHODS = [("auto", True), ("data", False), ("zero2", False), ("zero3", False),
            ("heuristic", False)]
 
 
+@functools.cache
 def _workload(name: str, device: str) -> Workload:
+    """One model object per name and device for the module: a case plans the meta one and trains
+    the CPU one, so meshplan's per-model capture memo (`capture/memo.py`) traces each once."""
     w = build_workload((MODELS | EXPLICIT)[name], device=device, seed=0)
     if name not in FLOAT64:
         return w
@@ -45,6 +49,17 @@ def _workload(name: str, device: str) -> Workload:
 
 def _double(data: list) -> list:
     return [((x.double(),), t) for (x,), t in data]
+
+
+@functools.cache
+def _oracle(name: str) -> tuple[list, tuple, object]:
+    """The batches, the single-device result and the capture of ``name``: the same for every
+    method and mesh (training reads the workload, never changes it)."""
+    w = _workload(name, "cpu")
+    data = batches(build_workload((MODELS | EXPLICIT)[name], device="cpu", seed=0), 3)
+    if name in FLOAT64:
+        data = _double(data)
+    return data, reference(w, SGD, data), shared_capture(w)
 
 
 @pytest.mark.parametrize("method,abstract", METHODS, ids=[m for m, _ in METHODS])
@@ -58,12 +73,9 @@ def test_model_family_matches_single_device(name: str, shape, method: str, abstr
     plan = api.plan(meta.model, meta.loss_fn, SGD, meta.example_batch, f"local:{devices}",
                     mesh_shape=shape, method=method, memory_budget_gb=0, **units)
     w = _workload(name, "cpu")
-    data = batches(build_workload((MODELS | EXPLICIT)[name], device="cpu", seed=0), 3)
-    if name in FLOAT64:
-        data = _double(data)
-    ref = reference(w, SGD, data)
+    data, ref, captured = _oracle(name)
     tol_scale = 1e-4 if name in FLOAT64 else 1.0   # float64: check 1e-9 instead of 1e-5
-    for r in run_emulated(train_rank, shape, plan, w, data, shared_capture(w)):
+    for r in run_emulated(train_rank, shape, plan, w, data, captured):
         assert_matches(r, ref, plan, SGD, tol=1e-5 * tol_scale)
 
 

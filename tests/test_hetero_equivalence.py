@@ -13,16 +13,16 @@ import pytest
 import meshplan
 from meshplan.runtime.emulated import run_emulated
 from meshplan.runtime.optim import OptimizerSpec
-from meshplan.zoo.spec import build_workload
 from hetero_cases import MODELS, RATIOS, four_speeds, planned, train_gloo, without_bytes
-from oracle import assert_matches, batches, reference, shared_capture, train_rank
+from oracle import (assert_matches, cpu_capture, meta_workload, reference, seeded_run,
+                    shared_capture, train_rank)
 from random_plans import random_plan
 
 SGD = OptimizerSpec("sgd", lr=0.05)
 
 
 def hetero_plan(spec: str, gather: str, ratios=RATIOS, sfb: str = "auto") -> meshplan.Plan:
-    w = build_workload(spec, device="meta")
+    w = meta_workload(spec)   # one meta model per spec: its capture is made once
     return meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch, four_speeds(),
                          method="hetero", axis_weights=ratios, memory_budget_gb=0,
                          gather=gather, name=spec, sfb=sfb)
@@ -40,9 +40,7 @@ def test_synthesized_program_with_uneven_ratios_on_gloo(pool4, name: str, gather
     assert plan.axis_weights[1] == pytest.approx(RATIOS[1]) and plan.mesh_shape == (1, 4)
     assert any(o.strategy != "replicated" for o in plan.ops), "the program splits work"
     assert (sfb == "force") <= any(p.update == "sfb" for p in plan.params)
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 3)
-    ref = reference(w, SGD, data)
+    _, data, ref = seeded_run(spec, SGD)   # the seeded workload's 3 batches and oracle result
     for result, used in pool4.run(train_gloo, plan, spec, data):
         assert_matches(result, ref, plan, SGD)
         # Uneven shards are gathered as the plan chose (fixed-size exchanges, such as the
@@ -72,11 +70,10 @@ RANDOM_CASES = [("mlp", (1, 4), 4), ("bert", (1, 4), 3), ("moe", (1, 4), 3), ("m
 def test_random_programs_with_random_uneven_ratios(name: str, shape, seeds: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     spec = MODELS[name]
-    meta = build_workload(spec, device="meta")
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 2)
-    ref = reference(w, SGD, data)
-    captured = shared_capture(w)
+    # One meta model, workload, oracle result and capture per spec for all its cases.
+    meta = meta_workload(spec)
+    w, data, ref = seeded_run(spec, SGD, 2)
+    captured = cpu_capture(spec)
     rng = random.Random(f"{name}-{shape}")
     for seed in range(seeds):
         # SFB: "force" draws the rest of the plan around every weight it applies to; "auto"
@@ -108,9 +105,8 @@ def test_every_rank_lowers_under_any_mix_of_uneven_axes(name: str,
     # (`lower` raises if they do not) and the pieces add up to the whole.
     from meshplan.lower.program import lower
     spec = MODELS[name]
-    meta = build_workload(spec, device="meta")
-    w = build_workload(spec, device="cpu", seed=0)
-    traced, graph = shared_capture(w)
+    meta = meta_workload(spec)
+    traced, graph = cpu_capture(spec)
     for seed in range(2):   # 501: a MoE plan whose uneven pieces once disagreed
         plan = random_plan(meta.model, meta.loss_fn, SGD, meta.example_batch, (2, 2),
                            500 + seed, monkeypatch, abstract=seed % 2 == 1)
@@ -154,11 +150,11 @@ def test_wide_resnet_with_batch_norm_over_an_uneven_batch() -> None:
     # test_equivalence_zoo) every rank trains like one device to 1e-9.
     import test_equivalence_zoo as zoo
     meta, w = zoo._workload("wresnet", "meta"), zoo._workload("wresnet", "cpu")
-    data = zoo._double(batches(build_workload(zoo.MODELS["wresnet"], device="cpu", seed=0), 3))
+    data, ref, captured = zoo._oracle("wresnet")   # at the zoo test's lr, 0.01
     sgd = OptimizerSpec("sgd", lr=0.01)
+    assert sgd == zoo.SGD
     plan = meshplan.plan(meta.model, meta.loss_fn, sgd, meta.example_batch, four_speeds(),
                          method="hetero", axis_weights=RATIOS, memory_budget_gb=0)
     assert any(o.op == "batch_norm" and o.strategy != "replicated" for o in plan.ops)
-    ref = reference(w, sgd, data)
-    for r in run_emulated(train_rank, (1, 4), plan, w, data, shared_capture(w)):
+    for r in run_emulated(train_rank, (1, 4), plan, w, data, captured):
         assert_matches(r, ref, plan, sgd, tol=1e-9)

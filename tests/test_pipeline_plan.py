@@ -14,6 +14,7 @@ from meshplan.planner.inter.stage_graph import SINK_OP, renamed, stage_graph, st
 from meshplan.planner.inter.stage_problem import pipeline_latency
 from meshplan.runtime.emulated import run_emulated
 from meshplan.zoo.spec import build_workload
+from oracle import meta_workload   # one meta model per spec: its capture is made once
 
 # Two V100 hosts joined by 25 Gb/s Ethernet: in fp32, data parallelism across hosts is slow
 # enough that a stage per host wins. (In fp16 the compute shrinks 8x while the activations
@@ -24,7 +25,7 @@ WIDE = "gpt:hidden=1024,layers=4,heads=8,seq=128,vocab=1024,batch=16"
 
 @pytest.fixture(scope="module")
 def two_stage_plan() -> api.Plan:
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                     memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, name="wide-gpt")
 
@@ -117,7 +118,7 @@ def test_placement_rejects_submeshes_that_do_not_add_up() -> None:
 @pytest.mark.parametrize("method", ["inter-only", "equal-layer"])
 def test_alpa_ablations_plan_pipelines_no_faster_than_auto(method: str,
                                                            two_stage_plan: api.Plan) -> None:
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, method=method)
     assert p.method == method
@@ -133,7 +134,7 @@ def test_alpa_ablations_plan_pipelines_no_faster_than_auto(method: str,
 
 
 def test_pipeline_methods_refuse_a_fixed_mesh() -> None:
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     with pytest.raises(ValueError, match="no mesh_shape"):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  mesh_shape=(2, 2), method="equal-layer")
@@ -141,7 +142,7 @@ def test_pipeline_methods_refuse_a_fixed_mesh() -> None:
 
 def test_two_levels_are_no_slower_than_one_stage_on_the_whole_cluster(
         two_stage_plan: api.Plan) -> None:
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     one = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                    memory_budget_gb=0, microbatches=8, dtype="fp32", method="intra-only")
     assert one.num_stages == 1
@@ -149,7 +150,7 @@ def test_two_levels_are_no_slower_than_one_stage_on_the_whole_cluster(
 
 
 def test_gpipe_keeps_every_micro_batch_in_flight() -> None:
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, schedule="gpipe")
     assert p.schedule == "gpipe" and all(s.in_flight == 8 for s in p.stages)
@@ -161,7 +162,7 @@ def test_interleaved_is_planned_on_the_best_pipelines_meshes(two_stage_plan: api
     "auto" (the fixture) no slower, since it may choose it."""
     from meshplan.lower.schedules import make_schedule
     from meshplan.planner.inter.stage_problem import pipeline_latency
-    w = build_workload(WIDE, device="meta")
+    w = meta_workload(WIDE)
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, schedule="interleaved")
     assert (p.schedule, p.chunks, p.num_meshes, p.num_stages) == ("interleaved", 2, 2, 4)

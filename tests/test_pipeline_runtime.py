@@ -5,6 +5,7 @@ the runtime's own count of held micro-batches obeys the schedule's bound."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from typing import Any
 
@@ -63,9 +64,12 @@ def _rank(comm, p2p, plan, w, data, captured, local_gather: bool = True) -> tupl
     return losses, tr.full_state_dict(), tr.mesh, tr.peak_held, sent[0]
 
 
+@functools.cache
 def _workload(spec: str) -> Workload:
     """The seeded workload; the Wide-ResNet in float64, as the single-stage tests train it:
-    batch norm over a sample or two turns fp32 rounding into 1e-3 differences after a step."""
+    batch norm over a sample or two turns fp32 rounding into 1e-3 differences after a step.
+    One per spec for the module: planning and training only read it, and meshplan's capture
+    memo then traces it once per batch layout instead of once per case."""
     w = build_workload(spec, device="cpu", seed=0)
     if not spec.startswith("wresnet"):
         return w
@@ -82,6 +86,17 @@ def _train(plan: api.Plan, spec: str, steps: int = 3) -> tuple[list[Any], Any, A
     captured = capture(w.model, w.loss_fn, micro)
     meshes = plan.stage_meshes()
     return run_emulated_stages(_rank, meshes, plan, w, data, captured), w, data
+
+
+@functools.cache
+def _reference(spec: str, opt: OptimizerSpec, microbatches: int, dtype: str = "fp32",
+               steps: int = 3) -> tuple[list[float], dict]:
+    """The oracle on `_train`'s batches, once per spec, optimizer and micro-batch count."""
+    w = _workload(spec)
+    data = batches(w, steps)
+    if spec.startswith("wresnet"):
+        data = [((x.double(),), t) for (x,), t in data]
+    return reference(w, opt, data, microbatches=microbatches, dtype=dtype)
 
 
 CASES = [("megatron:dp=1,tp=1,pp=2", 2), ("megatron:dp=1,tp=2,pp=2", 4),
@@ -101,7 +116,7 @@ def _check(spec: str, method: str, devices: int, schedule: str, microbatches: in
     chunks = int(method.split("virtual=")[1][0]) if "virtual=" in method else 1
     assert (plan.num_meshes, plan.chunks, plan.schedule) == (meshes, chunks, schedule)
     results, w, data = _train(plan, spec)
-    ref = reference(w, opt, data, microbatches=microbatches)
+    ref = _reference(spec, opt, microbatches)
     held_by_schedule = pipeline_program(plan).schedule.max_in_flight
     params: dict = {}
     for losses, state, mesh, held, _ in results:
@@ -187,7 +202,7 @@ def test_real_gloo_processes(pool4) -> None:
     w = build_workload(GPT, device="cpu", seed=0)
     data = batches(w, 3)
     per_rank = pool4.run(_gloo_rank, plans, GPT, data, timeout_s=300)
-    ref = reference(w, SGD, data, microbatches=4)
+    ref = _reference(GPT, SGD, 4)
     for k, plan in enumerate(plans):
         params: dict = {}
         results = [r[k] for r in per_rank]
@@ -238,7 +253,7 @@ def test_bf16_pipeline_equals_single_device_autocast() -> None:
                     method="megatron:dp=1,tp=2,pp=2", dtype="bf16", memory_budget_gb=0,
                     microbatches=4, name=GPT)
     results, w, data = _train(plan, GPT)
-    losses, ref = reference(w, SGD, data, microbatches=4, dtype="bf16")
+    losses, ref = _reference(GPT, SGD, 4, "bf16")
     u = 2.0 ** -8
     init = dict(w.model.named_parameters())
 
@@ -388,7 +403,7 @@ def test_local_all_gather_moves_fewer_bytes_between_meshes() -> None:
                     microbatches=4, name=GPT)
     data = batches(w, 3)
     captured = capture(w.model, w.loss_fn, split_microbatches(w.example_batch, 4)[0])
-    ref = reference(w, SGD, data, microbatches=4)
+    ref = _reference(GPT, SGD, 4)
     mesh = {r: m for m, (_, ranks) in enumerate(plan.stage_meshes()) for r in ranks}
     crossing = {}
     for lg in (True, False):

@@ -39,14 +39,14 @@ def plans() -> dict[str, meshplan.Plan]:
 
 
 def _render(page: str, tmp_path: Path, name: str) -> tuple[str, Path]:
-    """The DOM Chromium builds from ``page`` and a screenshot of it."""
+    """The DOM Chromium builds from ``page`` and a screenshot of it, from one Chromium run (the
+    page has no script, so the window size does not change its DOM)."""
     html = tmp_path / f"{name}.html"
     html.write_text(page)
     shot = tmp_path / f"{name}.png"
-    dom = subprocess.run([CHROMIUM, *FLAGS, "--dump-dom", html.as_uri()], capture_output=True,
+    dom = subprocess.run([CHROMIUM, *FLAGS, "--dump-dom", "--window-size=1280,2000",
+                          f"--screenshot={shot}", html.as_uri()], capture_output=True,
                          text=True, timeout=120, check=True).stdout
-    subprocess.run([CHROMIUM, *FLAGS, "--window-size=1280,2000", f"--screenshot={shot}",
-                    html.as_uri()], capture_output=True, timeout=120, check=True)
     return dom, shot
 
 

@@ -28,7 +28,8 @@ from meshplan.runtime.optim import OptimizerSpec
 from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import Workload, build_workload
 from hetero_cases import MODELS, four_speeds, planned, train_gloo, without_bytes
-from oracle import assert_matches, batches, reference, shared_capture, train_rank
+from oracle import (assert_matches, cpu_capture, meta_workload, reference, seeded_run,
+                    train_rank)
 from random_plans import random_plan
 
 SGD = OptimizerSpec("sgd", lr=0.05)
@@ -37,7 +38,7 @@ SETS = [[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]]
 
 
 def segment_plan(spec: str, sets=SETS, **kw) -> meshplan.Plan:
-    w = build_workload(spec, device="meta")
+    w = meta_workload(spec)   # one meta model per spec: its capture is made once
     return meshplan.plan(w.model, w.loss_fn, SGD, w.example_batch, four_speeds(),
                          method="hetero", memory_budget_gb=0, name=spec, segment_ratios=sets,
                          **kw)
@@ -49,9 +50,7 @@ def test_fixed_segment_ratios_train_like_one_device_on_gloo(pool4, name: str) ->
     plan = segment_plan(spec)
     assert len(plan.segment_weights) == 3 and set(plan.segment_of.values()) == {0, 1, 2}
     assert [list(w[1]) for w in plan.segment_weights] == [pytest.approx(s) for s in SETS]
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 3)
-    ref = reference(w, SGD, data)
+    _, data, ref = seeded_run(spec, SGD)   # the seeded workload's 3 batches and oracle result
     for result, _ in pool4.run(train_gloo, plan, spec, data):
         assert_matches(result, ref, plan, SGD)   # the records equal the plan's list too
 
@@ -80,11 +79,9 @@ def test_random_programs_random_cuts_random_ratios(name: str, seeds: int,
     to one device, and the collectives every rank issues are the plan's with the re-cuts
     `resplits` predicts."""
     spec = MODELS[name]
-    meta = build_workload(spec, device="meta")
-    w = build_workload(spec, device="cpu", seed=0)
-    data = batches(w, 2)
-    ref = reference(w, SGD, data)
-    traced, graph = captured = shared_capture(w)
+    meta = meta_workload(spec)
+    w, data, ref = seeded_run(spec, SGD, 2)
+    traced, graph = captured = cpu_capture(spec)
     rng = random.Random(f"segments-{name}")
     ops = [n.name for n in graph.nodes if not n.is_source]
     recut = 0
@@ -184,9 +181,10 @@ def test_planner_takes_segments_where_they_pay_and_trains_them() -> None:
     model = HalfAndHalf()
     x, y = torch.randn(64, 256), torch.randn(64, 256)
     cl = compute_vs_memory()
+    loss = nn.MSELoss()   # one loss object: meshplan's capture memo then traces the model once
 
     def planned_with(**kw: object) -> meshplan.Plan:
-        return meshplan.plan(model, nn.MSELoss(), SGD, (x, y), cl, method="hetero",
+        return meshplan.plan(model, loss, SGD, (x, y), cl, method="hetero",
                              memory_budget_gb=0, **kw)
 
     one, two = planned_with(), planned_with(segments=2)
@@ -202,10 +200,9 @@ def test_planner_takes_segments_where_they_pay_and_trains_them() -> None:
     assert "per model segment" in two.explain()
     # And the plan trains like one device (emulated ranks, 3 steps).
     data = [(torch.randn(64, 256), torch.randn(64, 256)) for _ in range(3)]
-    w = Workload(model, nn.MSELoss(), (x, y), "half-and-half")
+    w = Workload(model, loss, (x, y), "half-and-half")
     ref = reference(w, SGD, data)
-    for result in run_emulated(train_rank, (1, 4), two, w, data, capture(model, nn.MSELoss(),
-                                                                         (x, y))):
+    for result in run_emulated(train_rank, (1, 4), two, w, data, capture(model, loss, (x, y))):
         assert_matches(result, ref, two, SGD)
 
 
@@ -239,7 +236,7 @@ def test_every_rank_lowers_segments_whose_pieces_add_up() -> None:
     # value read in another segment is cut there by that segment's ratios.
     spec = MODELS["moe"]
     plan = segment_plan(spec)
-    traced, graph = shared_capture(build_workload(spec, device="cpu", seed=0))
+    traced, graph = cpu_capture(spec)
     for rank in range(4):
         program = lower(traced, graph, plan, rank, plan.axis_weights)
         for v in program.values.values():

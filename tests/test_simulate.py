@@ -5,6 +5,7 @@ prints the figures and writes the timeline files."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -22,8 +23,15 @@ MOE = "moe:hidden=256,layers=4,heads=8,experts=8,seq=128,vocab=1024,batch=16"
 WIDE = "gpt:hidden=1024,layers=4,heads=8,seq=128,vocab=1024,batch=16"
 
 
+@functools.cache
+def _meta(spec: str):
+    """One meta model per spec for the module: meshplan's capture memo then traces each model
+    once, not once per plan (GPT-1.3B is planned three times, the orderings' GPTs 2-3 times)."""
+    return build_workload(spec, device="meta")
+
+
 def _plan(spec: str, cluster: str, **kw) -> api.Plan:
-    w = build_workload(spec, device="meta")
+    w = _meta(spec)
     return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, cluster, **kw)
 
 

@@ -4,6 +4,7 @@ precision (autocast) and recomputation, each equal to single-device training."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -25,9 +26,12 @@ def _opt(spec: str) -> OptimizerSpec:
     return SLOW_SGD if spec == WRN else SGD
 
 
+@functools.cache
 def _workload(spec: str) -> tuple[Workload, list]:
     """The workload and 3 batches; the Wide-ResNet in float64 (as in test_equivalence_zoo):
-    batch norm over a few samples turns fp32 rounding into 1e-3 differences after one step."""
+    batch norm over a few samples turns fp32 rounding into 1e-3 differences after one step.
+    One per spec for the module: planning and training only read it, so meshplan's capture
+    memo traces each model once per batch layout instead of once per case."""
     w = build_workload(spec, device="cpu", seed=0)
     data = batches(w, 3)
     if spec != WRN:
@@ -35,6 +39,15 @@ def _workload(spec: str) -> tuple[Workload, list]:
     (x,), t = w.example_batch
     return (Workload(copy.deepcopy(w.model).double(), w.loss_fn, ((x.double(),), t), w.name),
             [((x.double(),), t) for (x,), t in data])
+
+
+@functools.cache
+def _reference(spec: str, opt: OptimizerSpec, microbatches: int = 1, dtype: str = "fp32"
+               ) -> tuple[list[float], dict]:
+    """The single-device oracle on `_workload(spec)`, once per optimizer, micro-batch count
+    and dtype."""
+    w, data = _workload(spec)
+    return reference(w, opt, data, microbatches=microbatches, dtype=dtype)
 
 
 def _train(spec: str, shape: tuple[int, int], method: str, **step) -> tuple:
@@ -56,7 +69,7 @@ def test_microbatches_equal_one_full_batch_step(spec: str, shape, method: str, m
     # the oracle trains the whole batch at once.
     plan, w, data, results = _train(spec, shape, method, microbatches=mb)
     assert plan.microbatches == mb
-    ref = reference(w, SGD, data)
+    ref = _reference(spec, SGD)
     for r in results:
         assert_matches(r, ref, plan, SGD)
 
@@ -66,7 +79,7 @@ def test_batch_norm_micro_batches_equal_accumulation_on_one_device(shape, method
     # Batch norm normalizes each micro-batch by its own statistics, on one device as here:
     # the oracle is one device accumulating the same micro-batches.
     plan, w, data, results = _train(WRN, shape, method, microbatches=2)
-    ref = reference(w, SLOW_SGD, data, microbatches=2)
+    ref = _reference(WRN, SLOW_SGD, 2)
     for r in results:
         assert_matches(r, ref, plan, SLOW_SGD)
 
@@ -90,7 +103,7 @@ def test_recomputation_equals_single_device(spec: str, shape, method: str) -> No
     if method == "zero3":
         assert not any(c.kind == "all_gather" and c.phase == "backward"
                        for c in plan.collectives)
-    ref = reference(w, _opt(spec), data, microbatches=2)
+    ref = _reference(spec, _opt(spec), 2)
     for r in results:
         assert_matches(r, ref, plan, _opt(spec))
 
@@ -114,7 +127,7 @@ def test_mixed_precision_equals_single_device_autocast(dtype: str, spec: str, sh
     backward gathers again the weights whose half-precision casts its matmuls saved)."""
     plan, w, data, results = _train(spec, shape, method, microbatches=2, dtype=dtype)
     assert plan.dtype == dtype
-    losses, params = reference(w, SGD, data, microbatches=2, dtype=dtype)
+    losses, params = _reference(spec, SGD, 2, dtype)
     init = dict(w.model.named_parameters())
     u = ROUNDOFF[dtype]
 
@@ -134,7 +147,7 @@ def test_mixed_precision_wide_resnet_runs_the_plans_collectives(dtype: str) -> N
     captured aten.convolution in fp32) and batch norm keeps its input's dtype, so each step's
     collectives are the plan's. (Numbers are not compared: batch norm over 4 samples makes
     fp32 training itself 45u from bf16 autocast on this network.)"""
-    w = build_workload(WRN, device="cpu", seed=0)
+    w = build_workload(WRN, device="cpu", seed=0)   # in float32, unlike `_workload`
     ops = []
     for shape, method in (((1, 2), "data"), ((2, 2), "auto")):
         plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, f"local:{math.prod(shape)}",
@@ -195,8 +208,8 @@ def test_global_norm_clipping_equals_single_device(spec: str, shape, method: str
     w, data = _workload(spec)
     plan = api.plan(w.model, w.loss_fn, clipped, w.example_batch, f"local:{math.prod(shape)}",
                     mesh_shape=shape, method=method, memory_budget_gb=0, microbatches=2)
-    ref = reference(w, clipped, data, microbatches=2)
-    unclipped = reference(w, SGD, data, microbatches=2)
+    ref = _reference(spec, clipped, 2)
+    unclipped = _reference(spec, SGD, 2)
     assert ref[0][1:] != pytest.approx(unclipped[0][1:], rel=1e-3)   # clipping took effect
     for r in run_emulated(train_rank, shape, plan, w, data):
         assert_matches(r, ref, plan, clipped)
