@@ -35,8 +35,8 @@ def test_calibrate_writes_a_profile_that_predicts_all_reduce(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import meshplan.runtime.pool
 
-    def borrow(nprocs: int) -> _Borrowed:
-        assert nprocs == 4
+    def borrow(nprocs: int, device: str | None = None) -> _Borrowed:
+        assert nprocs == 4 and device == "cpu"   # the session's pool runs on the CPU
         return _Borrowed(pool4)
 
     monkeypatch.setattr(meshplan.runtime.pool, "WorkerPool", borrow)
