@@ -267,3 +267,18 @@ def test_micro_batches_of_one_sample_make_the_full_batch_step() -> None:
     assert plan.options["microbatch_loss"]["exact"]
     data = _batches(w, 2)
     _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_strided_batch_pieces_are_counted() -> None:
+    """Inputs and targets as shifted views of one token tensor (strided, as a data pipeline
+    makes them): the micro-batches' real targets are still counted."""
+    w = _lm_workload(_ce)
+    plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=4)
+    data = []
+    for i in range(2):
+        g = torch.Generator().manual_seed(30 + i)
+        seq = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        seq[:BATCH // 2, SEQ // 2:] = -100   # padding in the first micro-batches only
+        data.append(((seq[:, :-1].clamp(min=0),), seq[:, 1:]))
+    assert not data[0][1].is_contiguous()
+    _check(_train(w, plan, data), full_batch_reference(w, data))

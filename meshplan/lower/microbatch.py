@@ -124,6 +124,8 @@ def _kind(n: Node) -> str | None:
 
 
 # ---------------------------------------------------------------- counting targets
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
 class TargetCounter:
     """Counts an NLL's real targets in a batch on the host: the traced program's own steps
     from the batch tensors to the NLL's target (a shift, a reshape), then the targets not
@@ -158,11 +160,13 @@ class TargetCounter:
                 env[x] = g.placeholder(x.name)
             else:
                 env[x] = g.node_copy(x, lambda a: env[a])
+                if x.target in _VIEWS:   # a batch piece may be strided where the trace's was not
+                    env[x].target = torch.ops.aten.reshape.default
         g.output((env[target], env[weight] if isinstance(weight, fx.Node) else None))
         self._program = fx.GraphModule(traced, g)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor]) -> float:
-        target, weight = self._program(*[tensors[k] for k in self.inputs])
+        target, weight = self._program(*[tensors[k].contiguous() for k in self.inputs])
         t = target.reshape(-1)
         real = t != self.ignore
         if weight is None:
