@@ -169,3 +169,13 @@ def stage_graphs(graph: Graph, plan: Plan) -> list[Graph]:
                              "for (different model, shapes or batch); make a new plan")
         out.append(g)
     return out
+
+
+def recompute_layers(graph: Graph, plan: Plan) -> dict[str, int]:
+    """Each node's clustered layer, as the plan's search clustered ``graph`` (the model traced
+    at one micro-batch) into ``plan.num_layers``: what a recomputed stage checkpoints one by
+    one (Megatron-LM's full recomputation, as the stage DP prices it)."""
+    from meshplan.planner.inter.clustering import cluster_layers
+    typed = with_compute_dtype(graph, plan.dtype)
+    balance = "ops" if plan.method == "equal-operator" else "flops"
+    return dict(cluster_layers(typed, plan.num_layers, balance=balance).layer_of)

@@ -21,7 +21,7 @@ factors (`meshplan.runtime.sfb`).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -64,6 +64,8 @@ class LocalProgram:
     # The loss's batch reductions scaled per micro-batch, in the order of their placeholders
     # (right after comm and rng; `lower/microbatch.py`).
     scaled: tuple[str, ...] = ()
+    # Each local node's IR node (what it was lowered for): where layers are cut.
+    owner: dict[str, str] = field(default_factory=dict)
 
     def split_output(self, out: object) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """(local loss or None, values sent) of what the program returned."""
@@ -138,8 +140,10 @@ class _Lowerer:
         # Each of the loss's batch reductions times its micro-batch scale (`microbatch.py`):
         # placeholders right after comm and rng.
         scales = {name: self.out.placeholder(f"scale_{name}") for name in scaled}
+        owner: dict[str, str] = {}   # each local node -> the IR node it was lowered for
         for node in self.graph.nodes:
             self._at(self.segment_of.get(node.name, 0))
+            before = len(self.out.nodes)
             if node.is_source:
                 self._source(node)
             elif node.op == SINK_OP:
@@ -149,6 +153,12 @@ class _Lowerer:
                 if node.name in scales:
                     self.env[node.name] = self.out.call_function(
                         microbatch.scaled, (self.env[node.name], scales[node.name]))
+            made = len(self.out.nodes) - before
+            for fxn in reversed(self.out.nodes):
+                if made == 0:
+                    break
+                owner[fxn.name] = node.name
+                made -= 1
         sinks = [n for n in self.graph.nodes if n.op == SINK_OP]
         has_loss = self.graph.loss not in {n.name for n in sinks}
         if sinks:   # a pipeline stage: (loss or None, *values sent to later stages)
@@ -162,7 +172,7 @@ class _Lowerer:
         gm = fx.GraphModule(root, self.out)
         partial = self.values[self.graph.loss].layout.partial if has_loss else ()
         return LocalProgram(gm, tuple(phs), self.values, partial,
-                            tuple(n.inputs[0] for n in sinks), has_loss, tuple(scales))
+                            tuple(n.inputs[0] for n in sinks), has_loss, tuple(scales), owner)
 
     def _sink(self, node: Node) -> None:
         """A value sent to a later stage, in the (never partial) layout the plan sends it in."""

@@ -38,7 +38,8 @@ from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.cross_mesh import Box
 from meshplan.lower.microbatch import StepScales
-from meshplan.lower.pipeline_program import Exchange, pipeline_program, stage_graphs
+from meshplan.lower.pipeline_program import (Exchange, pipeline_program, recompute_layers,
+                                             stage_graphs)
 from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm
@@ -83,8 +84,11 @@ class PipelineTrainer:
         # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
         self._scales = StepScales(traced.graph_module, graph,
                                   lambda: capture(model, loss_fn, example_batch)[1])
+        layers = recompute_layers(graph, plan) if any(
+            plan.stages[s].recompute for s in self.stages) else None
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
-                                    captured=(traced, graphs[s]), scales=self._scales)
+                                    captured=(traced, graphs[s]), scales=self._scales,
+                                    layers=layers)
                          for s in self.stages}
         self._moves = stage_moves(plan, self.program, graph, local_gather)
         self._tied = [(k, name, me, {i: (self._moves.tied[(name, me, i)],

@@ -10,7 +10,7 @@ the forward started) and its collectives are recorded as phase "recompute".
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -43,12 +43,57 @@ def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor
 
 
 @contextlib.contextmanager
-def _replay(rng: torch.Generator, start: torch.Tensor, comm: Comm) -> Iterator[None]:
-    now = rng.get_state()
-    rng.set_state(start)
-    comm.recomputing = True
+def _replay(rng: torch.Generator | None, start: torch.Tensor | None, comm: Comm | None
+            ) -> Iterator[None]:
+    now = rng.get_state() if rng is not None else None
+    if rng is not None:
+        rng.set_state(start)
+    if comm is not None:
+        comm.recomputing = True
     try:
         yield
     finally:
-        comm.recomputing = False
-        rng.set_state(now)
+        if comm is not None:
+            comm.recomputing = False
+        if rng is not None:
+            rng.set_state(now)
+
+
+def layered(gm: torch.fx.GraphModule, layer_of: Callable[[str], int]) -> torch.fx.GraphModule:
+    """``gm`` cut into one submodule per layer (``layer_of``: a node's layer; node names of
+    ``gm``), each recomputed on its own in backward (Megatron-LM's full recomputation): a
+    micro-batch keeps only what each layer receives, and the backward holds one layer's
+    activations at a time, each layer's replay drawing its own dropout masks again and
+    recording its collectives as "recompute"."""
+    from torch.fx.passes.split_module import split_module
+    layers = {n.name: layer_of(n.name) for n in gm.graph.nodes
+              if n.op not in ("placeholder", "output")}
+    # A node no IR node owns (a constant) goes with its first user.
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "output") and layers[n.name] < 0:
+            users = [layers[u.name] for u in n.users if u.name in layers and layers[u.name] >= 0]
+            layers[n.name] = min(users, default=0)
+    split = split_module(gm, None, lambda n: layers[n.name], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if name.startswith("submod_"):
+            setattr(split, name, _Recomputed(sub))
+    return split
+
+
+class _Recomputed(torch.nn.Module):
+    """One layer of a local program, checkpointed (`layered`)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any) -> Any:
+        rng = next((a for a in args if isinstance(a, torch.Generator)), None)
+        comm = next((a for a in args if isinstance(a, Comm)), None)
+
+        def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+            return contextlib.nullcontext(), _replay(rng, rng.get_state() if rng else None,
+                                                     comm)
+
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self.layer, *args, use_reentrant=False, context_fn=contexts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from meshplan.runtime.grad_sync import GradBuckets, all_gather_params
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
-from meshplan.runtime.step_modes import autocast_for, recomputed
+from meshplan.runtime.step_modes import autocast_for, layered, recomputed
 from meshplan.runtime import zero3
 from meshplan.runtime.zero3 import Rematerializer, Unit, Units
 
@@ -94,7 +94,8 @@ class Trainer:
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None,
-                 scales: StepScales | None = None) -> None:
+                 scales: StepScales | None = None,
+                 layers: Mapping[str, int] | None = None) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -135,6 +136,13 @@ class Trainer:
         self._layout = traced.batch
         self._steps = 0
         self._units = self._make_units(traced, graph)
+        # Recomputation by layer (``layers``: each IR node's clustered layer), as the planner
+        # prices a recomputed pipeline stage; without them the forward reruns as one piece.
+        self._layered = None
+        if plan.recompute and layers:
+            owner = self.program.owner
+            self._layered = layered(self.program.graph_module,
+                                    lambda name: layers.get(owner.get(name, ""), -1))
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -334,6 +342,9 @@ class Trainer:
         with keep_shards, autocast_for(self.plan.dtype, self.device.type):
             if not self.plan.recompute:
                 return program(*args)
+            if self._layered is not None:   # each layer checkpointed on its own
+                with zero3.running(self._units) if self._units is not None else nullcontext():
+                    return self._layered(self.comm, rng, *args)
             return recomputed(program, args, rng, self.comm)
 
     def squared_norm(self, counted_elsewhere: frozenset[str] = frozenset()
