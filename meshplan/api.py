@@ -334,12 +334,26 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         raise last
     form, sol, graph, fingerprint, ctx = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
+    # Recomputed layer by layer, as the runtime replays it (`runtime/step_modes.layered`).
+    layering = recompute_layering(graph, cl.num_devices) if ctx.recompute else None
     result = intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
                         method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
                         search_time_s=time.perf_counter() - t0, dtype=step.dtype,
-                        unsupported_ops=graph.unsupported_ops, axis_weights=weights)
+                        unsupported_ops=graph.unsupported_ops, axis_weights=weights,
+                        layers=layering.layer_of if layering else None)
     result.options["gather_impl"] = gather
+    if layering is not None:
+        result = replace(result, num_layers=layering.num_layers)
     return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+
+def recompute_layering(graph: Any, num_devices: int) -> Any:
+    """The layers a recomputed single-stage plan checkpoints one by one: the program's
+    repeated blocks, else the search's default count (`planner/inter/clustering.py`)."""
+    from meshplan.planner.inter.clustering import (cluster_layers, default_num_layers,
+                                                   repeat_count)
+    n = repeat_count(graph)
+    return cluster_layers(graph, n if n > 1 else default_num_layers(graph, num_devices))
 
 
 @functools.wraps(_plan, assigned=("__doc__",))

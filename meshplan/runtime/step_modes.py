@@ -59,12 +59,15 @@ def _replay(rng: torch.Generator | None, start: torch.Tensor | None, comm: Comm 
             rng.set_state(now)
 
 
-def layered(gm: torch.fx.GraphModule, layer_of: Callable[[str], int]) -> torch.fx.GraphModule:
+def layered(gm: torch.fx.GraphModule, layer_of: Callable[[str], int],
+            around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+            ) -> torch.fx.GraphModule:
     """``gm`` cut into one submodule per layer (``layer_of``: a node's layer; node names of
     ``gm``), each recomputed on its own in backward (Megatron-LM's full recomputation): a
     micro-batch keeps only what each layer receives, and the backward holds one layer's
     activations at a time, each layer's replay drawing its own dropout masks again and
-    recording its collectives as "recompute"."""
+    recording its collectives as "recompute". ``around()`` is entered around each layer's run
+    and replay (what the program needs of its trainer, e.g. ZeRO-3's units)."""
     from torch.fx.passes.split_module import split_module
     layers = {n.name: layer_of(n.name) for n in gm.graph.nodes
               if n.op not in ("placeholder", "output")}
@@ -76,16 +79,21 @@ def layered(gm: torch.fx.GraphModule, layer_of: Callable[[str], int]) -> torch.f
     split = split_module(gm, None, lambda n: layers[n.name], keep_original_order=True)
     for name, sub in list(split.named_children()):
         if name.startswith("submod_"):
-            setattr(split, name, _Recomputed(sub))
+            setattr(split, name, _Recomputed(sub, around))
     return split
 
 
 class _Recomputed(torch.nn.Module):
     """One layer of a local program, checkpointed (`layered`)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module,
+                 around: Callable[[], contextlib.AbstractContextManager]) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.around = layer, around
+
+    def _run(self, *args: Any) -> Any:
+        with self.around():
+            return self.layer(*args)
 
     def forward(self, *args: Any) -> Any:
         rng = next((a for a in args if isinstance(a, torch.Generator)), None)
@@ -96,4 +104,4 @@ class _Recomputed(torch.nn.Module):
                                                      comm)
 
         with set_checkpoint_early_stop(False):
-            return checkpoint(self.layer, *args, use_reentrant=False, context_fn=contexts)
+            return checkpoint(self._run, *args, use_reentrant=False, context_fn=contexts)

@@ -28,6 +28,7 @@ from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.microbatch import StepScales
+from meshplan.lower.pipeline_program import recompute_layers
 from meshplan.lower.overlap import plan_units
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
@@ -139,10 +140,14 @@ class Trainer:
         # Recomputation by layer (``layers``: each IR node's clustered layer), as the planner
         # prices a recomputed pipeline stage; without them the forward reruns as one piece.
         self._layered = None
+        if plan.recompute and layers is None and plan.num_stages <= 1 and plan.num_layers > 1:
+            layers = recompute_layers(graph, plan)   # a single-stage plan's own layers
         if plan.recompute and layers:
             owner = self.program.owner
-            self._layered = layered(self.program.graph_module,
-                                    lambda name: layers.get(owner.get(name, ""), -1))
+            self._layered = layered(
+                self.program.graph_module, lambda name: layers.get(owner.get(name, ""), -1),
+                lambda: zero3.running(self._units) if self._units is not None
+                else nullcontext())
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -338,13 +343,15 @@ class Trainer:
         # A backward whose reduce-scatters nobody waited for yet (a caller accumulating
         # gradients over several calls of its own): finished before the next forward.
         self._drain()
-        keep_shards = self._zero3.hooks() if self._zero3 is not None else nullcontext()
+        # (Recomputed by layer, a checkpoint holds a gathered unit a later layer reads: the
+        # plan gathers none again in backward, so none is packed away.)
+        keep_shards = self._zero3.hooks() if self._zero3 is not None and \
+            self._layered is None else nullcontext()
         with keep_shards, autocast_for(self.plan.dtype, self.device.type):
             if not self.plan.recompute:
                 return program(*args)
             if self._layered is not None:   # each layer checkpointed on its own
-                with zero3.running(self._units) if self._units is not None else nullcontext():
-                    return self._layered(self.comm, rng, *args)
+                return self._layered(self.comm, rng, *args)
             return recomputed(program, args, rng, self.comm)
 
     def squared_norm(self, counted_elsewhere: frozenset[str] = frozenset()

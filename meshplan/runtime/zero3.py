@@ -132,7 +132,11 @@ class Units:
         phase = "forward"
         if u not in self._ahead:
             self._ahead[u] = self.units[u].gather(phase)
-        for v in range(u + 1, min(u + 1 + self.prefetch, len(self.units))):
+        # A replay inside the backward (recomputation, perhaps of one layer at a time) gathers
+        # what it uses only: a unit prefetched past its layer would wait, stale, for a forward
+        # that comes after the update.
+        ahead = 0 if self.units[u].comm.recomputing else self.prefetch
+        for v in range(u + 1, min(u + 1 + ahead, len(self.units))):
             if v not in self._ahead:
                 self._ahead[v] = self.units[v].gather(phase)
         return self.units[u].members(self._ahead.pop(u).wait())

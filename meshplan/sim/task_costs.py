@@ -57,7 +57,9 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
         p.microbatches, p.recompute)
     state = p.predicted["state_bytes"]
     kept = full = p.predicted["activation_bytes"]
-    if stage is not None:
+    if "layered_kept_bytes" in p.predicted:   # recomputed layer by layer: the layers' inputs
+        kept = full = p.predicted["layered_kept_bytes"]
+    elif stage is not None:
         kept = max(stage.memory_bytes - state, 0.0) / max(stage.in_flight, 1)
     # The op-by-op peaks (`planner/intra/liveness.py`) beyond what the stage holds per
     # micro-batch: its kept activations, or under recomputation only its layers' inputs,

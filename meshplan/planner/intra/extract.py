@@ -13,7 +13,7 @@ compute (`AsyncEntry`) is worked out here, from each op's own times, and priced 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
@@ -25,7 +25,7 @@ from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, is_kept, local_bytes,
                                              step_cost, zero_counts)
 from meshplan.planner.intra.ilp_problem import working_peak
-from meshplan.planner.intra.liveness import StepPeaks, Value, step_peaks
+from meshplan.planner.intra.liveness import StepPeaks, Value, layered_peaks, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import (AsyncEntry, CollectiveEntry, OpDecision, ParamDecision,
@@ -82,7 +82,8 @@ def storage_layout(spec: Layout, mode: str, sync_axes: tuple[int, ...]) -> Layou
     return Layout(((*spec.dims[0], *sync_axes), *spec.dims[1:]))
 
 
-def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> IntraResult:
+def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
+            layers: Mapping[str, int] | None = None) -> IntraResult:
     """Decisions, collectives and predictions of the assignment ``choices``.
 
     ``real`` prices the prediction on the cluster's own bandwidths with the compute roofline,
@@ -155,7 +156,8 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                                    real.recompute)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
-    peaks = _step_peaks(costs, nc, idx)
+    # Recomputed layer by layer (`liveness.layered_peaks`) where the layers are known.
+    peaks = _step_peaks(costs, nc, idx, layers if real.recompute else None)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
                "activation_bytes": memory - state, "working_bytes": working,
                "grad_bytes": peaks.grad_bytes, "forward_peak_bytes": peaks.forward_peak,
@@ -163,7 +165,18 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext) -> I
                "backward_held_peak_bytes": peaks.backward_held_peak,
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
-    return IntraResult(tuple(ops), params, sources, colls, loss.partial, memory + working,
+    peak = memory + working
+    if layers is not None and real.recompute:   # what a micro-batch keeps: its layers' inputs
+        figures["layered_kept_bytes"] = peaks.kept_bytes
+        # The step's peak by the op-by-op walk, as the simulator follows it (one stage): the
+        # state without gradients, then the first backward's peak, or once the gradients
+        # exist they and the larger of a forward's and a later backward's.
+        grads = peaks.grad_bytes
+        later = max(peaks.forward_peak, peaks.backward_held_peak) if m > 1 else \
+            peaks.forward_peak - grads
+        peak = state - grads + working + max(peaks.forward_peak, peaks.backward_peak,
+                                             grads + later)
+    return IntraResult(tuple(ops), params, sources, colls, loss.partial, peak,
                        m * (f_s + b_s) + u_s, figures, owned, groups)
 
 
@@ -175,8 +188,10 @@ def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
     return tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(total.items()))
 
 
-def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int]) -> StepPeaks:
-    """The op-by-op memory walk (`liveness`) on the chosen layouts."""
+def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
+                layers: Mapping[str, int] | None = None) -> StepPeaks:
+    """The op-by-op memory walk (`liveness`) on the chosen layouts; ``layers``: recomputed
+    layer by layer (each node's layer)."""
     values = []
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
@@ -187,6 +202,8 @@ def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int]) -> StepPea
             grad=node.requires_grad,
             param_grad=costs.param_memory(node, choice).grad_bytes if node.role == "param"
             else 0.0))
+    if layers is not None:
+        return layered_peaks(values, nc.graph.loss, layers)
     return step_peaks(values, nc.graph.loss)
 
 

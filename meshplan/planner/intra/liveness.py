@@ -20,7 +20,9 @@ chosen layouts:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -134,3 +136,78 @@ def _backward(values: Sequence[Value], by_name: dict[str, Value], loss: str,
         if v.kept:
             kept -= v.nbytes
     return peak, held_peak
+
+
+def layered_peaks(values: Sequence[Value], loss: str, layer_of: Mapping[str, int]
+                  ) -> StepPeaks:
+    """The same walk for a program recomputed layer by layer (Megatron-LM's full
+    recomputation: `runtime/step_modes.layered`): a micro-batch keeps only what each layer
+    reads from before it (``kept_bytes``); the forward holds those and one layer's
+    temporaries; the backward replays one layer at a time, holding the layers' inputs not yet
+    released, that layer's kept values and the gradients in flight. ``layer_of``: each value's
+    layer (values it lacks count with the program's first)."""
+    by_name = {v.name: v for v in values}
+    if loss not in by_name:
+        raise ValueError(f"the loss {loss!r} is not among the program's values")
+
+    first = min((layer_of[v.name] for v in values if v.name in layer_of), default=0)
+
+    def layer(name: str) -> int:   # a stage's received values: its first layer
+        return layer_of.get(name, first)
+
+    # What each layer reads from an earlier layer, each value once, at its first reader.
+    boundary: dict[str, int] = {}
+    for v in values:
+        for u in v.inputs:
+            w = by_name.get(u)
+            if w is None or w.role in ("param", "buffer") or layer(u) == layer(v.name):
+                continue
+            boundary.setdefault(u, layer(v.name))
+    inputs = sum(by_name[u].nbytes for u in boundary if not by_name[u].view)
+    # Forward: a layer's values live while it runs (nothing is kept for backward).
+    per_layer: dict[int, list[Value]] = {}
+    for v in values:
+        per_layer.setdefault(layer(v.name), []).append(v)
+    forward_peak = inputs
+    for members in per_layer.values():
+        _, peak = _forward([dataclasses.replace(v, kept=False) for v in members],
+                           members[-1].name)
+        forward_peak = max(forward_peak, inputs + peak)
+    # Backward: at a layer's replay its kept values come back, and leave as its ops finish.
+    flowing = {loss: by_name[loss].nbytes}
+    in_flight = by_name[loss].nbytes
+    made_grads = 0.0
+    seen_params: set[str] = set()
+    held_inputs, replayed, current = inputs, 0.0, None
+    peak = held_peak = 0.0
+    for v in reversed(values):
+        if layer(v.name) != current:
+            current = layer(v.name)
+            replayed = sum(w.nbytes for w in per_layer.get(current, ()) if w.kept)
+        if boundary.get(v.name) is not None and not v.view:
+            held_inputs -= v.nbytes   # the layers reading it are done with it
+        if v.name not in flowing:
+            continue
+        extra = new_params = 0.0
+        for u in dict.fromkeys(v.inputs):
+            w = by_name.get(u)
+            if w is None or not w.grad and w.role != "param":
+                continue
+            if w.role == "param":
+                if u not in seen_params:
+                    seen_params.add(u)
+                    made_grads += w.param_grad
+                new_params += w.param_grad
+            elif u in flowing:
+                extra += w.nbytes
+            else:
+                flowing[u] = w.nbytes
+                in_flight += w.nbytes
+        now = held_inputs + replayed + in_flight + extra
+        peak = max(peak, now + made_grads)
+        held_peak = max(held_peak, now + new_params)
+        in_flight -= flowing.pop(v.name)
+        if v.kept:
+            replayed -= v.nbytes
+    grads = sum(v.param_grad for v in values if v.role == "param")
+    return StepPeaks(inputs, forward_peak, peak, held_peak, grads)

@@ -4,7 +4,7 @@ plan on one logical mesh (a whole single-stage plan, or one pipeline stage's).""
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Mapping
 
 from meshplan.cost.cluster import Cluster, cluster_to_dict
 from meshplan.cost.mesh import LogicalMesh
@@ -24,13 +24,15 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
                *, name: str, fingerprint: str, method: str, optimizer: dict[str, Any],
                options: IntraOptions, budget: float | None, search_time_s: float,
                dtype: str, unsupported_ops: tuple[str, ...],
-               axis_weights: tuple[tuple[float, ...], ...] = ()) -> Plan:
+               axis_weights: tuple[tuple[float, ...], ...] = (),
+               layers: Mapping[str, int] | None = None) -> Plan:
     """The plan of ``sol``: predictions priced on ``real_mesh`` (the cluster's own α/β, with
-    compute) whatever units ``form`` was solved in."""
+    compute) whatever units ``form`` was solved in; ``layers`` (each node's clustered layer)
+    when a recomputed stage replays layer by layer."""
     ctx = form.ctx
     mesh = ctx.mesh
     real = replace(ctx, mesh=real_mesh, device=cluster.device)
-    result = extract(form, sol.choices, real)
+    result = extract(form, sol.choices, real, layers)
     abstract = ctx.device is None
     return Plan(
         model=name, graph_fingerprint=fingerprint, mesh_shape=tuple(mesh.shape),
