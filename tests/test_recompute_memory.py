@@ -6,18 +6,13 @@ PyTorch's profiler measures on gloo processes, and the step still equals one dev
 
 from __future__ import annotations
 
-import gc
-import json
-import os
-import tempfile
-
 import pytest
 
 import meshplan.api as api
 from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
 from oracle import ADAMW, batches, make_plan
-from test_sim_memory import held_peak, measured_peak
+from test_sim_memory import measured_peak, profiled_peak
 
 GPT = "gpt:hidden=128,layers=4,heads=4,seq=64,vocab=512,batch=16"
 GPT8 = "gpt:hidden=128,layers=8,heads=4,seq=64,vocab=512,batch=16"
@@ -25,26 +20,14 @@ GPT8 = "gpt:hidden=128,layers=8,heads=4,seq=64,vocab=512,batch=16"
 
 def _pipeline_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
     """The largest total of bytes a pipeline rank held at once, by the profiler."""
-    from torch.profiler import ProfilerActivity, profile
     from meshplan.runtime.comm import ProcessGroupComm
     from meshplan.runtime.p2p import ProcessGroupP2P
     from meshplan.runtime.pipeline import PipelineTrainer
     comm = ProcessGroupComm.for_stages(plan.stage_meshes())
     p2p = ProcessGroupP2P("cpu")
     w = build_workload(spec, device="cpu", seed=0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p)
-        for batch in data:
-            trainer.step(batch)
-        del trainer
-        gc.collect()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
-    return held_peak([(e["ts"], int(e["args"]["Addr"]), int(e["args"]["Bytes"]))
-                      for e in trace if e.get("name") == "[memory]"])
+    return profiled_peak(lambda: PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch,
+                                                 comm, p2p), data)
 
 
 def test_a_recomputed_single_stage_plan_keeps_its_layers_inputs_only(pool2) -> None:

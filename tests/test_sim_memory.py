@@ -78,8 +78,19 @@ def measured_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
     from meshplan.runtime.trainer import Trainer
     comm = ProcessGroupComm(plan.mesh_shape)
     w = build_workload(spec, device="cpu", seed=0)
+    peak = profiled_peak(lambda: Trainer(plan, w.model, w.loss_fn, w.example_batch, comm), data)
+    torch.distributed.barrier()
+    share = max(sum(t.nbytes for t in Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
+                    .local_batch(batch)) for batch in data)
+    return peak + share
+
+
+def profiled_peak(make, data) -> int:
+    """The largest total of bytes held at once, by the profiler, from building the trainer
+    (``make()``) through its steps on ``data`` to its deletion."""
+    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
+        trainer = make()
         for batch in data:
             trainer.step(batch)
         del trainer
@@ -89,12 +100,8 @@ def measured_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)["traceEvents"]
-    events = [(e["ts"], int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in trace
-              if e.get("name") == "[memory]"]
-    torch.distributed.barrier()
-    share = max(sum(t.nbytes for t in Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
-                    .local_batch(batch)) for batch in data)
-    return held_peak(events) + share
+    return held_peak([(e["ts"], int(e["args"]["Addr"]), int(e["args"]["Bytes"]))
+                      for e in trace if e.get("name") == "[memory]"])
 
 
 def test_held_peak_counts_unseen_frees_as_brief() -> None:

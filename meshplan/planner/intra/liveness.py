@@ -103,36 +103,54 @@ def _forward(values: Sequence[Value], loss: str) -> tuple[float, float]:
     return kept, peak
 
 
-def _backward(values: Sequence[Value], by_name: dict[str, Value], loss: str,
-              kept: float) -> tuple[float, float]:
-    """The backward's peak with the parameter gradients it makes, and without them."""
-    flowing = {loss: by_name[loss].nbytes}   # gradients made and not yet consumed
-    in_flight = by_name[loss].nbytes
-    made_grads = 0.0
-    seen_params: set[str] = set()
-    peak = held_peak = 0.0
-    for v in reversed(values):
-        if v.name not in flowing:
-            continue
+class _Gradients:
+    """The gradients of a backward walk: those made and not yet consumed (``in_flight``) and
+    the parameters' (``made``)."""
+
+    def __init__(self, by_name: dict[str, Value], loss: str) -> None:
+        self.by_name = by_name
+        self.flowing = {loss: by_name[loss].nbytes}
+        self.in_flight = by_name[loss].nbytes
+        self.made = 0.0
+        self._params: set[str] = set()
+
+    def op(self, v: Value) -> tuple[float, float]:
+        """``v``'s backward makes its inputs' gradients: (bytes accumulated into gradients
+        that exist, bytes of parameter gradients it adds to)."""
         extra = new_params = 0.0
         for u in dict.fromkeys(v.inputs):
-            w = by_name.get(u)
+            w = self.by_name.get(u)
             if w is None or not w.grad and w.role != "param":
                 continue
             if w.role == "param":
-                if u not in seen_params:
-                    seen_params.add(u)
-                    made_grads += w.param_grad
+                if u not in self._params:
+                    self._params.add(u)
+                    self.made += w.param_grad
                 new_params += w.param_grad
-            elif u in flowing:
+            elif u in self.flowing:
                 extra += w.nbytes     # accumulated into the existing gradient
             else:
-                flowing[u] = w.nbytes
-                in_flight += w.nbytes
-        now = kept + in_flight + extra
-        peak = max(peak, now + made_grads)
+                self.flowing[u] = w.nbytes
+                self.in_flight += w.nbytes
+        return extra, new_params
+
+    def done(self, v: Value) -> None:
+        self.in_flight -= self.flowing.pop(v.name)
+
+
+def _backward(values: Sequence[Value], by_name: dict[str, Value], loss: str,
+              kept: float) -> tuple[float, float]:
+    """The backward's peak with the parameter gradients it makes, and without them."""
+    g = _Gradients(by_name, loss)
+    peak = held_peak = 0.0
+    for v in reversed(values):
+        if v.name not in g.flowing:
+            continue
+        extra, new_params = g.op(v)
+        now = kept + g.in_flight + extra
+        peak = max(peak, now + g.made)
         held_peak = max(held_peak, now + new_params)
-        in_flight -= flowing.pop(v.name)
+        g.done(v)
         if v.kept:
             kept -= v.nbytes
     return peak, held_peak
@@ -174,10 +192,7 @@ def layered_peaks(values: Sequence[Value], loss: str, layer_of: Mapping[str, int
                            members[-1].name)
         forward_peak = max(forward_peak, inputs + peak)
     # Backward: at a layer's replay its kept values come back, and leave as its ops finish.
-    flowing = {loss: by_name[loss].nbytes}
-    in_flight = by_name[loss].nbytes
-    made_grads = 0.0
-    seen_params: set[str] = set()
+    g = _Gradients(by_name, loss)
     held_inputs, replayed, current = inputs, 0.0, None
     peak = held_peak = 0.0
     for v in reversed(values):
@@ -186,27 +201,13 @@ def layered_peaks(values: Sequence[Value], loss: str, layer_of: Mapping[str, int
             replayed = sum(w.nbytes for w in per_layer.get(current, ()) if w.kept)
         if boundary.get(v.name) is not None and not v.view:
             held_inputs -= v.nbytes   # the layers reading it are done with it
-        if v.name not in flowing:
+        if v.name not in g.flowing:
             continue
-        extra = new_params = 0.0
-        for u in dict.fromkeys(v.inputs):
-            w = by_name.get(u)
-            if w is None or not w.grad and w.role != "param":
-                continue
-            if w.role == "param":
-                if u not in seen_params:
-                    seen_params.add(u)
-                    made_grads += w.param_grad
-                new_params += w.param_grad
-            elif u in flowing:
-                extra += w.nbytes
-            else:
-                flowing[u] = w.nbytes
-                in_flight += w.nbytes
-        now = held_inputs + replayed + in_flight + extra
-        peak = max(peak, now + made_grads)
+        extra, new_params = g.op(v)
+        now = held_inputs + replayed + g.in_flight + extra
+        peak = max(peak, now + g.made)
         held_peak = max(held_peak, now + new_params)
-        in_flight -= flowing.pop(v.name)
+        g.done(v)
         if v.kept:
             replayed -= v.nbytes
     grads = sum(v.param_grad for v in values if v.role == "param")
