@@ -73,7 +73,6 @@ def held_peak(events: list[tuple[float, int, int]]) -> int:
 def measured_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
     """The largest total of bytes the rank's runtime held at once, by the profiler."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from meshplan.runtime.trainer import Trainer
     comm = ProcessGroupComm(plan.mesh_shape)
