@@ -529,7 +529,10 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
         choices = baselines.heuristic(choices, ctx)
     elif method == "expert":
         choices = baselines.expert(choices)
-    form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks)
+    # Recomputed, the program replays layer by layer: the budget holds per layer.
+    layering = recompute_layering(graph, cl.num_devices) if step.recompute else None
+    form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks,
+                     layers=layering.layer_of if layering else None)
     try:
         sol = _refine(form.problem, solve(form.problem))
     except InfeasibleIlpError as e:

@@ -53,3 +53,35 @@ def test_a_two_stage_pipelines_simulated_peak_is_measured(pool2, recompute: str)
     data = batches(build_workload(GPT8, device="cpu", seed=0), 2)
     for rank, peak in enumerate(pool2.run(_pipeline_peak, plan, GPT8, data)):
         assert simulated[rank] == pytest.approx(peak, rel=0.10), (rank, simulated[rank], peak)
+
+
+def test_a_recomputed_programs_budget_holds_per_layer() -> None:
+    """The ILP's memory rows under layer-by-layer recomputation: one live set per layer, each
+    with every parameter, every value a later layer reads, and that layer's own values."""
+    from meshplan.api import recompute_layering
+    from meshplan.capture.to_ir import capture
+    from meshplan.cost.mesh import LogicalMesh
+    from meshplan.planner.intra.choices import IntraOptions, resolve_choices
+    from meshplan.planner.intra.formulate import CostContext, formulate
+    from meshplan.cost.devices import device_type
+    w = build_workload(GPT, device="meta")
+    _, graph = capture(w.model, w.loss_fn, w.example_batch)
+    layering = recompute_layering(graph, 2)
+    mesh = LogicalMesh((1, 2), (1e-5, 1e-5), (1e-9, 1e-9))
+    choices = resolve_choices(graph, (1, 2), IntraOptions())
+    ctx = CostContext(mesh, device_type("cpu"), recompute=True)
+    form = formulate(choices, ctx, 1e9, layers=layering.layer_of)
+    sets = form.problem.live_sets
+    assert len(sets) == layering.num_layers == 4
+    roots = form.roots
+    params = {i for i, r in enumerate(roots) if graph.by_name[r].role == "param"}
+    for k, s in enumerate(sets):
+        members = set(s)
+        assert params <= members
+        own = {i for i, r in enumerate(roots) if layering.layer_of.get(r) == k}
+        assert own <= members
+    # Everything at once without recomputation: one set of every root.
+    plain = formulate(choices, CostContext(mesh, device_type("cpu")), 1e9,
+                      layers=layering.layer_of)
+    assert plain.problem.live_sets == (tuple(range(len(roots))),)
+    assert all(len(s) < len(roots) for s in sets)

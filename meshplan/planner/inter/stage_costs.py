@@ -244,11 +244,12 @@ class StageProfiler:
         if priced is None:
             return []
         (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-        if whole_model:  # recomputed as one piece
-            first = self._exact(start, start + 1, submesh, shape, budget)
-            if first is None:
+        if whole_model:   # one stage: recomputed layer by layer too (`runtime/step_modes`)
+            sums, missing, act_max = self._layer_sums(submesh, shape, budget)
+            if missing[end] - missing[start]:
                 return []
-            rc_state, rc_act = state + act - first.inputs, first.inputs
+            rc_state = state + float(act_max[start, end - 1])
+            rc_act = max(float(sums[end][4] - sums[start][4]), 0.0)
         return [StageOption(rc_lat + transfer, rc_state, rc_act, _label(shape, budget, True))
                 if rc else StageOption(lat + transfer, state, act, _label(shape, budget, False))
                 for rc in self._kinds()]

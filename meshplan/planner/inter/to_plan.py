@@ -65,8 +65,7 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                           method=req.method, optimizer=req.optimizer, options=req.options,
                           budget=req.budget, search_time_s=0.0, dtype=req.dtype,
                           unsupported_ops=found.unsupported,
-                          layers=prof.layering.layer_of if label.recompute and len(
-                              sol.stages) > 1 else None)
+                          layers=prof.layering.layer_of if label.recompute else None)
         stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh[:2], label.logical_shape,
                                 label.recompute, s.in_flight, solved.latency,
                                 solved.memory_bytes, plan))

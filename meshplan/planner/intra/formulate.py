@@ -15,6 +15,7 @@ activations kept for backward. The costs themselves come from `op_costs.py`; the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshplan.planner.intra.blocks import repeated_blocks
@@ -55,9 +56,13 @@ def block_aliases(nc: NodeChoices, index: dict[str, int]) -> tuple[tuple[int, in
 
 
 def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
-              share_blocks: bool = False) -> Formulation:
+              share_blocks: bool = False, layers: Mapping[str, int] | None = None
+              ) -> Formulation:
     """Build the ILP of Alpa eq. 1 over the roots of ``nc`` (see the module docstring).
-    ``share_blocks``: repeated blocks share their decisions (`blocks.py`)."""
+    ``share_blocks``: repeated blocks share their decisions (`blocks.py`). ``layers`` (each
+    node's layer) under recomputation: the program is replayed layer by layer, so the budget
+    holds for each layer's live set — the state, the values later layers read, one layer's
+    activations (`live_sets_by_layer`)."""
     costs = OpCosts(nc, ctx)
     roots = nc.roots
     index = {r: i for i, r in enumerate(roots)}
@@ -82,6 +87,25 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
         node_working=tuple(tuple(working[r]) for r in roots)
         if any(any(w) for w in working.values()) else None,
         aliases=block_aliases(nc, index) if share_blocks else (),
-        live_sets=(tuple(range(len(roots))),) if memory_budget is not None else (),
+        live_sets=() if memory_budget is None else
+        live_sets_by_layer(nc, index, layers) if layers and ctx.recompute else
+        (tuple(range(len(roots))),),
         memory_budget=memory_budget, shared=shared_costs(operands, index))
     return Formulation(nc, ctx, roots, problem)
+
+
+def live_sets_by_layer(nc: NodeChoices, index: dict[str, int], layers: Mapping[str, int]
+                       ) -> tuple[tuple[int, ...], ...]:
+    """What a program recomputed layer by layer holds at once, one set per layer (root
+    indices): parameters and buffers, the values a later layer reads (kept for the replay),
+    and the layer's own values (replayed). A root counts in its own node's layer."""
+    g = nc.graph
+    state = {r for r in index if g.by_name[r].role in ("param", "buffer")}
+    crossing = {nc.root_of[i] for n in g.nodes for i in n.inputs
+                if layers.get(n.name, 0) != layers.get(i, 0)}
+    everyone = state | crossing
+    out = []
+    for layer in sorted({layers.get(r, 0) for r in index}):
+        out.append(tuple(sorted(index[r] for r in index
+                                if r in everyone or layers.get(r, 0) == layer)))
+    return tuple(out)
