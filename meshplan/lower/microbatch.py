@@ -260,7 +260,10 @@ class StepScales:
         self.reductions, self.inexact = found.found, found.inexact
         self._counters = counters
 
-    def __call__(self, micro: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
-        """Per micro-batch (its tensors by batch key), each reduction's scale by node."""
-        rows = micro_scales(self.reductions, self._counters, micro)
+    def __call__(self, micro: Sequence[object]) -> list[dict[str, float]]:
+        """Per micro-batch of a step (global micro-batches, in the batch's form), each
+        reduction's scale by node."""
+        from meshplan.capture.batch import flatten_batch
+        rows = micro_scales(self.reductions, self._counters,
+                            [flatten_batch(m)[1] for m in micro])
         return [{r.node: s for r, s in zip(self.reductions, row)} for row in rows]

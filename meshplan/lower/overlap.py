@@ -46,13 +46,11 @@ class ParamUse:
 
 def param_uses(graph: Graph) -> dict[str, ParamUse]:
     """Every used parameter's `ParamUse`."""
-    root: dict[str, str] = {}
+    from meshplan.planner.intra.op_costs import param_roots
+    root = param_roots(graph)
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, n in enumerate(graph.nodes):
-        if n.role == "param":
-            root[n.name] = n.name
-            continue
         for x in n.inputs:
             p = root.get(x)
             if p is None:
@@ -60,9 +58,6 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
             if x == p:
                 first.setdefault(p, i)
             last[p] = i
-        if n.sig is not None and n.sig.kind == "view" and len(n.inputs) == 1 \
-                and n.inputs[0] in root:
-            root[n.name] = root[n.inputs[0]]
     return {p: ParamUse(first[p], last[p]) for p in first}
 
 

@@ -35,7 +35,7 @@ def all_reduce_grads(comm: Comm, grads: Sequence[torch.Tensor], axes: Sequence[i
     if comm.group_size(axes) == 1:
         return
     with torch.no_grad():
-        for bucket in _dtype_buckets(grads):
+        for bucket in dtype_buckets(grads):
             tensors = [grads[i] for i in bucket]
             flat = torch.cat([g.reshape(-1) for g in tensors])
             summed = comm.all_reduce(flat, axes, phase="update", scratch=True)
@@ -55,7 +55,7 @@ def reduce_scatter_grads(
     n, me = comm.group_size(axes), comm.group_index(axes)
     out: list[torch.Tensor | None] = [None] * len(grads)
     with torch.no_grad():
-        for bucket in _dtype_buckets(grads):
+        for bucket in dtype_buckets(grads):
             shards = [torch.tensor_split(grads[i].detach(), n, dim=0) for i in bucket]
             flat = torch.cat([s[m].reshape(-1) for m in range(n) for s in shards])
             sizes = [sum(s[m].numel() for s in shards) for m in range(n)]
@@ -85,7 +85,7 @@ def all_gather_params(
     rows = [_check_shard(k, s, full_shapes[k], n, me) for k, s in enumerate(shards)]
     out: list[torch.Tensor | None] = [None] * len(shards)
     with torch.no_grad():
-        for bucket in _dtype_buckets(shards):
+        for bucket in dtype_buckets(shards):
             row_numel = [math.prod(full_shapes[i][1:]) for i in bucket]
             counts = [[rows[i][m] * k for i, k in zip(bucket, row_numel)] for m in range(n)]
             flat = torch.cat([shards[i].detach().reshape(-1) for i in bucket])
@@ -126,7 +126,7 @@ def _check_shard(k: int, shard: torch.Tensor, full: Sequence[int], n: int, me: i
     return rows
 
 
-def _dtype_buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+def dtype_buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped by dtype, groups in order of first appearance."""
     buckets: dict[torch.dtype, list[int]] = {}
     for k, t in enumerate(tensors):

@@ -23,6 +23,7 @@ tensors stay on their device).
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -81,7 +82,7 @@ class P2P(ABC):
                 got, message = self._next(src)
                 self._stash[(src, got)].append(message)
             buf = want.popleft()
-        if buf.numel() != _numel(shape):
+        if buf.numel() != math.prod(shape):
             raise RuntimeError(f"rank {self.rank}: rank {src} sent {tuple(buf.shape)} (tag "
                                f"{tag}), expected {tuple(shape)}")
         return buf.reshape(shape).to(self.device)
@@ -187,9 +188,3 @@ class ProcessGroupP2P(P2P):
             work.wait()
         self._pending.clear()
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import flatten_batch, split_microbatches
+from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -83,7 +83,8 @@ class PipelineTrainer:
         graphs = stage_graphs(graph, plan)
         # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
         self._scales = StepScales(traced.graph_module, graph,
-                                  lambda: capture(model, loss_fn, example_batch)[1])
+                                  lambda: capture(model, loss_fn, example_batch)[1]) \
+            if plan.microbatches > 1 else None
         layers = recompute_layers(graph, plan) if any(
             plan.stages[s].recompute for s in self.stages) else None
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
@@ -108,7 +109,7 @@ class PipelineTrainer:
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)
-        scales = self._scales([flatten_batch(p)[1] for p in micro]) \
+        scales = self._scales(micro) \
             if any(t.program.scaled for t in self.trainers.values()) else [None] * count
         # Keyed by (stage, micro-batch): a rank may run several stages.
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

@@ -36,7 +36,7 @@ from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm, Pending
 from meshplan.runtime.devices import generator_for
-from meshplan.runtime.grad_sync import GradBuckets, all_gather_params
+from meshplan.runtime.grad_sync import GradBuckets, all_gather_params, dtype_buckets
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
@@ -121,10 +121,13 @@ class Trainer:
         self.pos = MeshPos(plan.mesh_shape, comm.rank, w)
         # The loss's batch reductions, scaled per micro-batch so that the step is the full
         # batch's (`lower/microbatch.py`); a pipeline's stages share their whole program's.
-        self.scales = scales if scales is not None else StepScales(
-            traced.graph_module, graph, lambda: capture(model, loss_fn, example_batch)[1])
-        scaled = tuple(r.node for r in self.scales.reductions if r.node in graph.by_name) \
-            if plan.microbatches > 1 else ()
+        # (One micro-batch is the whole batch: nothing to find.)
+        if scales is None and plan.microbatches > 1:
+            scales = StepScales(traced.graph_module, graph,
+                                lambda: capture(model, loss_fn, example_batch)[1])
+        self.scales = scales
+        scaled = tuple(r.node for r in scales.reductions if r.node in graph.by_name) \
+            if scales is not None and plan.microbatches > 1 else ()
         self.program = lower(traced, graph, plan, comm.rank, w, device=self.device,
                              scaled=scaled)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -136,7 +139,7 @@ class Trainer:
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
         self._steps = 0
-        self._units = self._make_units(traced, graph)
+        self._units = self._make_units(graph)
         # Recomputation by layer (``layers``: each IR node's clustered layer), as the planner
         # prices a recomputed pipeline stage; without them the forward reruns as one piece.
         self._layered = None
@@ -154,26 +157,26 @@ class Trainer:
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
         self._buckets = self._make_buckets()
 
-    def _make_units(self, traced: Traced, graph: Graph) -> Units | None:
+    def _make_units(self, graph: Graph) -> Units | None:
         """The plan's ZeRO-3 units over this rank's shards (`runtime/zero3.py`), or None."""
         groups, regather, scatter = plan_units(self.plan, graph)
         if not groups:
             return None
-        by_node = {p.node: p for p in self.params}
+        by_node = self._by_node
         units = [Unit(self.comm, g.axes, [by_node[n].update for n in g.params],
                       [by_node[n].full_shape for n in g.params]) for g in groups]
         return Units(units, regather, scatter, self.plan.prefetch)
 
     def _make_buckets(self) -> GradBuckets:
         """The plan's gradient buckets over this rank's tensors (`lower/overlap.py`); a plan of
-        an older meshplan has one per mesh axes, synchronized after the backward."""
+        an older meshplan has one per mesh axes and dtype, synchronized after the backward."""
         if self.plan.buckets:
-            by_node = {p.node: p for p in self.params}
-            groups = [(g.axes, [by_node[n].compute for n in g.params])
+            groups = [(g.axes, [self._by_node[n].compute for n in g.params])
                       for g in self.plan.buckets]
         else:
-            groups = [(axes, [p.compute for p in ps])
-                      for axes, ps in self._groups("replicated")]
+            groups = [(axes, [ps[i].compute for i in same])
+                      for axes, ps in self._groups("replicated")
+                      for same in dtype_buckets([p.compute for p in ps])]
         return GradBuckets(self.comm, groups)
 
     def _make_optimizer(self, spec: OptimizerSpec) -> Any:
@@ -274,7 +277,7 @@ class Trainer:
         None each when the program has none."""
         if not self.program.scaled:
             return [None] * len(micro)
-        return self.scales([flatten_batch(p)[1] for p in micro])
+        return self.scales(micro)
 
     def last_backward(self) -> None:
         """The next backward is the step's last: its complete gradient buckets are

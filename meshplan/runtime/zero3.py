@@ -66,9 +66,13 @@ class Unit:
         n, self.me = comm.group_size(self.axes), comm.group_index(self.axes)
         self.rows = [shard_sizes(s[0], n) for s in self.shapes]       # [member][rank]
         self.row_numel = [math.prod(s[1:]) for s in self.shapes]
-        # Each rank's flat piece: its rows of every member, member after member.
+        # Each rank's flat piece: its rows of every member, member after member; ``at[i][m]``
+        # where rank m's rows of member i start in the gathered whole.
         self.flat = [sum(r[m] * k for r, k in zip(self.rows, self.row_numel))
                      for m in range(n)]
+        starts = _offsets(self.flat)
+        self.at = [[starts[m] + sum(r[m] * q for r, q in zip(self.rows[:i], self.row_numel[:i]))
+                    for m in range(n)] for i in range(len(self.shapes))]
 
     def gather(self, phase: str) -> Pending:
         """The unit's all-gather, issued; ``wait()`` gives the flat rank-major whole."""
@@ -78,19 +82,15 @@ class Unit:
     def members(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The whole members from the gathered flat (rank after rank, each its rows of every
         member)."""
-        out = []
-        for i, (rows, k, shape) in enumerate(zip(self.rows, self.row_numel, self.shapes)):
-            pieces = []
-            for m, start in enumerate(_offsets(self.flat)):
-                at = start + sum(r[m] * q for r, q in zip(self.rows[:i], self.row_numel[:i]))
-                pieces.append(whole.narrow(0, at, rows[m] * k).view(rows[m], *shape[1:]))
-            out.append(torch.cat(pieces))
-        return tuple(out)
+        return tuple(torch.cat([whole.narrow(0, at, n * k).view(n, *shape[1:])
+                                for at, n in zip(starts, rows)])
+                     for starts, rows, k, shape in zip(self.at, self.rows, self.row_numel,
+                                                       self.shapes))
 
     def scatter(self, grads: Sequence[torch.Tensor | None]) -> Pending:
         """The members' gradients summed over the group, issued; ``wait()`` gives this rank's
         pieces, one per member."""
-        grads = [g if g is not None else torch.zeros(s, device=self.shards[0].device)
+        grads = [g if g is not None else self.shards[0].new_zeros(s)
                  for g, s in zip(grads, self.shapes)]
         flat = torch.cat([g.detach().narrow(0, sum(rows[:m]), rows[m]).reshape(-1)
                           for m in range(len(self.flat))

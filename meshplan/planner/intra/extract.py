@@ -303,7 +303,7 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
     for i in range(len(times) - 1, -1, -1):     # backward of node i done
         bwd_done[i] = bwd_done[i + 1] + times[i][1]
     bwd_done = [replay + t for t in bwd_done]
-    uses = ov.param_uses(g)
+    uses = {q.node: q.use for qs in grouped.values() for q in qs}
     entries: list[AsyncEntry] = []
 
     buckets = ov.grad_buckets(grouped["replicated"])
