@@ -9,7 +9,7 @@ import functools
 import warnings
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from torch import nn

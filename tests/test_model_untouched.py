@@ -6,7 +6,6 @@ such models then train equal to one device (emulated ranks and gloo)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from typing import Any
 
@@ -17,7 +16,6 @@ from torch import nn
 import meshplan
 from meshplan.capture.to_ir import capture
 from meshplan.runtime.emulated import run_emulated
-from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.catalog import KIND_FIELDS
 from meshplan.zoo.spec import Workload, build_workload
 from oracle import SGD, assert_matches, batches, reference, train_rank

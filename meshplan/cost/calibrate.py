@@ -204,7 +204,7 @@ def run_calibration(nprocs: int, output: str, device: str = "cpu"
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     with open(output, "w") as f:
         f.write(profile_yaml("calibrated", nprocs, tflops, mem, ram / nprocs, link))
-    lines = [f"matmul: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in tflops.items()),
+    lines = ["matmul: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in tflops.items()),
              f"copy: {mem:.1f} GB/s"]
     for g, fit in fits.items():
         lines.append(f"all-reduce over {g}: alpha {fit.alpha * 1e6:.1f} us, beta -> "

@@ -295,7 +295,6 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
     backward times from the start of the backward (after the forward's replay when
     recomputed), each op's backward running in reverse order."""
     g, ctx = form.choices.graph, form.ctx
-    index = {n.name: i for i, n in enumerate(g.nodes)}
     fwd_at, bwd_done = [0.0], [0.0] * (len(times) + 1)
     for f, _ in times:
         fwd_at.append(fwd_at[-1] + f)

@@ -8,7 +8,6 @@ compute (roofline, forward + backward), an op's own statistics exchange, reshard
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
