@@ -80,6 +80,14 @@ def _summed_ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
                            reduction="sum") / 50.0
 
 
+def _masked_mean(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # The masked mean as written by hand: per-token losses, summed over the real ones and
+    # divided by their count, a statistic of the data (the whole batch's in every micro-batch).
+    tok = F.cross_entropy(out.reshape(-1, VOCAB), t.reshape(-1).clamp(min=0), reduction="none")
+    keep = (t != -100).reshape(-1)
+    return (tok * keep).sum() / keep.sum().clamp(min=1)
+
+
 def _mixed(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     # A padded cross-entropy plus a small penalty on the logits' mean square: two
     # reductions over the batch of different kinds, each with its own scale.
@@ -149,9 +157,10 @@ def _plan(w: Workload, cluster: str, **kw: Any) -> meshplan.Plan:
                          **kw)
 
 
-LOSSES = {"ce": _ce, "weighted": _weighted_ce, "sum": _summed_ce, "mixed": _mixed}
+LOSSES = {"ce": _ce, "weighted": _weighted_ce, "sum": _summed_ce, "mixed": _mixed,
+          "masked": _masked_mean}
 KINDS = {"ce": ["nll_mean"], "weighted": ["nll_mean"], "sum": ["nll_sum"],
-         "mixed": ["nll_mean", "mean"]}
+         "mixed": ["nll_mean", "mean"], "masked": ["stat_sum", "sum"]}
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
@@ -166,7 +175,7 @@ def test_each_reduction_is_found_with_its_kind(loss: str) -> None:
 @pytest.mark.parametrize("loss,method,shape,micro", [
     ("ce", "data", (1, 2), 2), ("ce", "zero3", (2, 2), 4), ("ce", "intra-only", (2, 2), 2),
     ("weighted", "data", (1, 4), 4), ("sum", "megatron", (1, 2), 2),
-    ("mixed", "data", (2, 1), 2)])
+    ("mixed", "data", (2, 1), 2), ("masked", "data", (1, 2), 4), ("masked", "zero3", (2, 2), 2)])
 def test_micro_batches_make_the_full_batch_step(loss: str, method: str, shape, micro: int
                                                 ) -> None:
     w = _lm_workload(LOSSES[loss])
@@ -281,4 +290,82 @@ def test_strided_batch_pieces_are_counted() -> None:
         seq[:BATCH // 2, SEQ // 2:] = -100   # padding in the first micro-batches only
         data.append(((seq[:, :-1].clamp(min=0),), seq[:, 1:]))
     assert not data[0][1].is_contiguous()
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def _empty_micro_batches(w: Workload, n: int) -> list:
+    """Batches whose last quarter of rows has no real target: with 4 micro-batches, one of
+    them holds none (its count is 0, the whole batch's is not)."""
+    out = []
+    for (ids,), labels in _batches(w, n):
+        labels = labels.clone()
+        labels[-BATCH // 4:] = -100
+        out.append(((ids,), labels))
+    return out
+
+
+@pytest.mark.parametrize("loss", ["ce", "weighted", "masked"])
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
+def test_a_micro_batch_without_real_targets(loss: str, shape) -> None:
+    """A micro-batch of padding only adds nothing (not 0/0: NaN), under the vocabulary split
+    of Megatron's cross-entropy too, whose NLL keeps its loss per row when the loss asks so."""
+    w = _lm_workload(LOSSES[loss])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # every op of the loss has its signature
+        plan = _plan(w, f"local:{shape[0] * shape[1]}", mesh_shape=shape, method="megatron",
+                     alpha=(1.0, 1.0), beta=(1.0, 1.0), microbatches=4)
+    assert next(o for o in plan.ops if o.op == "nll_loss").strategy.startswith("c:S1")
+    data = _empty_micro_batches(w, 2)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_a_hugging_face_micro_batch_without_real_targets() -> None:
+    w = _hf("llama")
+    plan = _plan(w, "local:2", method="zero3", mesh_shape=(1, 2), microbatches=4)
+    data = _hf_batches(w, 2)
+    for b in data:
+        b["labels"][-BATCH // 4:] = -100
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_a_statistic_of_the_data_in_a_pipeline() -> None:
+    """The masked mean's count lives in the last stage; every micro-batch there divides by
+    the whole batch's."""
+    w = _lm_workload(_masked_mean)
+    plan = _plan(w, "local:4", method="megatron:dp=1,tp=2,pp=2", microbatches=4)
+    assert plan.num_stages == 2 and plan.options["microbatch_loss"]["exact"]
+    data = _empty_micro_batches(w, 2)
+    _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_a_data_statistic_no_sum_mean_max_or_min_makes_the_step_inexact() -> None:
+    # A median over the batch is no combination of its micro-batches' medians.
+    def by_median(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _ce(out, t) / (t != -100).float().sum(1).median()
+    w = _lm_workload(by_median)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
+    assert plan.options["microbatch_loss"]["exact"] is False
+    assert "'div'" in plan.options["microbatch_loss"]["why"], caught
+
+
+def test_a_regression_weighted_by_the_data() -> None:
+    """Per-element squared errors (mse_loss's "none", split with the batch) weighted by a mask
+    of the targets and divided by its sum: a statistic of the data again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        w = (t[:, :1] > 0).float()
+        return (F.mse_loss(out, t, reduction="none") * w).sum() / w.sum().clamp(min=1)
+
+    g = torch.Generator().manual_seed(4)
+    data = [((torch.randn(8, 8, generator=g),), torch.randn(8, 4, generator=g))
+            for _ in range(3)]
+    w = Workload(model, loss, data[0], "weighted-mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=4)
+    assert next(o for o in plan.ops if o.op == "mse_loss").strategy != "replicated"
     _check(_train(w, plan, data), full_batch_reference(w, data))

@@ -158,11 +158,12 @@ def nll_loss_rule(c: OpCall) -> OpRule:
     x = c.in_shapes[0]
     weighted = len(c.in_shapes) > 2
     reduction = c.arg(3, "reduction", 1)
-    if len(x) != 2 or reduction not in (1, 2):
-        raise ValueError("nll_loss is supported on (N, C) inputs with reduction mean or sum")
+    if len(x) != 2:
+        raise ValueError("nll_loss is supported on (N, C) inputs")
     # A split class dim c picks each target on the shard that holds it: partial sums.
-    sig = sized(["nc", "n"] + (["c"] if weighted else []), (), c.in_shapes, c.out_shape,
-                "reduction", mean={"n"} if reduction == 1 else set())
+    # Reduction "none" (0) keeps one loss per row.
+    sig = sized(["nc", "n"] + (["c"] if weighted else []), ("n",) if reduction == 0 else (),
+                c.in_shapes, c.out_shape, "reduction", mean={"n"} if reduction == 1 else set())
     if reduction == 1:
         # The mean's divisor counts the targets not equal to ignore_index (weighted: sums
         # their class weights): one scalar per rank, all-reduced over the axes splitting the
@@ -179,8 +180,8 @@ def mse_loss_rule(c: OpCall) -> OpRule | None:
     x = c.in_shapes[0]
     atoms = fresh_atoms(len(x))
     reduction = c.arg(2, "reduction", 1)
-    if reduction not in (1, 2):
-        return None  # reduction="none": an elementwise square, planned replicated
+    if reduction == 0:   # "none": an elementwise squared difference
+        return elementwise_rule("mse_loss")(c)
     sig = sized([atoms, atoms], (), c.in_shapes, c.out_shape, "reduction",
                  mean=set(atoms) if reduction == 1 else set())
     return OpRule("mse_loss", sig, 3.0 * math.prod(x))

@@ -67,13 +67,24 @@ def cast_float(x: Any, dtype: torch.dtype) -> Any:
 
 
 def nll_loss_synced(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
-                    ignore_index: int, axes: tuple[int, ...]) -> torch.Tensor:
+                    ignore_index: int, axes: tuple[int, ...], micro: bool = False
+                    ) -> torch.Tensor:
     """This rank's share of a mean NLL over a batch split across ``axes``: the local sum over
     the targets divided by the global count of non-ignored targets (weighted), one scalar
     all-reduced over ``axes`` (the plan's collective for the loss's statistics)."""
     total = aten.nll_loss_forward(x, target, weight, 2, ignore_index)[0]
     count = _nll_count(target, weight, ignore_index, x.dtype)
-    return total / collectives.all_reduce(comm, count, axes)
+    return _nll_mean(total, collectives.all_reduce(comm, count, axes) if axes else count, micro)
+
+
+def _nll_mean(total: torch.Tensor, count: torch.Tensor, micro: bool) -> torch.Tensor:
+    """``total / count``. In a micro-batch (``micro``) the count may be 0, every target
+    ignored: then ``total`` is 0 and so is the mean, whose scale (`microbatch.py`) is 0 too,
+    where 0 / 0 would make the whole step's loss and gradients NaN. One device sees the whole
+    batch, whose count is the sum of the micro-batches'."""
+    if micro:
+        count = torch.where(count == 0, torch.ones_like(count), count)
+    return total / count
 
 
 def mse_loss_split_mean(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
@@ -143,7 +154,7 @@ def _batch_norm(g: fx.Graph, args: tuple, node: Node, comm: fx.Node, axes: tuple
 
 def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
          out_shape: tuple[int, ...], partial: bool, comm: fx.Node | None = None,
-         sync_axes: tuple[int, ...] = ()) -> fx.Node:
+         sync_axes: tuple[int, ...] = (), micro: bool = False) -> fx.Node:
     """Append ``orig`` (a traced fx node) to ``g`` over local ``operands``; return its value.
     ``sync_axes``: axes over which the op all-reduces its statistics (batch norm's moments, a
     mean NLL's target count)."""
@@ -158,11 +169,12 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
         return g.call_function(operator.getitem, (calls[key], orig.args[1]))
     args, kwargs = _substitute(orig.args, dict(orig.kwargs), operands)
     packet = _packet(orig.target)
-    if sync_axes and packet == "nll_loss_forward":
+    mean = packet == "nll_loss_forward" and (args[3] if len(args) > 3 else 1) == 1
+    if mean and (sync_axes or micro):
         weight = args[2] if len(args) > 2 else None
         ignore = args[4] if len(args) > 4 else -100
         return g.call_function(nll_loss_synced, (comm, args[0], args[1], weight, ignore,
-                                                 sync_axes))
+                                                 sync_axes, micro))
     if sync_axes:
         assert packet == "native_batch_norm", packet
         return _batch_norm(g, args, node, comm, sync_axes)
@@ -298,24 +310,24 @@ def softmax_split(comm: Any, x: torch.Tensor, dim: int, axes: tuple[int, ...], l
 
 
 def nll_loss_class_split(comm: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,
-                         start: int, ignore_index: int, mean: bool, axes: tuple[int, ...]
-                         ) -> torch.Tensor:
+                         start: int, ignore_index: int, reduction: int, axes: tuple[int, ...],
+                         micro: bool = False) -> torch.Tensor:
     """NLL over log-probabilities whose class dim is split: each rank picks the targets that
     fall in its classes ``[start, start + C_local)`` (``weight``: its classes' weights); the
-    result is a partial sum. A mean divides by the count of non-ignored targets (weighted),
-    all-reduced over ``axes`` (those splitting the batch, and the classes when weighted)."""
+    result is a partial sum, per row under reduction "none" (0). A mean (1) divides by the
+    count of non-ignored targets (weighted), all-reduced over ``axes`` (those splitting the
+    batch, and the classes when weighted)."""
     local = target - start
     inside = (local >= 0) & (local < x.shape[1])
     rows = local.clamp(0, max(x.shape[1] - 1, 0))
     picked = x.gather(1, rows.unsqueeze(1)).squeeze(1) * inside.to(x.dtype)
     keep = target != ignore_index
-    if weight is not None:
-        w = weight[rows] * (inside & keep).to(x.dtype)
-        total = -(picked * w).sum()
-        count = w.detach().sum() if mean else None
-    else:
-        total = -(picked * keep.to(x.dtype)).sum()
-        count = keep.sum(dtype=x.dtype) if mean else None
-    if count is None:
+    w = weight[rows] * (inside & keep).to(x.dtype) if weight is not None else \
+        keep.to(x.dtype)
+    if reduction == 0:
+        return -(picked * w)
+    total = -(picked * w).sum()
+    if reduction == 2:
         return total
-    return total / (collectives.all_reduce(comm, count, axes) if axes else count)
+    count = w.detach().sum() if weight is not None else keep.sum(dtype=x.dtype)
+    return _nll_mean(total, collectives.all_reduce(comm, count, axes) if axes else count, micro)

@@ -18,12 +18,21 @@ its result by, given per micro-batch by `micro_scales`:
 - an NLL mean: M · c_m / Σ c, where c_m counts micro-batch m's real targets (weighted by their
   classes' weights). Every rank holds the whole batch, so each counts every micro-batch's
   targets itself before the first one runs (`TargetCounter`: the traced program's own steps
-  from the batch to the NLL's target), with no communication.
+  from the batch to the NLL's target), with no communication. A micro-batch without a real
+  target has scale 0 and its mean is taken as 0, not 0/0 (`local_ops._nll_mean`).
 
 Averaged with weight 1/M, each then contributes its full-batch share: the step's loss,
-gradients and update are one full-batch forward and backward's. A loss that is not linear in
-its batch reductions (a reduction after a non-linear function of another, a max over the batch)
-cannot be cut into micro-batches exactly: planning says so and the micro-batches are averaged.
+gradients and update are one full-batch forward and backward's.
+
+A reduction over the batch of what does not depend on the parameters — a statistic of the data,
+such as the count of real tokens a hand-written masked mean divides by, ``(tok *
+mask).sum() / mask.sum()`` — is not scaled: every micro-batch's program takes the whole batch's
+value in its place (``stat_*`` kinds: a sum, mean, max or min, computed on the host from each
+micro-batch's own and combined, `HostProgram`). It then no longer varies between micro-batches,
+so the loss may use it in any way (divide by it, clamp it). A loss that is not linear in its
+other batch reductions (a reduction after a non-linear function of another, a max over the
+batch of what the parameters make) cannot be cut into micro-batches exactly: planning says so
+and the micro-batches are averaged.
 """
 
 from __future__ import annotations
@@ -43,7 +52,13 @@ _LINEAR: Mapping[str, tuple[int, ...] | None] = {
     "clone": (0,), "view": (0,), "reshape": (0,), "_unsafe_view": (0,), "squeeze": (0,),
     "unsqueeze": (0,), "expand": (0,), "alias": (0,), "sum": (0,), "mean": (0,),
 }
-KINDS = ("mean", "sum", "nll_mean", "nll_sum")
+KINDS = ("mean", "sum", "nll_mean", "nll_sum", "stat_sum", "stat_mean", "stat_max", "stat_min")
+# How the whole batch's statistic follows from its micro-batches' (equal cuts).
+_COMBINE: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "stat_sum": lambda v: v.sum(0), "stat_mean": lambda v: v.mean(0),
+    "stat_max": lambda v: v.amax(0), "stat_min": lambda v: v.amin(0)}
+_STAT_OPS = {"sum": "stat_sum", "mean": "stat_mean", "amax": "stat_max", "max": "stat_max",
+             "amin": "stat_min", "min": "stat_min"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,11 @@ class BatchReduction:
 
     node: str
     kind: str
+
+    @property
+    def statistic(self) -> bool:
+        """Whether it is a statistic of the data, whose whole-batch value replaces it."""
+        return self.kind in _COMBINE
 
 
 @dataclass(frozen=True)
@@ -72,17 +92,23 @@ def batch_reductions(graph: Graph) -> Reductions:
     """The loss's reductions over the batch (module docstring)."""
     bdims = _batch_dims(graph)
     carries = {n.name: bool(bdims[n.name]) for n in graph.nodes}
-    # Which values depend on the batch at all (a reduction's result no longer carries it, but
-    # depends on it).
+    learned: dict[str, bool] = {}     # depends on the parameters
+    # Which values differ between micro-batches: what depends on the batch (a reduction's
+    # result no longer carries it, but depends on it), except the data's statistics, which
+    # take the whole batch's value.
     depends: dict[str, bool] = {}
-    for n in graph.nodes:
-        depends[n.name] = n.role in ("input", "target") or any(depends[i] for i in n.inputs)
     found: list[BatchReduction] = []
     reduced: set[str] = set()         # values holding a reduction's result, linearly
     for n in graph.nodes:
+        learned[n.name] = n.role == "param" or any(learned[i] for i in n.inputs)
+        depends[n.name] = n.role in ("input", "target") or any(depends[i] for i in n.inputs)
         if n.is_source:
             continue
         batch_in = [i for i in n.inputs if carries[i]]
+        if n.op in _STAT_OPS and batch_in and not carries[n.name] and not learned[n.name]:
+            found.append(BatchReduction(n.name, _STAT_OPS[n.op]))
+            depends[n.name] = False
+            continue
         reduces = n.sig is not None and n.sig.kind == "reduction"
         if reduces and batch_in and not carries[n.name]:
             kind = _kind(n)
@@ -126,18 +152,14 @@ def _kind(n: Node) -> str | None:
 # ---------------------------------------------------------------- counting targets
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
-class TargetCounter:
-    """Counts an NLL's real targets in a batch on the host: the traced program's own steps
-    from the batch tensors to the NLL's target (a shift, a reshape), then the targets not
-    equal to ``ignore_index`` (weighted: the sum of their classes' weights)."""
+class HostProgram:
+    """The traced program's own steps from the batch tensors to some of its values (an NLL's
+    target after a shift and a reshape, a statistic of the data), run on the host on a
+    micro-batch's tensors. ``what`` names the values in the error raised when they depend on
+    more than the batch."""
 
-    def __init__(self, traced: fx.GraphModule, nll: str, sources: Mapping[str, str]) -> None:
-        by_name = {n.name: n for n in traced.graph.nodes}
-        node = by_name[nll]
-        args = list(node.args) + [None] * 5
-        target, weight = args[1], args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-        self.ignore = args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        wanted = [a for a in (target, weight) if isinstance(a, fx.Node)]
+    def __init__(self, traced: fx.GraphModule, wanted: Sequence[fx.Node | None],
+                 sources: Mapping[str, str], what: str) -> None:
         keep: dict[fx.Node, None] = {}
 
         def visit(x: fx.Node) -> None:
@@ -147,26 +169,47 @@ class TargetCounter:
                 visit(a)
             keep[x] = None
         for w in wanted:
-            visit(w)
+            if w is not None:
+                visit(w)
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[str] = []
         for x in keep:
             if x.op == "placeholder":
                 if x.name not in sources:
-                    raise ValueError(f"the NLL's target depends on {x.name}, not only on the "
-                                     "batch")
+                    raise ValueError(f"{what} depends on {x.name}, not only on the batch")
                 self.inputs.append(sources[x.name])
                 env[x] = g.placeholder(x.name)
             else:
                 env[x] = g.node_copy(x, lambda a: env[a])
                 if x.target in _VIEWS:   # a batch piece may be strided where the trace's was not
                     env[x].target = torch.ops.aten.reshape.default
-        g.output((env[target], env[weight] if isinstance(weight, fx.Node) else None))
+        g.output(tuple(None if w is None else env[w] for w in wanted))
         self._program = fx.GraphModule(traced, g)
 
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> tuple:
+        return self._program(*[tensors[k].contiguous() for k in self.inputs])
+
+
+def _node(traced: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in traced.graph.nodes if n.name == name)
+
+
+class TargetCounter:
+    """Counts an NLL's real targets in a batch on the host (`HostProgram`): the targets not
+    equal to ``ignore_index`` (weighted: the sum of their classes' weights)."""
+
+    def __init__(self, traced: fx.GraphModule, nll: str, sources: Mapping[str, str]) -> None:
+        node = _node(traced, nll)
+        args = list(node.args) + [None] * 5
+        target, weight = args[1], args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        self.ignore = args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        self._program = HostProgram(
+            traced, [target, weight if isinstance(weight, fx.Node) else None], sources,
+            "the NLL's target")
+
     def __call__(self, tensors: Mapping[str, torch.Tensor]) -> float:
-        target, weight = self._program(*[tensors[k].contiguous() for k in self.inputs])
+        target, weight = self._program(tensors)
         t = target.reshape(-1)
         real = t != self.ignore
         if weight is None:
@@ -174,12 +217,20 @@ class TargetCounter:
         return float(weight.double()[t.clamp(min=0)][real].sum())
 
 
-def micro_scales(reductions: Sequence[BatchReduction], counters: Mapping[str, TargetCounter],
-                 micro_tensors: Sequence[Mapping[str, torch.Tensor]]) -> list[list[float]]:
-    """Per micro-batch, each reduction's scale (module docstring)."""
+def micro_scales(reductions: Sequence[BatchReduction], counters: Mapping[str, Callable],
+                 micro_tensors: Sequence[Mapping[str, torch.Tensor]]
+                 ) -> list[list[float | torch.Tensor]]:
+    """Per micro-batch, each reduction's scale, or a statistic's whole-batch value (module
+    docstring). ``counters``: an NLL mean's `TargetCounter`, a statistic's `HostProgram`."""
     m = len(micro_tensors)
-    out = [[1.0] * len(reductions) for _ in range(m)]
+    out: list[list[float | torch.Tensor]] = [[1.0] * len(reductions) for _ in range(m)]
     for k, r in enumerate(reductions):
+        if r.statistic:
+            whole = _COMBINE[r.kind](torch.stack([counters[r.node](t)[0]
+                                                  for t in micro_tensors]))
+            for row in out:
+                row[k] = whole
+            continue
         if r.kind in ("sum", "nll_sum"):
             for row in out:
                 row[k] = float(m)
@@ -194,6 +245,25 @@ def micro_scales(reductions: Sequence[BatchReduction], counters: Mapping[str, Ta
 def scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A reduction's result times its micro-batch scale (a 0-dim tensor on its device)."""
     return x * scale.to(x.dtype)
+
+
+def whole_batch(x: torch.Tensor, whole: torch.Tensor, piece: tuple[tuple[int, int], ...],
+                zero: bool) -> torch.Tensor:
+    """A statistic's local value ``x`` replaced by the whole batch's, ``whole``: this rank's
+    ``piece`` of it ((start, length) per dim, `shards.piece_offsets`), or zeros where ``x`` is
+    a partial sum and this rank not the first of its group (the group's sum is the whole, exact
+    for integer counts too)."""
+    out = whole.to(device=x.device, dtype=x.dtype)
+    for d, (start, length) in enumerate(piece):
+        out = out.narrow(d, start, length)
+    return torch.zeros_like(out) if zero else out.contiguous()
+
+
+def program_input(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch's scale (fp32) or statistic (its own dtype) as a program argument."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 
@@ -249,20 +319,23 @@ class StepScales:
                 found = _mapped(seen, full, graph) or found
         sources = {n.name: n.state_name for n in graph.nodes
                    if n.role in ("input", "target") and n.state_name}
-        counters: dict[str, TargetCounter] = {}
+        counters: dict[str, Callable] = {}
         try:
             for r in found.found:
                 if r.kind == "nll_mean":
                     counters[r.node] = TargetCounter(traced, r.node, sources)
+                elif r.statistic:
+                    counters[r.node] = HostProgram(traced, [_node(traced, r.node)], sources,
+                                                   f"the data's statistic {r.node}")
         except ValueError as e:
             found = Reductions(inexact=str(e))
             counters = {}
         self.reductions, self.inexact = found.found, found.inexact
         self._counters = counters
 
-    def __call__(self, micro: Sequence[object]) -> list[dict[str, float]]:
+    def __call__(self, micro: Sequence[object]) -> list[dict[str, float | torch.Tensor]]:
         """Per micro-batch of a step (global micro-batches, in the batch's form), each
-        reduction's scale by node."""
+        reduction's scale (a statistic's whole-batch value) by node."""
         from meshplan.capture.batch import flatten_batch
         rows = micro_scales(self.reductions, self._counters,
                             [flatten_batch(m)[1] for m in micro])

@@ -91,6 +91,7 @@ class _Lowerer:
         self.params = {p.node: p for p in plan.params}
         self.ops = {o.node: o for o in plan.ops}
         self.moved: dict[tuple, tuple[Sharded, fx.Node]] = {}
+        self.scaled: frozenset[str] = frozenset()   # set by `run`
         # ZeRO-3 parameters not yet gathered, their units (`lower/overlap.py`), and the
         # gathered values.
         self.to_gather: set[str] = set()
@@ -134,12 +135,14 @@ class _Lowerer:
         impl = uneven_gather_impl(self.mesh, s.axes, s.nbytes)
         return "padded" if impl == "ring" else impl
 
-    def run(self, scaled: tuple[str, ...] = ()) -> LocalProgram:
+    def run(self, scaled: tuple[microbatch.BatchReduction, ...] = ()) -> LocalProgram:
         phs = [(n.role, n.state_name or n.name) for n in self.graph.nodes
                if n.is_source and n.role != "constant"]
         # Each of the loss's batch reductions times its micro-batch scale (`microbatch.py`):
         # placeholders right after comm and rng.
-        scales = {name: self.out.placeholder(f"scale_{name}") for name in scaled}
+        scales = {r.node: self.out.placeholder(f"scale_{r.node}") for r in scaled}
+        self.scaled = frozenset(scales)
+        statistics = {r.node for r in scaled if r.statistic}
         owner: dict[str, str] = {}   # each local node -> the IR node it was lowered for
         for node in self.graph.nodes:
             self._at(self.segment_of.get(node.name, 0))
@@ -150,7 +153,13 @@ class _Lowerer:
                 self._sink(node)
             else:
                 self._op(node)
-                if node.name in scales:
+                if node.name in statistics:
+                    v = self.values[node.name]
+                    zero = bool(v.layout.partial) and self.pos.index(v.layout.partial) != 0
+                    self.env[node.name] = self.out.call_function(microbatch.whole_batch, (
+                        self.env[node.name], scales[node.name], piece_offsets(v, self.pos),
+                        zero))
+                elif node.name in scales:
                     self.env[node.name] = self.out.call_function(
                         microbatch.scaled, (self.env[node.name], scales[node.name]))
             made = len(self.out.nodes) - before
@@ -251,7 +260,7 @@ class _Lowerer:
             operands[use.weight] = self.out.call_method("detach", (weight,))
         out = local_ops.emit(self.out, self.fx_nodes[node.name], node, operands,
                              local_shape(result, self.pos), bool(out_layout.partial), self.comm,
-                             tuple(dec.sync_axes))
+                             tuple(dec.sync_axes), node.name in self.scaled)
         if use:
             a = node.inputs[use.activation]
             out = self.out.call_function(sfb_runtime.weight_grad, (
@@ -285,12 +294,12 @@ class _Lowerer:
                                                   node.op == "log_softmax"))
         if node.op == "nll_loss" and shardeds[0].layout.dims[1]:
             start = piece_offsets(shardeds[0], self.pos)[1][0]
-            mean = (orig.args[3] if len(orig.args) > 3 else 1) == 1
+            reduction = orig.args[3] if len(orig.args) > 3 else 1
             ignore = orig.args[4] if len(orig.args) > 4 else -100
             weight = operands[2] if len(operands) > 2 else None
             return call(local_ops.nll_loss_class_split,
-                        (self.comm, operands[0], operands[1], weight, start, ignore, mean,
-                         tuple(dec.sync_axes)))
+                        (self.comm, operands[0], operands[1], weight, start, ignore, reduction,
+                         tuple(dec.sync_axes), node.name in self.scaled))
         return None
 
     def _reshard(self, name: str, want: Layout, grad_partial: tuple[int, ...], consumer: str
@@ -391,10 +400,12 @@ class _Lowerer:
 
 def lower(traced: Traced, graph: Graph, plan: Plan, rank: int,
           weights: tuple[tuple[float, ...], tuple[float, ...]],
-          device: torch.device | str = "cpu", scaled: tuple[str, ...] = ()) -> LocalProgram:
+          device: torch.device | str = "cpu",
+          scaled: tuple[microbatch.BatchReduction, ...] = ()) -> LocalProgram:
     """The local program of ``rank`` (see the module docstring), making whatever it creates
-    (constants, masks, factory results) on ``device``; the results of the nodes ``scaled``
-    (the loss's batch reductions) multiplied by per-micro-batch scales it takes as inputs."""
+    (constants, masks, factory results) on ``device``; the results of the loss's batch
+    reductions ``scaled`` multiplied by per-micro-batch scales it takes as inputs (the data's
+    statistics replaced by their whole-batch values)."""
     program = _Lowerer(traced, graph, plan, MeshPos(plan.mesh_shape, rank, weights)).run(
         tuple(scaled))
     place(program.graph_module, torch.device(device))

@@ -27,7 +27,7 @@ from meshplan.capture.batch import check_static, flatten_batch, split_microbatch
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
-from meshplan.lower.microbatch import StepScales
+from meshplan.lower.microbatch import StepScales, program_input
 from meshplan.lower.pipeline_program import recompute_layers
 from meshplan.lower.overlap import plan_units
 from meshplan.lower.program import lower
@@ -126,7 +126,7 @@ class Trainer:
             scales = StepScales(traced.graph_module, graph,
                                 lambda: capture(model, loss_fn, example_batch)[1])
         self.scales = scales
-        scaled = tuple(r.node for r in scales.reductions if r.node in graph.by_name) \
+        scaled = tuple(r for r in scales.reductions if r.node in graph.by_name) \
             if scales is not None and plan.microbatches > 1 else ()
         self.program = lower(traced, graph, plan, comm.rank, w, device=self.device,
                              scaled=scaled)
@@ -212,7 +212,7 @@ class Trainer:
 
     def _program_args(self, batch_pieces: list[torch.Tensor],
                       received: dict[str, torch.Tensor] | None = None,
-                      scales: dict[str, float] | None = None) -> list[torch.Tensor]:
+                      scales: dict[str, float | torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The program's arguments: the micro-batch's ``scales`` of the loss's batch
         reductions (`step_scales`), parameters, buffers, this rank's batch pieces and, in a
         pipeline stage, the local pieces of values ``received`` from earlier stages (inputs
@@ -221,8 +221,7 @@ class Trainer:
         if self.program.scaled and scales is None:
             raise AssertionError("meshplan internal error: a micro-batch of a plan with "
                                  "scaled batch reductions ran without its scales")
-        args = [torch.tensor(scales[n], dtype=torch.float32, device=self.device)
-                for n in self.program.scaled]
+        args = [program_input(scales[n], self.device) for n in self.program.scaled]
         for n in self.graph.nodes:
             if n.role == "param":
                 args.append(self._by_node[n.name].program_arg)
@@ -266,7 +265,7 @@ class Trainer:
         return self._report(total / len(micro))
 
     def run_microbatch(self, piece: Any, rng: torch.Generator,
-                       scales: dict[str, float] | None = None) -> torch.Tensor:
+                       scales: dict[str, float | torch.Tensor] | None = None) -> torch.Tensor:
         """This rank's local loss of one global micro-batch ``piece`` (its share taken),
         its batch reductions by ``scales`` (`step_scales`)."""
         return self._run(self._program_args(self.local_batch(piece), None, scales), rng)

@@ -107,12 +107,15 @@ def is_root(node: Node) -> bool:
 
 def main_operand(node: Node, graph: Graph) -> int:
     """The operand a follower takes its layout from: of full rank, carrying a gradient (an
-    activation rather than a constant or a random mask), not a source, largest, latest."""
+    activation rather than a constant or a random mask), not a source, largest, latest. A
+    reduction's is what it reduces, whatever its rank (an NLL per row follows its
+    log-probabilities, not its targets of the output's rank)."""
+    reduces = node.sig is not None and node.sig.kind == "reduction"
     best, key = 0, None
     for i, name in enumerate(node.inputs):
         inp = graph.by_name[name]
-        k = (len(inp.out.shape) == len(node.out.shape), inp.requires_grad, not inp.is_source,
-             inp.out.numel, i)
+        k = (not reduces and len(inp.out.shape) == len(node.out.shape), inp.requires_grad,
+             not inp.is_source, inp.out.numel, i)
         if key is None or k > key:
             best, key = i, k
     return best
