@@ -50,6 +50,18 @@ def test_toy_optimum_under_the_flop_bound() -> None:
     assert lay.objective == 8 and lay.layer_index("w") == 0 and lay.layer_index("o4") == 1
 
 
+def test_fewest_bytes_before_balance() -> None:
+    # Six equal ops; every cut but the one after o2 sends 100 B, so two cuts cost at least
+    # 100 (the objective). Perfect balance (cuts after o1 and o3) sends 200 B in all; a cut
+    # after o2 and another sends 110, what a recomputed stage keeps: fewer bytes win.
+    nodes = [_source("x", "input")]
+    for k, nbytes in enumerate((100, 100, 10, 100, 100, 100)):
+        nodes.append(_op(f"o{k}", (nodes[-1].name,), nbytes, 10.0))
+    lay = cluster_layers(Graph(tuple(nodes), "o5"), 3, delta=0.5)
+    assert lay.objective == 100 and sum(lay.inbound_bytes) == 110
+    assert 10 in lay.inbound_bytes and max(lay.flops) <= 30
+
+
 def test_zero_flops_balance_by_op_count() -> None:
     nodes = [_source("x", "input")]
     for k in range(6):
@@ -95,8 +107,8 @@ def _random_graph(rng: random.Random, num_ops: int) -> Graph:
     return Graph(tuple(nodes), nodes[-1].name)
 
 
-def _splits(graph: Graph, num_layers: int, delta: float) -> list[tuple[int, float]]:
-    """(max C, Σ weight²) of every split meeting the FLOP bound, by the definition."""
+def _splits(graph: Graph, num_layers: int, delta: float) -> list[tuple[int, int, float]]:
+    """(max C, Σ C, Σ weight²) of every split meeting the FLOP bound, by the definition."""
     ops = [n for n in graph.nodes if n.role == "op"]
     weight = [n.flops for n in ops] if sum(n.flops for n in ops) > 0 else [1.0] * len(ops)
     limit = (1 + delta) * sum(weight) / num_layers + 1e-9 * sum(weight)
@@ -110,7 +122,8 @@ def _splits(graph: Graph, num_layers: int, delta: float) -> list[tuple[int, floa
         inbound = [sum(graph.by_name[x].out.nbytes for x in
                        {x for k in s for x in ops[k].inputs} & before)
                    for s, before in zip(spans, produced_before)]
-        out.append((max(inbound), sum(sum(weight[k] for k in s) ** 2 for s in spans)))
+        out.append((max(inbound), sum(inbound),
+                    sum(sum(weight[k] for k in s) ** 2 for s in spans)))
     return out
 
 
@@ -135,9 +148,10 @@ def test_matches_brute_force_on_random_graphs() -> None:
             step = max(2 * step, MIN_RELAXED_DELTA)
         assert step == lay.delta
         found = _splits(graph, num_layers, lay.delta)
-        best = min(c for c, _ in found)
-        least = min(sq for c, sq in found if c == best)
-        assert lay.objective == best
+        best = min(c for c, _, _ in found)
+        fewest = min(total for c, total, _ in found if c == best)
+        least = min(sq for c, total, sq in found if c == best and total == fewest)
+        assert lay.objective == best and sum(lay.inbound_bytes) == fewest
         assert sum(w * w for w in _layer_weights(graph, lay)) == pytest.approx(least)
         names = [name for layer in lay.layers for name in layer]
         assert sorted(names) == sorted(n.name for n in graph.nodes)

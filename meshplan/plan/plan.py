@@ -122,9 +122,9 @@ class StagePlan:
     ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device of
     the stage's state and its activations at ``in_flight`` (under interleaving a mesh holds
     the sum over its virtual stages).
-    ``recompute``: in a pipeline each clustered layer of the stage is checkpointed on its own
-    (Megatron's full recomputation: per micro-batch only what each layer receives is kept, one
-    layer's activations at a time in backward); a single-stage plan reruns its whole forward.
+    ``recompute``: each clustered layer of the stage is checkpointed on its own (Megatron's
+    full recomputation: per micro-batch only what each layer receives is kept, one layer's
+    activations at a time in backward), a single-stage plan's as a pipeline stage's.
     ``plan`` is the stage's intra-operator plan, or None for a single-stage plan, whose intra
     plan is the enclosing `Plan` itself."""
 

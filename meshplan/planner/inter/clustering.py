@@ -7,14 +7,21 @@ contiguous layers. With ``C(i, k)`` the bytes that o_i..o_k receive from o_1..o_
     G(k, r) = min_{i ≤ k} max(G(i-1, r-1), C(i, k))   s.t. FLOP(i, k) ≤ (1 + δ) · FLOP_total / L
     G(0, 0) = 0,   objective G(K, L).
 
-Among the splits that reach ``G(K, L)``, the one with the smallest variance of per-layer FLOPs
-is kept. The mean FLOPs per layer is fixed (FLOP_total / L), so that is the smallest sum of
-squares, found by a second, additive DP restricted to layers with ``C(i, k) ≤ G(K, L)``:
+Among the splits that reach ``G(K, L)``, the one receiving the fewest bytes in all is kept, and
+among those the one with the smallest variance of per-layer FLOPs. Alpa breaks the tie by
+variance alone, which lets every cut land anywhere under the bound: on a GPT whose LM head
+weighs about a block (7.5B, L = 36 blocks) the cuts then drift through the blocks, most layers
+receive an MLP's 4h-wide activation or an attention context next to the residual stream, and a
+layer-by-layer recomputation keeping what each layer receives needs 126 GiB per device instead
+of 18. The sum is what a recomputed stage keeps and what stage boundaries send; the variance's
+mean is fixed (FLOP_total / L), so its tie-break is the smallest sum of squares. Both sums are
+additive, so one DP over the pair, compared lexicographically, is exact; it is restricted to
+layers with ``C(i, k) ≤ G(K, L)``:
 
-    H(k, r) = min_{i ≤ k, C(i, k) ≤ G(K, L)} H(i-1, r-1) + FLOP(i, k)²
+    H(k, r) = lexmin_{i ≤ k, C(i, k) ≤ G(K, L)} H(i-1, r-1) + (C(i, k), FLOP(i, k)²)
 
-(Carrying the pair (max, Σ²) through one DP would not be exact: a prefix with a larger max but
-smaller Σ² can win once a later layer's C dominates the max.)
+(Carrying max, sum and Σ² through one DP would not be exact: a prefix with a larger max but
+smaller sums can win once a later layer's C dominates the max.)
 
 ``C(i, k)`` counts each op output produced before o_i and read by some op of o_i..o_k once.
 Sources are never communication: parameters, buffers and constants live on their stage, batch
@@ -181,24 +188,32 @@ def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int) -> float:
 
 def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
                         num_layers: int, max_inbound: float) -> list[int]:
-    """Start index of each layer for the split of least Σ FLOP² with every C ≤ max_inbound."""
+    """Start index of each layer for the split with every C ≤ max_inbound of least Σ C, and
+    among those of least Σ FLOP² (module docstring). Both sums are additive, so the pair
+    compared lexicographically is an exact DP; C are whole bytes, exact in floats."""
     num_ops = len(ops.names)
+    bytes_in = np.full((num_layers + 1, num_ops + 1), np.inf)
+    bytes_in[0, 0] = 0.0
     cost = np.full((num_layers + 1, num_ops + 1), np.inf)
     cost[0, 0] = 0.0
     choice = np.zeros((num_layers + 1, num_ops + 1), dtype=np.int32)
     for k, lo, inbound in _inbound_windows(ops, starts):
         r0, r1 = _row_range(k, num_ops, num_layers)
         square = (prefix[k + 1] - prefix[lo:k + 1]) ** 2
-        square[inbound > max_inbound] = np.inf
+        received = np.where(inbound > max_inbound, np.inf, inbound)
+        total_in = bytes_in[r0 - 1:r1, lo:k + 1] + received
         total = cost[r0 - 1:r1, lo:k + 1] + square
-        pick = total.argmin(axis=1)
-        cost[r0:r1 + 1, k + 1] = total[np.arange(len(pick)), pick]
+        least = total_in.min(axis=1, keepdims=True)
+        pick = np.where(total_in == least, total, np.inf).argmin(axis=1)
+        rows = np.arange(len(pick))
+        bytes_in[r0:r1 + 1, k + 1] = total_in[rows, pick]
+        cost[r0:r1 + 1, k + 1] = total[rows, pick]
         choice[r0:r1 + 1, k + 1] = lo + pick
     cuts, end = [], num_ops
     for r in range(num_layers, 0, -1):
         end = int(choice[r, end])
         cuts.append(end)
-    assert end == 0 and np.isfinite(cost[num_layers, num_ops])
+    assert end == 0 and np.isfinite(bytes_in[num_layers, num_ops])
     return cuts[::-1]
 
 

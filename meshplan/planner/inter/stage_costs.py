@@ -219,10 +219,9 @@ class StageProfiler:
         # What a stage receives is what its first layer does (a one-layer program is cheaper
         # to build than the whole range).
         transfer = self.transfer_time(start)
-        whole_model = self._whole_model(start, end, submesh)
         for shape in self.shapes(submesh):
             for budget in self.variants(submesh, shape):
-                out += self._slot(start, end, submesh, shape, budget, transfer, whole_model)
+                out += self._slot(start, end, submesh, shape, budget, transfer)
         return tuple(out)
 
     def _kinds(self) -> tuple[bool, ...]:
@@ -231,7 +230,7 @@ class StageProfiler:
                      if self.recompute != ("full" if not rc else "none"))
 
     def _slot(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
-              budget: str, transfer: float, whole_model: bool) -> list[StageOption]:
+              budget: str, transfer: float) -> list[StageOption]:
         """The options of one plan (logical shape and variant) of a stage, one per `_kinds`,
         or none when the plan does not exist."""
         if end - start <= self.exact_up_to:
@@ -244,7 +243,7 @@ class StageProfiler:
         if priced is None:
             return []
         (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-        if whole_model:   # one stage: recomputed layer by layer too (`runtime/step_modes`)
+        if end - start > 1:   # recomputed layer by layer, however the range was priced
             sums, missing, act_max = self._layer_sums(submesh, shape, budget)
             if missing[end] - missing[start]:
                 return []
@@ -268,8 +267,7 @@ class StageProfiler:
         kinds = self._kinds()
         cols: list[list[np.ndarray]] = [[], [], [], [], []]
         for m, sub in enumerate(submeshes):
-            whole = self._whole_model(0, n, sub)
-            special = np.flatnonzero((i - k <= self.exact_up_to) | (whole & (k == 0) & (i == n)))
+            special = np.flatnonzero(i - k <= self.exact_up_to)
             listed = np.zeros(k.size, dtype=np.int64)   # options so far per range
             triple = triple_index(k, i, m, n, len(submeshes))
             for shape in self.shapes(sub):
@@ -277,7 +275,7 @@ class StageProfiler:
                     valid, columns = self._slot_columns(k, i, sub, shape, budget, transfer)
                     for j in special.tolist():
                         opts = self._slot(int(k[j]), int(i[j]), sub, shape, budget,
-                                          float(transfer[j]), bool(whole and i[j] - k[j] == n))
+                                          float(transfer[j]))
                         valid[j] = bool(opts)
                         for q, o in enumerate(opts):
                             columns[q][0][j], columns[q][1][j], columns[q][2][j] = \
@@ -306,16 +304,6 @@ class StageProfiler:
         plain = [d[:, 0] + transfer, state, kept]
         again = [d[:, 1] + transfer, state + act_max[k, i - 1], inputs]
         return valid, [again if rc else plain for rc in self._kinds()]
-
-    def _whole_model(self, start: int, end: int, submesh: Submesh) -> bool:
-        """A stage of every layer on every device: the program a single-stage plan runs, whose
-        runtime recomputes it as one piece (the forward of the whole program again), so its
-        recomputation keeps all activations at once."""
-        return start == 0 and end == self.layering.num_layers and \
-            submesh[0] * submesh[1] == self.cluster.num_devices
-
-    def _layer_of(self, start: int, end: int, submesh: Submesh) -> Mapping[str, int]:
-        return {} if self._whole_model(start, end, submesh) else self.layering.layer_of
 
     def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                     budget: str) -> tuple[tuple[float, float, float], ...] | None:
@@ -535,7 +523,7 @@ class StageProfiler:
         """(seconds per micro-batch without the inbound transfer, peak bytes per device) of
         the solved stage ``s`` of ``[start, end)`` (the range its names are of) in the
         pipeline, recomputed or not, ``in_flight`` micro-batches kept."""
-        weighted = _in_flight_problem(s.form, s.graph, self._layer_of(start, end, submesh),
+        weighted = _in_flight_problem(s.form, s.graph, self.layering.layer_of,
                                       in_flight, label.recompute)
         latency = self._recompute_latency(s) if label.recompute else self._latency(s)
         return latency, peak_memory(weighted, s.solution.choices)
@@ -595,7 +583,7 @@ class StageProfiler:
         form = self._form(start, end, submesh, label.logical_shape)
         first = self._form_range(start, end, submesh, label.logical_shape)
         weighted = _in_flight_problem(form, self.stage(*first),
-                                      self._layer_of(*first, submesh), in_flight,
+                                      self.layering.layer_of, in_flight,
                                       label.recompute)
         # Solved to optimality: a wall-clock limit would make the plan depend on the load.
         if self.memory_limit is None:
