@@ -32,6 +32,7 @@ from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, heter
 from meshplan.planner.hetero.to_plan import (HETERO_METHODS, check_mixed_request,
                                              check_segments, plan_mixed)
 from meshplan.planner.intra import baselines
+from meshplan.planner.recompute import FULL, SELECTIVE, NoReplayError, Replay, parse_recompute
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate
@@ -175,8 +176,12 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     The training step: ``dtype`` "fp32", "bf16", "fp16" or "auto" (bf16 where the device runs
     it faster, else fp16 where that is faster, else fp32); ``microbatches`` a count dividing
     the batch, or "auto" for the fewest that fit the budget (more only add per-micro-batch
-    latency on one stage); ``recompute`` "none" or "full" (the forward again during backward;
-    "auto" recomputes only where memory demands it, which on one stage it never does);
+    latency on one stage); ``recompute`` "none", "full" (the forward again during backward,
+    each clustered layer checkpointed on its own: Megatron-LM's full recomputation),
+    "selective" (only the attention cores: Megatron-LM's selective recomputation),
+    "layers:K" (the first K layers of each stage) or "auto" (only where memory demands it:
+    per pipeline stage the fastest of these that fits; on one stage none, else selective,
+    else full);
     ``schedule`` of a pipeline "auto" (1F1B, or interleaved 1F1B when the planner finds it
     faster), "1f1b", "gpipe" (every micro-batch in flight) or "interleaved" (Megatron-LM's
     virtual stages: each stage mesh runs v model chunks, the chunk count the fastest that
@@ -242,7 +247,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                                          prefer_reduce_scatter=prefer_reduce_scatter),
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
                         share_blocks=share_blocks)
-    step = _TrainingStep(resolve_dtype(dtype, cl.device), _check_recompute(recompute))
+    mode, replay = parse_recompute(recompute)
+    step = _TrainingStep(resolve_dtype(dtype, cl.device), mode == "full", replay=replay)
     schedule = resolve_schedule(schedule)
     counts = _microbatch_counts(microbatches, _batch_or_one(example_batch, microbatches))
     mixed_auto = method == "auto" and cl.is_mixed and mesh_shape is None and not abstract
@@ -252,6 +258,9 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     cut = check_segments(segments, segment_ratios, method, mixed_auto, cl.num_devices,
                          axis_weights)
     if method in HETERO_METHODS or mixed_auto:
+        if step.recompute and not replay.whole:
+            raise ValueError(f"recompute={recompute!r}: the heterogeneous methods recompute "
+                             "every layer or nothing; give 'full', 'none' or 'auto'")
         fixed = check_mixed_request("hetero" if mixed_auto else method, mesh_shape, abstract,
                                     cl.num_devices, axis_weights)
         found = _plan_mixed(model, loss_fn, opt, example_batch, cl,
@@ -318,32 +327,42 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                 raise
             # explained below by the single-stage search, which knows what would help
     last: InfeasiblePlanError | None = None
+    # "auto" on one stage: recompute only when nothing fits without, and then the least.
+    replays = [(False, FULL), (True, SELECTIVE), (True, FULL)] if mode == "auto" else \
+        [(step.recompute, replay)]
+    found = None
     for num in counts:
-        try:
-            found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
-                               opts, budget, replace(step, microbatches=num))
+        for rc, again in replays:
+            try:
+                found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh,
+                                   method, opts, budget,
+                                   replace(step, microbatches=num, recompute=rc, replay=again))
+                break
+            except InfeasiblePlanError as e:
+                last = e
+            except NoReplayError:
+                if len(replays) == 1:
+                    raise
+            except ValueError:
+                if last is None:
+                    raise
+                raise last from None  # a micro-batch too small for the model (batch norm of 1)
+        if found is not None:
             break
-        except InfeasiblePlanError as e:
-            last = e
-        except ValueError:
-            if last is None:
-                raise
-            raise last from None  # a micro-batch too small for the model (batch norm of 1)
     else:
         assert last is not None
         raise last
-    form, sol, graph, fingerprint, ctx = found
+    form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
-    # Recomputed layer by layer, as the runtime replays it (`runtime/step_modes.layered`).
-    layering = recompute_layering(graph, cl.num_devices) if ctx.recompute else None
+    # Recomputed segment by segment, as the runtime replays it (`runtime/step_modes`).
     result = intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
                         method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
                         search_time_s=time.perf_counter() - t0, dtype=step.dtype,
                         unsupported_ops=graph.unsupported_ops, axis_weights=weights,
-                        layers=layering.layer_of if layering else None)
+                        layers=segments, replay=used if ctx.recompute else None)
     result.options["gather_impl"] = gather
-    if layering is not None:
-        result = replace(result, num_layers=layering.num_layers)
+    if num_layers_run > 1:
+        result = replace(result, num_layers=num_layers_run)
     return replace(result, stages=(_whole_mesh_stage(result, cl),))
 
 
@@ -475,12 +494,7 @@ class _TrainingStep:
     dtype: str
     recompute: bool
     microbatches: int = 1
-
-
-def _check_recompute(recompute: str) -> bool:
-    if recompute not in ("none", "full", "auto"):
-        raise ValueError(f"recompute must be 'none', 'full' or 'auto', got {recompute!r}")
-    return recompute == "full"  # on one stage, recomputation never lowers peak memory
+    replay: Replay = FULL
 
 
 def _batch_or_one(example_batch: Any, microbatches: int | str) -> int:
@@ -529,10 +543,21 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
         choices = baselines.heuristic(choices, ctx)
     elif method == "expert":
         choices = baselines.expert(choices)
-    # Recomputed, the program replays layer by layer: the budget holds per layer.
-    layering = recompute_layering(graph, cl.num_devices) if step.recompute else None
-    form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks,
-                     layers=layering.layer_of if layering else None)
+    # Recomputed, the program replays segment by segment (layer by layer): the budget holds
+    # per segment.
+    segments, num_layers = None, 1
+    if step.recompute:
+        layering = recompute_layering(graph, cl.num_devices) \
+            if step.replay.scope == "layers" else None
+        segments = step.replay.segments(graph, layering.layer_of if layering else {})
+        num_layers = layering.num_layers if layering else 1
+        if not segments:
+            raise NoReplayError(
+                "recompute='selective': this program has no attention core to recompute (a "
+                "fused attention, sdpa, keeps no scores); give 'full' or 'layers:K'")
+        if not step.replay.whole:
+            ctx = replace(ctx, recomputed=frozenset(segments))
+    form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks, layers=segments)
     try:
         sol = _refine(form.problem, solve(form.problem))
     except InfeasibleIlpError as e:
@@ -540,4 +565,9 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "
                              f"mesh ({e}); try method 'auto' or another mesh shape") from None
         raise _infeasible(form, budget, cl, method) from None
-    return form, sol, graph, traced_graph.fingerprint(), ctx
+    if step.recompute and not step.replay.whole and any(
+            form.choices.choices[r][c].mode == "zero3" for r, c in zip(form.roots, sol.choices)
+            if form.choices.graph.by_name[r].role == "param"):
+        raise NoReplayError(f"recompute: {step.replay.describe()} with ZeRO-3 is not supported "
+                            "yet; recompute every layer ('full') or use another update mode")
+    return form, sol, graph, traced_graph.fingerprint(), ctx, segments, num_layers, step.replay

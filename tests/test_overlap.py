@@ -122,8 +122,7 @@ def test_buckets_overlapped_make_the_update_shorter_as_simulated() -> None:
     mesh = logical_mesh(cluster_from_dict(plan.cluster), plan.mesh_shape)
     serial = sum(collective_cost("all_reduce", mesh, b.axes, b.bytes) for b in plan.buckets)
     f, b, update = ov.step_passes(plan.predicted["forward_s"], plan.predicted["backward_s"],
-                                  plan.collectives, plan.overlap, [mesh], plan.microbatches,
-                                  plan.recompute)
+                                  plan.collectives, plan.overlap, [mesh], plan.microbatches)
     assert 0 < update < 0.5 * serial
 
 

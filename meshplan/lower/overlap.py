@@ -181,9 +181,10 @@ def async_pass(compute_s: float, entries: Sequence[AsyncEntry],
 
 def step_passes(forward_s: float, backward_s: float, collectives: Sequence[CollectiveEntry],
                 overlap: Sequence[AsyncEntry], meshes: Sequence[LogicalMesh],
-                microbatches: int, recompute: bool) -> tuple[float, float, float]:
+                microbatches: int, replay_s: float = 0.0) -> tuple[float, float, float]:
     """Seconds of one micro-batch's forward and backward passes and of the update, given one
-    micro-batch's compute (``forward_s``, ``backward_s``), the step's ``collectives`` (each
+    micro-batch's compute (``forward_s``, ``backward_s``, and ``replay_s`` of its forward run
+    again in backward under recomputation), the step's ``collectives`` (each
     priced on its model segment's mesh of ``meshes``) and which of them run ``overlap``-ped.
 
     The collectives the program issues in line (resharding, partial sums) add to their pass;
@@ -207,7 +208,7 @@ def step_passes(forward_s: float, backward_s: float, collectives: Sequence[Colle
     inline_f = listed["forward"] / microbatches - sum(map(cost, during["forward"]))
     inline_b = listed["backward"] / microbatches - sum(map(cost, during["backward"]))
     inline_u = listed["update"] - sum(map(cost, during["last_backward"]))
-    compute_b = backward_s + (forward_s if recompute else 0.0)
+    compute_b = backward_s + replay_s
     fwd = async_pass(forward_s, during["forward"], cost)[0] + max(inline_f, 0.0)
     bwd_end = async_pass(compute_b, during["backward"], cost)[0]
     last_comm = async_pass(compute_b, during["backward"] + during["last_backward"], cost)[1]

@@ -122,9 +122,11 @@ class StagePlan:
     ``latency_s`` forward + backward of one micro-batch; ``memory_bytes`` peak per device of
     the stage's state and its activations at ``in_flight`` (under interleaving a mesh holds
     the sum over its virtual stages).
-    ``recompute``: each clustered layer of the stage is checkpointed on its own (Megatron's
-    full recomputation: per micro-batch only what each layer receives is kept, one layer's
-    activations at a time in backward), a single-stage plan's as a pipeline stage's.
+    ``recompute``: the stage replays some of its forward in backward, ``recompute_scope``
+    "layers": each clustered layer checkpointed on its own (Megatron's full recomputation: per
+    micro-batch only what each layer receives is kept, one layer's activations at a time in
+    backward), only its first ``recompute_layers`` when given; "attention": only each
+    attention core (Megatron's selective recomputation). `planner/recompute.py`.
     ``plan`` is the stage's intra-operator plan, or None for a single-stage plan, whose intra
     plan is the enclosing `Plan` itself."""
 
@@ -138,6 +140,8 @@ class StagePlan:
     latency_s: float
     memory_bytes: float
     plan: "Plan | None" = None
+    recompute_scope: str = "layers"
+    recompute_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ class Plan:
     loss_partial_axes: tuple[int, ...] = ()
     axis_weights: tuple[tuple[float, ...], ...] = ()
     # The training step: compute dtype ("fp32", "bf16", "fp16"), the global batch cut into
-    # ``microbatches`` with gradients accumulated, the forward recomputed during backward.
+    # ``microbatches`` with gradients accumulated, the forward recomputed during backward
+    # (what of it: ``recompute_scope`` and ``recompute_layers``, as `StagePlan`'s).
     dtype: str = "fp32"
     microbatches: int = 1
     recompute: bool = False
@@ -197,6 +202,8 @@ class Plan:
     overlap: tuple[AsyncEntry, ...] = ()
     version: int = PLAN_VERSION
     options: dict[str, Any] = field(default_factory=dict)
+    recompute_scope: str = "layers"
+    recompute_layers: int | None = None
 
     @property
     def num_devices(self) -> int:

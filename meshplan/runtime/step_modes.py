@@ -59,26 +59,70 @@ def _replay(rng: torch.Generator | None, start: torch.Tensor | None, comm: Comm 
             rng.set_state(now)
 
 
-def layered(gm: torch.fx.GraphModule, layer_of: Callable[[str], int],
-            around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-            ) -> torch.fx.GraphModule:
-    """``gm`` cut into one submodule per layer (``layer_of``: a node's layer; node names of
-    ``gm``), each recomputed on its own in backward (Megatron-LM's full recomputation): a
-    micro-batch keeps only what each layer receives, and the backward holds one layer's
-    activations at a time, each layer's replay drawing its own dropout masks again and
-    recording its collectives as "recompute". ``around()`` is entered around each layer's run
-    and replay (what the program needs of its trainer, e.g. ZeRO-3's units)."""
+def segmented(gm: torch.fx.GraphModule, segment_of: Callable[[str], int | None],
+              owned: Callable[[str], bool],
+              around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+              ) -> torch.fx.GraphModule:
+    """``gm`` cut into pieces, each segment (``segment_of``: a node's replayed segment, None
+    where it runs plainly; node names of ``gm``) recomputed on its own in backward: a
+    micro-batch keeps what a segment reads and passes out, and the backward holds one segment's
+    activations at a time, each replay drawing its own dropout masks again and recording its
+    collectives as "recompute" (`planner/recompute.py`: every clustered layer a segment is
+    Megatron-LM's full recomputation; its attention cores, its selective one). A node no IR
+    node owns (``owned`` false: a constant) goes with its first user. ``around()`` is entered
+    around each segment's run and replay (what the program needs of its trainer, e.g.
+    ZeRO-3's units)."""
     from torch.fx.passes.split_module import split_module
-    layers = {n.name: layer_of(n.name) for n in gm.graph.nodes
-              if n.op not in ("placeholder", "output")}
-    # A node no IR node owns (a constant) goes with its first user.
-    for n in gm.graph.nodes:
-        if n.op not in ("placeholder", "output") and layers[n.name] < 0:
-            users = [layers[u.name] for u in n.users if u.name in layers and layers[u.name] >= 0]
-            layers[n.name] = min(users, default=0)
-    split = split_module(gm, None, lambda n: layers[n.name], keep_original_order=True)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    order = {n.name: i for i, n in enumerate(nodes)}
+    seg = {n.name: segment_of(n.name) for n in nodes}
+    for n in reversed(nodes):   # users first: a constant's first user is already placed
+        if not owned(n.name):
+            users = sorted((u.name for u in n.users if u.name in seg), key=order.__getitem__)
+            seg[n.name] = seg[users[0]] if users else None
+    # A segment is one piece even where plain nodes run between its nodes: one that does not
+    # depend on the segment (a mask sliced between the scores and the softmax) moves before
+    # the segment; one that does stays after it, and the segment must not read it.
+    span: dict[int, tuple[int, int]] = {}
+    for n in nodes:
+        if seg[n.name] is not None:
+            first, _ = span.get(seg[n.name], (order[n.name], 0))
+            span[seg[n.name]] = (first, order[n.name])
+    inside, tainted, after = None, set(), set()
+    for n in nodes:
+        s_n, i = seg[n.name], order[n.name]
+        if s_n is not None and span[s_n][0] == i:
+            inside, tainted, after = s_n, set(), set()
+        if inside is None or i > span[inside][1]:
+            inside = None
+            continue
+        reads = {a.name for a in n.all_input_nodes}
+        if s_n is None and not reads & tainted:
+            nodes[span[inside][0]].prepend(n)   # hoisted, in order, before the segment
+            continue
+        if s_n is not None and reads & after:
+            raise ValueError(f"meshplan internal error: {n.name} of recomputed segment {s_n} "
+                             f"reads {sorted(reads & after)}, made from the segment outside "
+                             "it: the segment cannot be replayed as one piece")
+        tainted.add(n.name)
+        if s_n is None:
+            after.add(n.name)
+    # Pieces: each segment, and each run of plain nodes between them, numbered in order.
+    piece: dict[str, int] = {}
+    ids: dict[tuple, int] = {}
+    runs, last = 0, None
+    for n in (n for n in gm.graph.nodes if n.name in seg):
+        if seg[n.name] is None:
+            runs += last is not None and last[0] == "segment"
+            key: tuple = ("plain", runs)
+        else:
+            key = ("segment", seg[n.name])
+        last = key
+        piece[n.name] = ids.setdefault(key, len(ids))
+    replayed = {i for k, i in ids.items() if k[0] == "segment"}
+    split = split_module(gm, None, lambda n: piece[n.name], keep_original_order=True)
     for name, sub in list(split.named_children()):
-        if name.startswith("submod_"):
+        if name.startswith("submod_") and int(name.removeprefix("submod_")) in replayed:
             setattr(split, name, _Recomputed(sub, around))
     return split
 

@@ -29,6 +29,7 @@ from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.microbatch import StepScales, program_input
 from meshplan.lower.pipeline_program import recompute_layers
+from meshplan.planner.recompute import Replay
 from meshplan.lower.overlap import plan_units
 from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
@@ -40,7 +41,7 @@ from meshplan.runtime.grad_sync import GradBuckets, all_gather_params, dtype_buc
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
-from meshplan.runtime.step_modes import autocast_for, layered, recomputed
+from meshplan.runtime.step_modes import autocast_for, recomputed, segmented
 from meshplan.runtime import zero3
 from meshplan.runtime.zero3 import Rematerializer, Unit, Units
 
@@ -140,17 +141,27 @@ class Trainer:
         self._layout = traced.batch
         self._steps = 0
         self._units = self._make_units(graph)
-        # Recomputation by layer (``layers``: each IR node's clustered layer), as the planner
-        # prices a recomputed pipeline stage; without them the forward reruns as one piece.
+        # Recomputation segment by segment (``layers``: each IR node's clustered layer), as
+        # the planner prices it (`planner/recompute.py`); a program of one layer reruns its
+        # forward as one piece.
         self._layered = None
-        if plan.recompute and layers is None and plan.num_stages <= 1 and plan.num_layers > 1:
-            layers = recompute_layers(graph, plan)   # a single-stage plan's own layers
-        if plan.recompute and layers:
-            owner = self.program.owner
-            self._layered = layered(
-                self.program.graph_module, lambda name: layers.get(owner.get(name, ""), -1),
-                lambda: zero3.running(self._units) if self._units is not None
-                else nullcontext())
+        if plan.recompute:
+            replay = Replay(plan.recompute_scope, plan.recompute_layers)
+            if replay.scope == "layers" and layers is None and plan.num_stages <= 1 \
+                    and plan.num_layers > 1:
+                layers = recompute_layers(graph, plan)   # a single-stage plan's own layers
+            segments = replay.segments(graph, layers or {}) \
+                if replay.scope == "attention" or layers else {}
+            if replay.scope == "attention" and not segments:
+                raise ValueError("the plan recomputes attention cores, but this program has "
+                                 "none: the plan was made for another program; make a new plan")
+            if segments:
+                owner = self.program.owner
+                self._layered = segmented(
+                    self.program.graph_module, lambda name: segments.get(owner.get(name, "")),
+                    owner.__contains__,
+                    lambda: zero3.running(self._units) if self._units is not None
+                    else nullcontext())
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -352,7 +363,7 @@ class Trainer:
         with keep_shards, autocast_for(self.plan.dtype, self.device.type):
             if not self.plan.recompute:
                 return program(*args)
-            if self._layered is not None:   # each layer checkpointed on its own
+            if self._layered is not None:   # each segment checkpointed on its own
                 return self._layered(self.comm, rng, *args)
             return recomputed(program, args, rng, self.comm)
 

@@ -5,8 +5,9 @@ a single-stage plan runs its micro-batches one after another, forward then backw
 `runtime/trainer.py` does), executed by `engine.simulate_programs` with the durations of
 `task_costs.py`. FLOPs are counted as Megatron-LM counts them: a training step does three
 forward passes' worth of model FLOPs (forward, and twice that in backward), four for a stage
-that recomputes its forward (stage by stage: in a pipeline only some may); MFU counts three
-whatever the plan recomputes.
+that recomputes its whole forward, three plus what it replays for one that recomputes part of
+it (stage by stage: in a pipeline only some may); MFU counts three whatever the plan
+recomputes.
 """
 
 from __future__ import annotations
@@ -79,7 +80,11 @@ def simulate(plan: Plan) -> Simulation:
             per_device[r] = peaks[m]
     flops = [p.predicted.get("forward_flops", 0.0) * plan.microbatches for p in plans]
     forward_flops = sum(flops)
-    counted = sum(f * (4 if rc else 3) for f, rc in zip(flops, recomputed_stages(plan)))
+    # The FLOPs run: three forwards' worth, plus what a recomputed stage replays (a plan of
+    # an older meshplan: its whole forward, as Megatron-LM counts full recomputation).
+    counted = sum(3 * f + (p.predicted.get("replay_flops", p.predicted.get("forward_flops", 0.0))
+                           * plan.microbatches if rc else 0.0)
+                  for f, p, rc in zip(flops, plans, recomputed_stages(plan)))
     devices = cluster.num_devices
     peak = cluster.device.peak(DTYPES[plan.dtype])
     batch = plans[0].predicted.get("batch_size", 0)

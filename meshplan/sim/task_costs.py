@@ -54,7 +54,7 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
               for w in p.segment_weights or (p.axis_weights,)]
     forward, backward, update = step_passes(
         p.predicted["forward_s"], p.predicted["backward_s"], p.collectives, p.overlap, meshes,
-        p.microbatches, p.recompute)
+        p.microbatches, replay_s(p))
     state = p.predicted["state_bytes"]
     kept = full = p.predicted["activation_bytes"]
     if "layered_kept_bytes" in p.predicted:   # recomputed layer by layer: the layers' inputs
@@ -74,6 +74,12 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
                     forward_extra_bytes=extra["forward_peak_bytes"],
                     backward_extra_bytes=extra["backward_peak_bytes"],
                     backward_held_extra_bytes=extra["backward_held_peak_bytes"])
+
+
+def replay_s(p: Plan) -> float:
+    """Seconds of one micro-batch's forward that ``p`` runs again in backward (a plan of an
+    older meshplan recomputes its whole forward)."""
+    return p.predicted.get("replay_s", p.predicted["forward_s"]) if p.recompute else 0.0
 
 
 @dataclass(frozen=True)

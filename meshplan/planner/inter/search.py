@@ -523,7 +523,7 @@ def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float, in_
     kinds: dict[tuple, StageOption] = {}
     leanest: dict[tuple, float] = {}
     for o in options:
-        kind = (o.label.logical_shape, o.label.recompute)
+        kind = (o.label.logical_shape, o.label.kind)
         leanest[kind] = min(leanest.get(kind, math.inf), o.memory_bytes(in_flight))
         if o.latency <= limit and (kind not in kinds or o.latency < kinds[kind].latency):
             kinds[kind] = o

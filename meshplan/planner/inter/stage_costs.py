@@ -21,7 +21,7 @@ The DP uses these where memory demands it.
 
 Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved once
 per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
-than ``exact_up_to`` layers are priced as sums of one-layer solves (`_telescoped`), so the solves
+than ``exact_up_to`` layers are priced as sums of one-layer solves (`_slot_columns`), so the solves
 grow with the distinct layers, not with L². The stages the DP picks are then solved whole
 (`solution`) with memory counted as the pipeline holds it, in-flight micro-batches included,
 and their real latency and peak memory replace the estimates.
@@ -30,6 +30,7 @@ and their real latency and peak memory replace the estimates.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -51,7 +52,9 @@ from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Subm
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
 from meshplan.planner.intra.ilp import min_memory, solve
-from meshplan.planner.intra.extract import recompute_extra_s
+from meshplan.planner.intra.extract import node_indices, recompute_extra_s
+from meshplan.planner.intra.op_costs import OpCosts
+from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
 from meshplan.planner.intra.ilp_problem import (IlpProblem, IlpSolution, peak_memory,
                                                 working_peak)
 from meshplan.progress import progress
@@ -60,16 +63,41 @@ from meshplan.progress import progress
 @dataclass(frozen=True)
 class StageLabel:
     """Which plan of a stage an option is: its logical mesh, the memory bound it was solved
-    under, whether it is recomputed."""
+    under, whether it is recomputed and how (``kind``, `replay_of`): "plain", "full" (every
+    layer), "half" (its first half of layers), "layers:K" (its first K) or "selective" (its
+    attention cores)."""
 
     logical_shape: tuple[int, int]
     budget: str        # "free", "lean" or "tp" (see `StageProfiler.variants`)
     recompute: bool
+    kind: str = "full"
 
 
 @functools.lru_cache(maxsize=None)
-def _label(shape: tuple[int, int], budget: str, recompute: bool) -> StageLabel:
-    return StageLabel(shape, budget, recompute)  # one object per kind: profiles make many
+def _label(shape: tuple[int, int], budget: str, kind: str) -> StageLabel:
+    # One object per kind: profiles make many.
+    return StageLabel(shape, budget, kind != "plain", kind)
+
+
+def replay_of(kind: str, num_layers: int) -> Replay | None:
+    """What a stage of ``num_layers`` layers replays under the recomputation ``kind`` of its
+    label (None: nothing)."""
+    if kind == "plain":
+        return None
+    if kind == "selective":
+        return SELECTIVE
+    first = -(-num_layers // 2) if kind == "half" else \
+        int(kind.partition(":")[2]) if kind.startswith("layers:") else num_layers
+    return FULL if first >= num_layers else Replay("layers", first)
+
+
+def recompute_kinds(recompute: str, has_cores: bool) -> tuple[str, ...]:
+    """The recomputation kinds a stage is priced with under the user's ``recompute``
+    (`planner/recompute.parse_recompute`): "auto" weighs none, the attention cores (where the
+    program has them), the first half of the stage's layers and all of them."""
+    if recompute == "auto":
+        return ("plain", *(("selective",) if has_cores else ()), "half", "full")
+    return {"none": ("plain",), "full": ("full",)}.get(recompute, (recompute,))
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,14 @@ class _Costed:
     state: float
     act: float
     inputs: float
+    # Its attention cores replayed (`planner/recompute.py`): seconds per micro-batch, the
+    # activations kept, the largest core's (held while it replays), how many cores; and
+    # whether the plan keeps parameters under ZeRO-3 (no partial replay with it yet).
+    selective_latency: float = 0.0
+    selective_act: float = 0.0
+    selective_work: float = 0.0
+    cores: int = 0
+    zero3: bool = False
 
 
 def shared_params(graph: Graph, layering: Layering) -> frozenset[str]:
@@ -117,7 +153,7 @@ class StageProfiler:
 
     ``graph``: the traced program at one micro-batch's size, at the compute dtype. Ranges of
     ``exact_up_to`` layers or fewer are solved as they are; longer ranges are priced by
-    telescoping (`_telescoped`) and solved whole only when chosen (`solution`).
+    telescoping (`_slot_columns`) and solved whole only when chosen (`solution`).
     ``logical_shapes`` restricts the logical meshes priced (a hand-style method's own).
     """
 
@@ -128,7 +164,7 @@ class StageProfiler:
     optimizer_state: OptimizerState
     microbatches: int
     memory_limit: float | None = None   # bytes per device the DP checks against
-    recompute: str = "auto"             # "auto": both variants; "none"/"full": one of them
+    recompute: str = "auto"             # the user's: "auto" weighs `recompute_kinds`
     exact_up_to: int = 1
     show_progress: bool = False         # a bar on stderr while pricing (`meshplan.progress`)
     tensor_within_host: bool = False    # multi-host submeshes: only (r, c) with c | M
@@ -157,6 +193,7 @@ class StageProfiler:
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
         self._free: dict[tuple, StageSolution | None] = {}   # "free" one-layer solves
         self._extras: dict[tuple, tuple] = {}   # `_recompute_latency` by (formulation, plan)
+        self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -224,41 +261,38 @@ class StageProfiler:
                 out += self._slot(start, end, submesh, shape, budget, transfer)
         return tuple(out)
 
-    def _kinds(self) -> tuple[bool, ...]:
-        """Recomputed or not, the options listed per plan, in order."""
-        return tuple(rc for rc in (False, True)
-                     if self.recompute != ("full" if not rc else "none"))
+    def _kinds(self) -> tuple[str, ...]:
+        """The recomputation kinds of the options listed per plan, in order."""
+        return self._replay_kinds
 
     def _slot(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
               budget: str, transfer: float) -> list[StageOption]:
-        """The options of one plan (logical shape and variant) of a stage, one per `_kinds`,
-        or none when the plan does not exist."""
-        if end - start <= self.exact_up_to:
-            c = self._exact(start, end, submesh, shape, budget)
-            priced = None if c is None else (
-                (c.latency, c.state, c.act + c.inputs),
-                (c.recompute_latency, c.state + c.act, c.inputs))
-        else:
-            priced = self._telescoped(start, end, submesh, shape, budget)
-        if priced is None:
+        """The options of one plan (logical shape and variant) of a stage, one per kind of
+        `_kinds` that applies, or none when the plan does not exist."""
+        if end - start <= self.exact_up_to and self._exact(start, end, submesh, shape,
+                                                           budget) is None:
             return []
-        (lat, state, act), (rc_lat, rc_state, rc_act) = priced
-        if end - start > 1:   # recomputed layer by layer, however the range was priced
-            sums, missing, act_max = self._layer_sums(submesh, shape, budget)
-            if missing[end] - missing[start]:
-                return []
-            rc_state = state + float(act_max[start, end - 1])
-            rc_act = max(float(sums[end][4] - sums[start][4]), 0.0)
-        return [StageOption(rc_lat + transfer, rc_state, rc_act, _label(shape, budget, True))
-                if rc else StageOption(lat + transfer, state, act, _label(shape, budget, False))
-                for rc in self._kinds()]
+        valid, columns = self._slot_columns(np.array([start]), np.array([end]), submesh,
+                                            shape, budget, np.array([transfer]))
+        if end - start <= self.exact_up_to:   # solved as it is: its own plain figures
+            c = self._exact(start, end, submesh, shape, budget)
+            assert c is not None
+            plain = self._kinds().index("plain") if "plain" in self._kinds() else None
+            if plain is not None:
+                valid[plain][0] = True
+                columns[plain] = [np.array([max(c.latency + transfer, 0.0)]), np.array([c.state]),
+                                  np.array([c.act + c.inputs])]
+        return [StageOption(float(lat[0]), float(state[0]), float(kept[0]),
+                            _label(shape, budget, kind))
+                for kind, ok, (lat, state, kept) in zip(self._kinds(), valid, columns)
+                if ok[0]]
 
     def option_table(self, submeshes: tuple[Submesh, ...]) -> OptionTable:
         """Every range's options on every one of ``submeshes`` as columns, exactly as
         ``self(start, end, submeshes[m])`` lists them (`PipelineProblem.table`): the DP asks
         for all L(L+1)/2 ranges, which one by one cost more than the pricing they sum.
         Telescoped ranges come from vectorized prefix-sum differences (the same float
-        operations as `_telescoped`); one-layer and whole-model ranges from `_slot`."""
+        operations as `_slot`); ranges solved as they are (one layer) from `_slot`."""
         n = self.layering.num_layers
         k, i = np.triu_indices(n + 1, 1)   # every range [k, i), 0 <= k < i <= n
         keep = k < n
@@ -274,19 +308,21 @@ class StageProfiler:
                 for budget in self.variants(sub, shape):
                     valid, columns = self._slot_columns(k, i, sub, shape, budget, transfer)
                     for j in special.tolist():
-                        opts = self._slot(int(k[j]), int(i[j]), sub, shape, budget,
-                                          float(transfer[j]))
-                        valid[j] = bool(opts)
-                        for q, o in enumerate(opts):
-                            columns[q][0][j], columns[q][1][j], columns[q][2][j] = \
-                                o.latency, o.state_bytes, o.activation_bytes
-                    rows = np.flatnonzero(valid)
+                        opts = {o.label.kind: o for o in self._slot(
+                            int(k[j]), int(i[j]), sub, shape, budget, float(transfer[j]))}
+                        for q, kind in enumerate(kinds):
+                            valid[q][j] = kind in opts
+                            if kind in opts:
+                                o = opts[kind]
+                                columns[q][0][j], columns[q][1][j], columns[q][2][j] = \
+                                    o.latency, o.state_bytes, o.activation_bytes
                     for q, kind_columns in enumerate(columns):
+                        rows = np.flatnonzero(valid[q])
                         for c, values in zip(cols, kind_columns):
                             c.append(values[rows])
                         cols[3].append(triple[rows])
-                        cols[4].append(listed[rows] + q)
-                    listed += valid * len(kinds)
+                        cols[4].append(listed[rows])
+                        listed[rows] += 1
         cat = [np.concatenate(c) if c else np.zeros(0) for c in cols]
         return OptionTable(cat[0].astype(np.float64), cat[1].astype(np.float64),
                            cat[2].astype(np.float64), cat[3].astype(np.int64),
@@ -294,59 +330,81 @@ class StageProfiler:
 
     def _slot_columns(self, k: np.ndarray, i: np.ndarray, submesh: Submesh,
                       shape: tuple[int, int], budget: str, transfer: np.ndarray
-                      ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-        """`_telescoped` of every range ``[k, i)`` of one plan at once, plus ``transfer``:
-        (whether the plan exists, per kind of `_kinds` its (latency, state, kept) columns)."""
-        sums, missing, act_max = self._layer_sums(submesh, shape, budget)
-        valid = missing[i] == missing[k]
-        d = sums[i] - sums[k]
-        state, kept, inputs = (np.maximum(d[:, c], 0.0) for c in (2, 3, 4))
-        plain = [d[:, 0] + transfer, state, kept]
-        again = [d[:, 1] + transfer, state + act_max[k, i - 1], inputs]
-        return valid, [again if rc else plain for rc in self._kinds()]
+                      ) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+        """Every range ``[k, i)`` of one plan priced at once (telescoped), plus ``transfer``:
+        per kind of `_kinds`, whether it applies to the range and its (latency, state, kept
+        per micro-batch) columns.
 
-    def _telescoped(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
-                    budget: str) -> tuple[tuple[float, float, float], ...] | None:
-        """A stage of several layers as the sum of its layers, each priced as a one-layer
-        stage: it receives its inputs in any layout and sends reduced outputs, so each boundary
-        inside the stage is priced as a reduction plus a free relayout (Megatron's blocks
-        exchange a replicated residual stream, which is what that costs). Without
-        recomputation, what each layer receives is kept per micro-batch with its activations;
-        recomputed layer by layer (Megatron's full recomputation), only what each layer
-        receives is kept per micro-batch, and one layer's activations at a time in backward.
-        Repeated layers share one solve, and prefix sums price any range in constant time;
-        the stages the DP picks are then solved whole. Returns ((latency, state, kept per
-        micro-batch) plain, the same recomputed), or None if a layer has no plan."""
-        sums, missing, act_max = self._layer_sums(submesh, shape, budget)
-        if missing[end] - missing[start]:
-            return None
-        lat, rc_lat, state, kept, inputs = (sums[end] - sums[start]).tolist()
-        # Differences of prefix sums may round a zero to a tiny negative.
-        state, kept, inputs = max(state, 0.0), max(kept, 0.0), max(inputs, 0.0)
-        return ((lat, state, kept), (rc_lat, state + float(act_max[start, end - 1]), inputs))
+        A stage of several layers is the sum of its layers, each priced as a one-layer stage:
+        it receives its inputs in any layout and sends reduced outputs, so each boundary inside
+        the stage is priced as a reduction plus a free relayout (Megatron's blocks exchange a
+        replicated residual stream, which is what that costs). Without recomputation, what
+        each layer receives is kept per micro-batch with its activations; a recomputed layer
+        (Megatron-LM's full recomputation: a range's first layers, its "block" method) keeps
+        only what it receives, and the backward holds the largest replayed layer's
+        activations once; with its attention cores replayed a layer keeps all but the cores'
+        own values and holds the largest core's once. Repeated layers share one solve, and
+        prefix sums price any range in constant time; the stages the DP picks are then solved
+        whole."""
+        sums, missing, act_max, sel_max = self._layer_sums(submesh, shape, budget)
+        exists = missing[i] == missing[k]
+        d = sums[i] - sums[k]
+        state = np.maximum(d[:, 2], 0.0)
+        valid, columns = [], []
+        for kind in self._kinds():
+            ok = exists.copy()
+            if kind == "plain":
+                cols = [d[:, 0] + transfer, state, np.maximum(d[:, 3], 0.0)]
+            elif kind == "selective":
+                ok &= (d[:, 7] > 0.5) & (d[:, 8] < 0.5)
+                cols = [d[:, 5] + transfer, state + sel_max[k, i - 1],
+                        np.maximum(d[:, 6], 0.0)]
+            else:
+                count = i - k
+                first = np.minimum(count, -(-count // 2) if kind == "half" else
+                                   int(kind.partition(":")[2]) if kind.startswith("layers:")
+                                   else count)
+                mid = k + first
+                head, tail = sums[mid] - sums[k], sums[i] - sums[mid]
+                # A partial replay with ZeRO-3 is not supported yet; "half" of one layer is
+                # the full replay, listed already.
+                ok &= (first == count) | (d[:, 8] < 0.5)
+                if kind == "half":
+                    ok &= first < count
+                cols = [head[:, 1] + tail[:, 0] + transfer, state + act_max[k, mid - 1],
+                        np.maximum(head[:, 4] + tail[:, 3], 0.0)]
+            valid.append(ok)
+            # Differences of prefix sums may round a zero to a tiny negative.
+            columns.append([np.maximum(cols[0], 0.0), *cols[1:]])
+        return valid, columns
 
     def _layer_sums(self, submesh: Submesh, shape: tuple[int, int], budget: str
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per layer of ``submesh``/``shape``/``budget``: prefix sums over layers of (latency,
-        recomputed latency, state, activations + inputs, inputs) (``sums[m]``: the layers before
-        m), of the layers without a plan (``missing``), and ``act_max[i, j]`` the largest
-        activations of layers i..j."""
+        recomputed latency, state, activations + inputs, inputs, latency with its attention
+        cores replayed, activations + inputs so, cores, ZeRO-3) (``sums[m]``: the layers
+        before m), of the layers without a plan (``missing``), and ``act_max[i, j]`` /
+        ``sel_max[i, j]`` the largest activations / attention core of layers i..j."""
         key = (submesh, shape, budget)
         if key not in self._sums:
             n = self.layering.num_layers
-            rows, bad = np.zeros((n, 5)), np.zeros(n, dtype=np.int64)
+            rows, bad = np.zeros((n, 9)), np.zeros(n, dtype=np.int64)
+            work = np.zeros(n)
             for m in range(n):
                 c = self._exact(m, m + 1, submesh, shape, budget)
                 if c is None:
                     bad[m] = 1
                 else:
                     rows[m] = (c.latency, c.recompute_latency, c.state, c.act + c.inputs,
-                               c.inputs)
-            act_max = np.zeros((n, n))
+                               c.inputs, c.selective_latency, c.selective_act + c.inputs,
+                               c.cores, c.zero3)
+                    work[m] = c.selective_work
+            act_max, sel_max = np.zeros((n, n)), np.zeros((n, n))
             for m in range(n):
                 act_max[m, m:] = np.maximum.accumulate(rows[m:, 3] - rows[m:, 4])
-            self._sums[key] = (np.vstack([np.zeros((1, 5)), np.cumsum(rows, axis=0)]),
-                               np.concatenate([[0], np.cumsum(bad)]), act_max)
+                sel_max[m, m:] = np.maximum.accumulate(work[m:])
+            self._sums[key] = (np.vstack([np.zeros((1, 9)), np.cumsum(rows, axis=0)]),
+                               np.concatenate([[0], np.cumsum(bad)]), act_max, sel_max)
         return self._sums[key]
 
     def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None) -> None:
@@ -484,8 +542,18 @@ class StageProfiler:
         if s is None:
             return None
         state, act, inputs = _memory_parts(s)
-        return _Costed(float(self._latency(s)), float(self._recompute_latency(s)), float(state),
-                       float(act), float(inputs))
+        latency = float(self._latency(s))
+        zero3 = any(s.form.choices.choices[r][c].mode == "zero3"
+                    for r, c in zip(s.form.roots, s.solution.choices))
+        cores = attention_cores(s.graph)
+        selective = (latency, float(act), 0.0)
+        if cores and not zero3:
+            replayed = frozenset(n for core in cores for n in core)
+            saved = [_inner_bytes(s, core) for core in cores]
+            selective = (self._recompute_latency(s, replayed), float(act) - sum(saved),
+                         max(saved))
+        return _Costed(latency, float(self._recompute_latency(s)), float(state), float(act),
+                       float(inputs), *selective, len(cores), zero3)
 
     def solutions(self, chosen: list[tuple[int, int, Submesh, StageLabel, int]],
                   workers: int | None = None) -> list[StageSolution]:
@@ -523,10 +591,18 @@ class StageProfiler:
         """(seconds per micro-batch without the inbound transfer, peak bytes per device) of
         the solved stage ``s`` of ``[start, end)`` (the range its names are of) in the
         pipeline, recomputed or not, ``in_flight`` micro-batches kept."""
-        weighted = _in_flight_problem(s.form, s.graph, self.layering.layer_of,
-                                      in_flight, label.recompute)
-        latency = self._recompute_latency(s) if label.recompute else self._latency(s)
+        segments = self.segments(s.graph, end - start, label)
+        weighted = _in_flight_problem(s.form, s.graph, segments, in_flight)
+        latency = self._latency(s) if segments is None else self._recompute_latency(
+            s, None if replay_of(label.kind, end - start) == FULL else frozenset(segments))
         return latency, peak_memory(weighted, s.solution.choices)
+
+    def segments(self, stage: Graph, num_layers: int, label: StageLabel
+                 ) -> dict[str, int] | None:
+        """What the stage program ``stage`` of ``num_layers`` layers replays under ``label``
+        (`planner/recompute.py`), or None."""
+        replay = replay_of(label.kind, num_layers)
+        return None if replay is None else replay.segments(stage, self.layering.layer_of)
 
     def prefetch_whole_costs(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
                              workers: int | None = None) -> None:
@@ -582,9 +658,10 @@ class StageProfiler:
         # shared formulation: ranges of one structure list their choices in the same order.
         form = self._form(start, end, submesh, label.logical_shape)
         first = self._form_range(start, end, submesh, label.logical_shape)
-        weighted = _in_flight_problem(form, self.stage(*first),
-                                      self.layering.layer_of, in_flight,
-                                      label.recompute)
+        segments = self.segments(self.stage(*first), end - start, label)
+        weighted = _in_flight_problem(form, self.stage(*first), segments, in_flight)
+        if segments is not None and replay_of(label.kind, end - start) != FULL:
+            weighted = without_zero3(form, weighted)   # no partial replay with ZeRO-3 yet
         # Solved to optimality: a wall-clock limit would make the plan depend on the load.
         if self.memory_limit is None:
             s = self._solve(start, end, form, replace(weighted, live_sets=()))
@@ -612,14 +689,16 @@ class StageProfiler:
         tie = s.form.ctx.tie_break * sum(_memory_parts(s, working=False))
         return (s.solution.objective - tie) / self.microbatches
 
-    def _recompute_latency(self, s: StageSolution) -> float:
-        """The same plan with its forward run again in backward: its compute and forward
-        collectives once more (`recompute_extra_s` prices a fixed plan without rebuilding the
-        ILP). Free, lean and Megatron-style solves often agree: cached by plan."""
-        key = (id(s.form), s.solution.choices)
+    def _recompute_latency(self, s: StageSolution, replayed: frozenset[str] | None = None
+                           ) -> float:
+        """The same plan with its forward (the nodes of ``replayed`` when given) run again in
+        backward: their compute and forward collectives once more (`recompute_extra_s` prices
+        a fixed plan without rebuilding the ILP). Free, lean and Megatron-style solves often
+        agree: cached by plan."""
+        key = (id(s.form), s.solution.choices, replayed)
         if key not in self._extras:  # the entry keeps the form alive, so its id stays its own
             self._extras[key] = (s.form, recompute_extra_s(s.form, s.solution.choices,
-                                                           s.form.ctx))
+                                                           s.form.ctx, replayed))
         return self._latency(s) + self._extras[key][1] / self.microbatches
 
 
@@ -657,24 +736,43 @@ def _memory_parts(s: StageSolution, working: bool = True) -> tuple[float, float,
     return state, parts["act"], parts["in"]
 
 
-def _in_flight_problem(form: Formulation, stage: Graph, where: Mapping[str, int],
-                       in_flight: int, recompute: bool) -> IlpProblem:
+def _in_flight_problem(form: Formulation, stage: Graph, segments: Mapping[str, int] | None,
+                       in_flight: int) -> IlpProblem:
     """The stage's ILP with memory as the pipeline holds it with ``in_flight`` micro-batches:
-    state once; without recomputation every activation and input ``in_flight`` times;
-    recomputed layer by layer (``where``: node -> layer; empty for the stage as one layer), the
-    inputs and every value a layer passes to a later layer ``in_flight`` times, plus one
-    layer's activations (a live set per layer)."""
+    state once; without recomputation (``segments`` None) every activation and input
+    ``in_flight`` times; recomputed segment by segment (``segments``: each replayed node's
+    segment, `planner/recompute.py`), the inputs and every value read outside its segment
+    ``in_flight`` times, plus one segment's own activations (a live set per segment)."""
     users = stage.users
-    kept, per_layer = [], {}
+    kept, per_segment = [], {}
     scaled = []
     for i, r in enumerate(form.roots):
         n = stage.by_name[r]
-        once = n.role == "param" or (recompute and n.role == "op" and not any(
-            where.get(u, -1) > where.get(r, -1) for u in users[r]))
+        seg = None if segments is None else segments.get(r)
+        once = n.role == "param" or (seg is not None and n.role == "op" and all(
+            segments.get(u) == seg for u in users[r]))
         scaled.append(tuple(m * (1 if once else in_flight) for m in form.problem.node_memory[i]))
         if once and n.role != "param":
-            per_layer.setdefault(where.get(r, -1), []).append(i)
+            per_segment.setdefault(seg, []).append(i)
         else:
             kept.append(i)
-    live = tuple(tuple(kept + ids) for ids in per_layer.values()) or (tuple(kept),)
+    live = tuple(tuple(kept + ids) for ids in per_segment.values()) or (tuple(kept),)
     return replace(form.problem, node_memory=tuple(scaled), live_sets=live)
+
+
+def _inner_bytes(s: StageSolution, core: frozenset[str]) -> float:
+    """Bytes per device the plan ``s`` keeps of the values of ``core`` read only inside it:
+    what replaying the core saves per micro-batch."""
+    nc, idx = s.form.choices, node_indices(s.form, s.solution.choices)
+    costs = OpCosts(nc, s.form.ctx)
+    users = s.graph.users
+    return float(sum(costs.memory(s.graph.by_name[n], nc.choices[n][idx[n]]) for n in core
+                     if all(u in core for u in users[n])))
+
+
+def without_zero3(form: Formulation, problem: IlpProblem) -> IlpProblem:
+    """``problem`` (of ``form``) with every ZeRO-3 choice forbidden."""
+    costs = tuple(tuple(math.inf if form.choices.choices[r][p].mode == "zero3" else x
+                        for p, x in enumerate(row))
+                  for r, row in zip(form.roots, problem.node_costs))
+    return replace(problem, node_costs=costs)

@@ -18,9 +18,10 @@ from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import stage_hosts
 from meshplan.planner.inter.placement import place_submeshes
-from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_costs import StageProfiler, replay_of
 from meshplan.planner.inter.stage_problem import PipelineSolution, pipeline_latency
 from meshplan.planner.intra.to_plan import intra_plan
+from meshplan.planner.recompute import FULL
 
 if TYPE_CHECKING:  # search.py imports this module
     from meshplan.planner.inter.search import PipelineRequest
@@ -58,17 +59,22 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                                  for s in sol.stages])
     for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
         label = s.option.label
-        form = replace(solved.form, ctx=replace(solved.form.ctx, recompute=label.recompute))
+        replay = replay_of(label.kind, s.end - s.start)
+        segments = prof.segments(solved.graph, s.end - s.start, label)
+        form = replace(solved.form, ctx=replace(
+            solved.form.ctx, recompute=label.recompute,
+            recomputed=None if replay in (None, FULL) else frozenset(segments or ())))
         sub = prof.stage_cluster(f"{cl.name}[stage {i}]", s.submesh)
         plan = intra_plan(form, solved.solution, logical_mesh(sub, label.logical_shape), sub,
                           name=f"{req.name}[stage {i}]", fingerprint=solved.graph.fingerprint(),
                           method=req.method, optimizer=req.optimizer, options=req.options,
                           budget=req.budget, search_time_s=0.0, dtype=req.dtype,
-                          unsupported_ops=found.unsupported,
-                          layers=prof.layering.layer_of if label.recompute else None)
+                          unsupported_ops=found.unsupported, layers=segments, replay=replay)
         stages.append(StagePlan(i, (s.start, s.end), devs, s.submesh[:2], label.logical_shape,
                                 label.recompute, s.in_flight, solved.latency,
-                                solved.memory_bytes, plan))
+                                solved.memory_bytes, plan,
+                                recompute_scope=(replay or FULL).scope,
+                                recompute_layers=(replay or FULL).layers))
     # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
     # estimates by parts.
     step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches, sol.chunks)

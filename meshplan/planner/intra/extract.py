@@ -25,7 +25,7 @@ from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, is_kept, local_bytes,
                                              step_cost, zero_counts)
 from meshplan.planner.intra.ilp_problem import working_peak
-from meshplan.planner.intra.liveness import StepPeaks, Value, layered_peaks, step_peaks
+from meshplan.planner.intra.liveness import StepPeaks, Value, segmented_peaks, step_peaks
 from meshplan.planner.intra.reshard import Recipe
 from meshplan.planner.intra.layout import Layout
 from meshplan.plan.plan import (AsyncEntry, CollectiveEntry, OpDecision, ParamDecision,
@@ -84,7 +84,8 @@ def storage_layout(spec: Layout, mode: str, sync_axes: tuple[int, ...]) -> Layou
 
 def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
             layers: Mapping[str, int] | None = None) -> IntraResult:
-    """Decisions, collectives and predictions of the assignment ``choices``.
+    """Decisions, collectives and predictions of the assignment ``choices``; ``layers``: under
+    recomputation each replayed node's segment (`planner/recompute.py`).
 
     ``real`` prices the prediction on the cluster's own bandwidths with the compute roofline,
     whatever units the ILP used. Each fan-out key (`fanout.py`) is counted once, at its first use.
@@ -109,7 +110,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
         times.append((f, b))
         forward, backward = forward + f, backward + b
         for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
-            for label, n in form.ctx.phase_counts(phase):
+            for label, n in form.ctx.phase_counts(phase, node.name):
                 counts[(kind, nbytes, axes, label, node.name)] += n
         comm[node.name] += costs.stat_sync_cost(node, choice)
         for j, name in enumerate(node.inputs):
@@ -152,11 +153,13 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
                   for (k, b, a, p, o), c in sorted(counts.items()))
     colls = _merged(entry for _, entry in owned)
     m = real.microbatches
+    replay = sum(t[0] for n, t in zip(g.nodes, times) if real.replays(n.name)) \
+        if real.recompute else 0.0
     f_s, b_s, u_s = ov.step_passes(forward, backward, colls, groups.overlap, [real.mesh], m,
-                                   real.recompute)
+                                   replay)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
-    # Recomputed layer by layer (`liveness.layered_peaks`) where the layers are known.
+    # Recomputed segment by segment (`liveness.segmented_peaks`) where they are known.
     peaks = _step_peaks(costs, nc, idx, layers if real.recompute else None)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
                "activation_bytes": memory - state, "working_bytes": working,
@@ -166,6 +169,10 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
                "forward_flops": float(sum(n.flops for n in g.nodes if not n.is_source)),
                "batch_size": batch * form.ctx.microbatches}
     peak = memory + working
+    if real.recompute:   # the forward's replay: its seconds and FLOPs per micro-batch
+        replayed = [(n, t[0]) for n, t in zip(g.nodes, times) if real.replays(n.name)]
+        figures["replay_s"] = sum(t for _, t in replayed)
+        figures["replay_flops"] = float(sum(n.flops for n, _ in replayed if not n.is_source))
     if layers is not None and real.recompute:   # what a micro-batch keeps: its layers' inputs
         figures["layered_kept_bytes"] = peaks.kept_bytes
         # The step's peak by the op-by-op walk, as the simulator follows it (one stage): the
@@ -191,7 +198,7 @@ def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
 def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
                 layers: Mapping[str, int] | None = None) -> StepPeaks:
     """The op-by-op memory walk (`liveness`) on the chosen layouts; ``layers``: recomputed
-    layer by layer (each node's layer)."""
+    segment by segment (each replayed node's segment)."""
     values = []
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
@@ -203,20 +210,30 @@ def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
             param_grad=costs.param_memory(node, choice).grad_bytes if node.role == "param"
             else 0.0))
     if layers is not None:
-        return layered_peaks(values, nc.graph.loss, layers)
+        return segmented_peaks(values, nc.graph.loss, layers)
     return step_peaks(values, nc.graph.loss)
 
 
-def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostContext) -> float:
-    """Seconds recomputation adds to the step of the plan ``choices``: every op's forward and
-    every forward-phase collective once more per micro-batch (as `extract` prices the plan under
-    ``replace(real, recompute=True)``, at the cost of one `extract` without it)."""
+def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostContext,
+                      recomputed: frozenset[str] | None = None) -> float:
+    """Seconds recomputation adds to the step of the plan ``choices``: the forward of every op
+    (of ``recomputed`` when given) and the forward-phase collectives issued running them once
+    more per micro-batch (as `extract` prices the plan under ``replace(real, recompute=True,
+    recomputed=recomputed)``, at the cost of one `extract` without it for the whole
+    program's)."""
     assert not real.recompute, "the extra of recomputation is priced from the plain step"
-    plain = extract(form, choices, real)
-    comm = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
-               for c in plain.collectives if c.phase == "forward")
+    again = replace(real, recompute=True, recomputed=recomputed)
+    if recomputed is None:
+        plain = extract(form, choices, real)
+        comm = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
+                   for c in plain.collectives if c.phase == "forward")
+    else:   # which collectives replay depends on who issues them: count them replayed
+        replayed = extract(replace(form, ctx=replace(form.ctx, recompute=True,
+                                                     recomputed=recomputed)), choices, again)
+        comm = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
+                   for c in replayed.collectives if c.phase == "recompute")
     nc, idx = form.choices, node_indices(form, choices)
-    once, twice = OpCosts(nc, real), OpCosts(nc, replace(real, recompute=True))
+    once, twice = OpCosts(nc, real), OpCosts(nc, again)
     compute = 0.0
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
@@ -231,11 +248,13 @@ def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Co
     for step in recipe.steps:
         owner = comm if step.op in ("all_reduce", "reduce_scatter") else reshard
         for kind, phase in step.collectives(needs_grad):
-            for label, n in ctx.phase_counts(phase):
+            # The runtime moves a value while lowering its consumer (`lower/program.py`),
+            # so the move is replayed where the consumer is.
+            for label, n in ctx.phase_counts(phase, consumer):
                 counts[(kind, step.nbytes, step.axes, label,
                         value if owner is comm else consumer)] += n
         owner[value if owner is comm else consumer] += step_cost(step, needs_grad, ctx.mesh,
-                                                                 ctx.weights)
+                                                                 ctx.weights_of(consumer))
 
 
 def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[int, ...]]],
@@ -298,7 +317,8 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
     fwd_at, bwd_done = [0.0], [0.0] * (len(times) + 1)
     for f, _ in times:
         fwd_at.append(fwd_at[-1] + f)
-    replay = fwd_at[-1] if ctx.recompute else 0.0
+    replay = sum(t[0] for n, t in zip(g.nodes, times) if ctx.replays(n.name)) \
+        if ctx.recompute else 0.0
     for i in range(len(times) - 1, -1, -1):     # backward of node i done
         bwd_done[i] = bwd_done[i + 1] + times[i][1]
     bwd_done = [replay + t for t in bwd_done]
@@ -319,6 +339,10 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
     kept = {n.name: n.kept is not False for n in g.params()}
     regather, scatter = ov.unit_orders(units, uses, kept.__getitem__)
     if ctx.recompute:
+        if ctx.recomputed is not None and units:
+            raise NotImplementedError(
+                "ZeRO-3 with a partial recomputation (selective, or some layers) is not "
+                "supported yet: recompute every layer ('full') or use ZeRO-2")
         regather = ()   # the forward's replay gathers them
     for u in units:
         for kind, phase, count in zero_counts("zero3", ctx, any(kept[p] for p in u.params)):

@@ -62,7 +62,8 @@ def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Char
     out: list[Charge] = []
     if recipe.steps:
         out.append((("v", u.name), ("move", u.name, recipe),
-                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh, costs.ctx.weights)))
+                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh,
+                                costs.ctx.weights_of(node.name))))
     if recipe.sync_axes:
         choice = costs.nc.choices[param][p]
         lay = choice.strategy.output

@@ -60,9 +60,10 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
               ) -> Formulation:
     """Build the ILP of Alpa eq. 1 over the roots of ``nc`` (see the module docstring).
     ``share_blocks``: repeated blocks share their decisions (`blocks.py`). ``layers`` (each
-    node's layer) under recomputation: the program is replayed layer by layer, so the budget
-    holds for each layer's live set — the state, the values later layers read, one layer's
-    activations (`live_sets_by_layer`)."""
+    replayed node's segment, `planner/recompute.py`) under recomputation: the program is
+    replayed segment by segment (layer by layer), so the budget holds for each segment's live
+    set — the state, the values crossing into or out of a segment, what runs plainly, one
+    segment's activations (`live_sets_by_layer`)."""
     costs = OpCosts(nc, ctx)
     roots = nc.roots
     index = {r: i for i, r in enumerate(roots)}
@@ -96,16 +97,18 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
 
 def live_sets_by_layer(nc: NodeChoices, index: dict[str, int], layers: Mapping[str, int]
                        ) -> tuple[tuple[int, ...], ...]:
-    """What a program recomputed layer by layer holds at once, one set per layer (root
-    indices): parameters and buffers, the values a later layer reads (kept for the replay),
-    and the layer's own values (replayed). A root counts in its own node's layer."""
+    """What a program replayed segment by segment holds at once, one set per segment (root
+    indices): parameters and buffers, the values crossing into or out of a segment (kept for
+    the replay), the values running plainly (``layers`` lacks them: kept as usual), and the
+    segment's own values (replayed). A root counts in its own node's segment."""
     g = nc.graph
+    seg = layers.get
     state = {r for r in index if g.by_name[r].role in ("param", "buffer")}
     crossing = {nc.root_of[i] for n in g.nodes for i in n.inputs
-                if layers.get(n.name, 0) != layers.get(i, 0)}
-    everyone = state | crossing
+                if seg(n.name) != seg(i) and (seg(n.name) is not None or seg(i) is not None)}
+    everyone = state | crossing | {r for r in index if seg(r) is None}
     out = []
-    for layer in sorted({layers.get(r, 0) for r in index}):
+    for layer in sorted({seg(r) for r in index} - {None}):
         out.append(tuple(sorted(index[r] for r in index
-                                if r in everyone or layers.get(r, 0) == layer)))
-    return tuple(out)
+                                if r in everyone or seg(r) == layer)))
+    return tuple(out) or (tuple(sorted(index.values())),)

@@ -156,59 +156,65 @@ def _backward(values: Sequence[Value], by_name: dict[str, Value], loss: str,
     return peak, held_peak
 
 
-def layered_peaks(values: Sequence[Value], loss: str, layer_of: Mapping[str, int]
-                  ) -> StepPeaks:
-    """The same walk for a program recomputed layer by layer (Megatron-LM's full
-    recomputation: `runtime/step_modes.layered`): a micro-batch keeps only what each layer
-    reads from before it (``kept_bytes``); the forward holds those and one layer's
-    temporaries; the backward replays one layer at a time, holding the layers' inputs not yet
-    released, that layer's kept values and the gradients in flight. ``layer_of``: each value's
-    layer (values it lacks count with the program's first)."""
+def segmented_peaks(values: Sequence[Value], loss: str, segment_of: Mapping[str, int]
+                    ) -> StepPeaks:
+    """The same walk for a program whose segments are recomputed (`planner/recompute.py`,
+    `runtime/step_modes.segmented`): ``segment_of`` maps each replayed value to its segment;
+    the values it lacks run plainly. A micro-batch keeps what a segment reads from outside it
+    and what it passes out (``kept_bytes``, with the plain values autograd keeps); the forward
+    holds those and one segment's temporaries; the backward replays one segment at a time,
+    holding the boundary values not yet released, that segment's kept values and the
+    gradients in flight. Every value in ``segment_of`` (each clustered layer a segment) is
+    Megatron-LM's full recomputation."""
     by_name = {v.name: v for v in values}
     if loss not in by_name:
         raise ValueError(f"the loss {loss!r} is not among the program's values")
 
-    first = min((layer_of[v.name] for v in values if v.name in layer_of), default=0)
+    def seg(name: str) -> int | None:
+        return segment_of.get(name)
 
-    def layer(name: str) -> int:   # a stage's received values: its first layer
-        return layer_of.get(name, first)
-
-    # What each layer reads from an earlier layer, each value once, at its first reader.
-    boundary: dict[str, int] = {}
+    # What a segment reads from outside it, or passes out, each value once.
+    boundary: set[str] = set()
     for v in values:
         for u in v.inputs:
             w = by_name.get(u)
-            if w is None or w.role in ("param", "buffer") or layer(u) == layer(v.name):
+            if w is None or w.role in ("param", "buffer") or seg(u) == seg(v.name):
                 continue
-            boundary.setdefault(u, layer(v.name))
+            if seg(u) is not None or seg(v.name) is not None:
+                boundary.add(u)
     inputs = sum(by_name[u].nbytes for u in boundary if not by_name[u].view)
-    # Forward: a layer's values live while it runs (nothing is kept for backward).
-    per_layer: dict[int, list[Value]] = {}
+    held_plain = sum(v.nbytes for v in values if seg(v.name) is None and v.kept and not v.view
+                     and v.name not in boundary and v.role not in ("param", "buffer"))
+    # Forward, in order: what a micro-batch keeps accumulates; the rest (a replayed segment's
+    # values, a plain value autograd does not keep) lives until its last reader has run.
+    per_segment: dict[int, list[Value]] = {}
     for v in values:
-        per_layer.setdefault(layer(v.name), []).append(v)
-    forward_peak = inputs
-    for members in per_layer.values():
-        _, peak = _forward([dataclasses.replace(v, kept=False) for v in members],
-                           members[-1].name)
-        forward_peak = max(forward_peak, inputs + peak)
-    # Backward: at a layer's replay its kept values come back, and leave as its ops finish.
+        if seg(v.name) is not None:
+            per_segment.setdefault(seg(v.name), []).append(v)
+    _, forward_peak = _forward([dataclasses.replace(v, kept=v.name in boundary or (
+        v.kept and seg(v.name) is None)) for v in values], loss)
+    # Backward: at a segment's replay its kept values come back, and leave as its ops finish;
+    # a plain value autograd kept leaves after its own op's backward.
     g = _Gradients(by_name, loss)
-    held_inputs, replayed, current = inputs, 0.0, None
+    held, replayed, current = inputs + held_plain, 0.0, object()
     peak = held_peak = 0.0
     for v in reversed(values):
-        if layer(v.name) != current:
-            current = layer(v.name)
-            replayed = sum(w.nbytes for w in per_layer.get(current, ()) if w.kept)
-        if boundary.get(v.name) is not None and not v.view:
-            held_inputs -= v.nbytes   # the layers reading it are done with it
+        if seg(v.name) != current:
+            current = seg(v.name)
+            replayed = 0.0 if current is None else \
+                sum(w.nbytes for w in per_segment[current] if w.kept)
+        if v.name in boundary and not v.view:
+            held -= v.nbytes   # the segments reading it are done with it
         if v.name not in g.flowing:
             continue
         extra, new_params = g.op(v)
-        now = held_inputs + replayed + g.in_flight + extra
+        now = held + replayed + g.in_flight + extra
         peak = max(peak, now + g.made)
         held_peak = max(held_peak, now + new_params)
         g.done(v)
-        if v.kept:
+        if v.kept and current is not None:
             replayed -= v.nbytes
+        elif v.kept and not v.view and v.name not in boundary:
+            held -= v.nbytes
     grads = sum(v.param_grad for v in values if v.role == "param")
-    return StepPeaks(inputs, forward_peak, peak, held_peak, grads)
+    return StepPeaks(inputs + held_plain, forward_peak, peak, held_peak, grads)

@@ -28,8 +28,9 @@ class CostContext:
     """The mesh costs are measured on; ``device`` None leaves compute out (abstract units).
 
     A step runs the program once per micro-batch (``microbatches``; the graph is traced at the
-    micro-batch's size), with its forward run again during backward under ``recompute``; the
-    update-phase synchronization runs once per step.
+    micro-batch's size), with its forward run again during backward under ``recompute`` (only
+    the nodes of ``recomputed`` when it is given: `planner/recompute.py`); the update-phase
+    synchronization runs once per step.
 
     ``devices`` (a mixed cluster: each rank's type, host-major as the mesh numbers them) prices
     an op at its slowest rank, each rank doing its share of the work (the mesh's weights);
@@ -42,6 +43,13 @@ class CostContext:
     microbatches: int = 1
     recompute: bool = False
     devices: tuple[DeviceType, ...] = ()
+    recomputed: frozenset[str] | None = None
+
+    def replays(self, node: str | None = None) -> bool:
+        """Whether ``node``'s forward runs again in backward (None: the program's, as a
+        whole-program recomputation does)."""
+        return self.recompute and (self.recomputed is None or node is None
+                                   or node in self.recomputed)
 
     def rank_shares(self, axes: Axes) -> tuple[tuple[DeviceType, float], ...]:
         """The distinct (device type, share of the work) of the ranks when work is divided over
@@ -53,19 +61,24 @@ class CostContext:
             (types[i * shape[1] + j], per_axis[0][i] * per_axis[1][j])
             for i in range(shape[0]) for j in range(shape[1])))
 
-    def phase_counts(self, phase: str) -> tuple[tuple[str, int], ...]:
-        """How often per step a collective the program issues in ``phase`` runs, by the phase
-        it is recorded in: forward ones again as "recompute" under recomputation."""
+    def phase_counts(self, phase: str, node: str | None = None) -> tuple[tuple[str, int], ...]:
+        """How often per step a collective the program issues in ``phase`` (while running
+        ``node``) runs, by the phase it is recorded in: forward ones again as "recompute" where
+        ``node`` is replayed."""
         if phase == "update":
             return (("update", 1),)
-        if phase == "forward" and self.recompute:
+        if phase == "forward" and self.replays(node):
             return (("forward", self.microbatches), ("recompute", self.microbatches))
         return ((phase, self.microbatches),)
 
     @property
     def weights(self) -> tuple[float, float]:
         """Per-step multiples of the program's (forward, backward) collectives."""
-        return (float(sum(n for _, n in self.phase_counts("forward"))),
+        return self.weights_of(None)
+
+    def weights_of(self, node: str | None) -> tuple[float, float]:
+        """Per-step multiples of the (forward, backward) collectives issued running ``node``."""
+        return (float(sum(n for _, n in self.phase_counts("forward", node))),
                 float(self.microbatches))
 
     @property
@@ -215,7 +228,7 @@ class OpCosts:
         return tuple(out)
 
     def stat_sync_cost(self, node: Node, choice: Choice) -> float:
-        w = self.ctx.weights
+        w = self.ctx.weights_of(node.name)
         return sum(collective_cost(k, self.ctx.mesh, a, b) * w[phase == "backward"]
                    for k, b, a, phase in self.stat_sync(node, choice))
 
@@ -252,7 +265,7 @@ class OpCosts:
 
     def compute_cost(self, node: Node, choice: Choice) -> float:
         forward, backward = self.pass_times(node, choice)
-        return self.ctx.microbatches * (forward * (1 + self.ctx.recompute) + backward)
+        return self.ctx.microbatches * (forward * (1 + self.ctx.replays(node.name)) + backward)
 
     def param_memory(self, node: Node, choice: Choice) -> ParamMemory:
         """What a device holds of the parameter ``node`` under ``choice``."""

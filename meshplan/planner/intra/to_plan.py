@@ -13,6 +13,7 @@ from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.extract import extract
 from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.ilp_problem import IlpSolution
+from meshplan.planner.recompute import FULL, Replay
 
 
 def ilp_memory(form: Formulation, choices: tuple[int, ...]) -> float:
@@ -25,10 +26,10 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
                options: IntraOptions, budget: float | None, search_time_s: float,
                dtype: str, unsupported_ops: tuple[str, ...],
                axis_weights: tuple[tuple[float, ...], ...] = (),
-               layers: Mapping[str, int] | None = None) -> Plan:
+               layers: Mapping[str, int] | None = None, replay: Replay | None = None) -> Plan:
     """The plan of ``sol``: predictions priced on ``real_mesh`` (the cluster's own α/β, with
-    compute) whatever units ``form`` was solved in; ``layers`` (each node's clustered layer)
-    when a recomputed stage replays layer by layer."""
+    compute) whatever units ``form`` was solved in; ``layers`` (each replayed node's segment)
+    and ``replay`` (what they are) when a recomputed stage replays segment by segment."""
     ctx = form.ctx
     mesh = ctx.mesh
     real = replace(ctx, mesh=real_mesh, device=cluster.device)
@@ -48,6 +49,7 @@ def intra_plan(form: Formulation, sol: IlpSolution, real_mesh: LogicalMesh, clus
                    "peak_memory_bytes": result.peak_memory_bytes} | result.figures,
         loss_partial_axes=result.loss_partial_axes, axis_weights=axis_weights,
         dtype=dtype, microbatches=ctx.microbatches, recompute=ctx.recompute,
+        recompute_scope=(replay or FULL).scope, recompute_layers=(replay or FULL).layers,
         options={k: v for k, v in asdict(options).items()
                  if k not in ("memory_budget", "replicated_updates")}
         | {"replicated_updates": sorted(options.replicated_updates)}
