@@ -35,7 +35,7 @@ from meshplan.planner.intra import baselines
 from meshplan.planner.recompute import FULL, SELECTIVE, NoReplayError, Replay, parse_recompute
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
-from meshplan.planner.intra.formulate import CostContext, formulate
+from meshplan.planner.intra.formulate import CostContext, formulate, without_zero3
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
@@ -556,8 +556,14 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
                 "recompute='selective': this program has no attention core to recompute (a "
                 "fused attention, sdpa, keeps no scores); give 'full' or 'layers:K'")
         if not step.replay.whole:
+            if opts.update_mode == "zero3":
+                raise NoReplayError(f"recompute: {step.replay.describe()} with ZeRO-3 is not "
+                                    "supported yet; recompute every layer ('full') or use "
+                                    "another update mode")
             ctx = replace(ctx, recomputed=frozenset(segments))
     form = formulate(choices, ctx, budget, share_blocks=opts.share_blocks, layers=segments)
+    if step.recompute and not step.replay.whole:
+        form = replace(form, problem=without_zero3(form, form.problem))
     try:
         sol = _refine(form.problem, solve(form.problem))
     except InfeasibleIlpError as e:
@@ -565,9 +571,4 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "
                              f"mesh ({e}); try method 'auto' or another mesh shape") from None
         raise _infeasible(form, budget, cl, method) from None
-    if step.recompute and not step.replay.whole and any(
-            form.choices.choices[r][c].mode == "zero3" for r, c in zip(form.roots, sol.choices)
-            if form.choices.graph.by_name[r].role == "param"):
-        raise NoReplayError(f"recompute: {step.replay.describe()} with ZeRO-3 is not supported "
-                            "yet; recompute every layer ('full') or use another update mode")
     return form, sol, graph, traced_graph.fingerprint(), ctx, segments, num_layers, step.replay

@@ -102,6 +102,15 @@ def _microbatches(text: str) -> int | str:
     return "auto" if text.strip() == "auto" else _positive_int(text)
 
 
+def _recompute(text: str) -> str:
+    from meshplan.planner.recompute import parse_recompute
+    try:
+        parse_recompute(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _budget_gb(text: str) -> float:
     try:
         value = float(text)
@@ -179,9 +188,11 @@ def _add_plan_parser(subparsers: Any) -> None:
                         "else fp16 where that is faster, else fp32)")
     p.add_argument("--microbatches", type=_microbatches, default="auto", metavar="auto|N",
                    help="micro-batches per step, gradients accumulated (default: searched)")
-    p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
-                   help="recompute activations in backward (default auto: per stage, where "
-                        "memory demands it)")
+    p.add_argument("--recompute", type=_recompute, default="auto",
+                   metavar="auto|none|full|selective|layers:K",
+                   help="recompute activations in backward: every layer, the attention cores "
+                        "(selective) or each stage's first K layers (default auto: per stage, "
+                        "the least that memory demands)")
     p.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "interleaved"),
                    default="auto", help="pipeline schedule planned for (default auto: 1F1B, "
                                         "or interleaved 1F1B when faster)")

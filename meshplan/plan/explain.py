@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshplan.plan.plan import Plan
+from meshplan.planner.recompute import replay_text
 
 _HEAVY = ("mm", "bmm", "matmul", "sdpa", "embedding")
 
@@ -30,7 +31,9 @@ def summary(plan: Plan) -> str:
         f"  search           {plan.search_time_s:.2f} s ({_search(plan)})",
         f"  training step    {plan.dtype}, {plan.microbatches} micro-batch"
         f"{'es' if plan.microbatches != 1 else ''}"
-        f"{', recomputed' if plan.recompute else ''}, {_stage_count(plan)}",
+        f"{', ' + replay_text(plan) if plan.recompute and plan.num_stages <= 1 else ''}"
+        f"{', recomputed' if plan.recompute and plan.num_stages > 1 else ''}, "
+        f"{_stage_count(plan)}",
     ]
     loss = plan.options.get("microbatch_loss")
     if loss is not None:   # how the micro-batches make the full batch's step
@@ -148,7 +151,7 @@ def stages_table(plan: Plan) -> list[str]:
             devs += f" [{device['name'] if isinstance(device, dict) else device}]"
         out.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) on devices "
                    f"{devs} (submesh {s.submesh[0]}x{s.submesh[1]}, mesh "
-                   f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', recomputed' if s.recompute else ''}"
+                   f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', ' + replay_text(s) if s.recompute else ''}"
                    f", {s.in_flight} in flight, {s.latency_s * 1e3:,.3f} ms, "
                    f"{format_bytes(s.memory_bytes)}")
     return out

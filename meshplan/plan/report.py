@@ -19,6 +19,7 @@ from meshplan.cost.collectives import collective_cost
 from meshplan.cost.mesh import logical_mesh
 from meshplan.plan.explain import device_runs, format_bytes
 from meshplan.plan.plan import Plan
+from meshplan.planner.recompute import replay_text
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
            "#ff9da7", "#9c755f", "#bab0ac")
@@ -200,7 +201,8 @@ def render_report(plan: Plan) -> str:
          "latency ms", "memory"],
         [[s.index, f"[{s.layers[0]}, {s.layers[1]})", device_runs(s.devices),
           f"{s.submesh[0]}x{s.submesh[1]}", f"{s.mesh_shape[0]}x{s.mesh_shape[1]}",
-          s.recompute, s.in_flight, f"{s.latency_s * 1e3:,.3f}", format_bytes(s.memory_bytes)]
+          replay_text(s).removeprefix("recomputed: ") or "no", s.in_flight,
+          f"{s.latency_s * 1e3:,.3f}", format_bytes(s.memory_bytes)]
          for s in plan.stages], {6, 7})
     summary = _table(["", ""], [
         ["model", plan.model], ["cluster", f"{cl.name}: {cl.num_hosts} x "

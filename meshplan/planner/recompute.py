@@ -75,6 +75,15 @@ class NoReplayError(ValueError):
     attention core to replay; a partial replay with ZeRO-3): "auto" tries the next one."""
 
 
+def replay_text(holder: object) -> str:
+    """How a plan or stage (its ``recompute``, ``recompute_scope``, ``recompute_layers``)
+    recomputes, for people: "" when it does not."""
+    if not getattr(holder, "recompute", False):
+        return ""
+    return "recomputed: " + Replay(getattr(holder, "recompute_scope", "layers"),
+                                   getattr(holder, "recompute_layers", None)).describe()
+
+
 FULL = Replay()
 SELECTIVE = Replay("attention")
 

@@ -30,7 +30,6 @@ and their real latency and peak memory replace the estimates.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -50,7 +49,7 @@ from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Submesh,
                                                   triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
-from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
+from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
 from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s
 from meshplan.planner.intra.op_costs import OpCosts
@@ -768,11 +767,3 @@ def _inner_bytes(s: StageSolution, core: frozenset[str]) -> float:
     users = s.graph.users
     return float(sum(costs.memory(s.graph.by_name[n], nc.choices[n][idx[n]]) for n in core
                      if all(u in core for u in users[n])))
-
-
-def without_zero3(form: Formulation, problem: IlpProblem) -> IlpProblem:
-    """``problem`` (of ``form``) with every ZeRO-3 choice forbidden."""
-    costs = tuple(tuple(math.inf if form.choices.choices[r][p].mode == "zero3" else x
-                        for p, x in enumerate(row))
-                  for r, row in zip(form.roots, problem.node_costs))
-    return replace(problem, node_costs=costs)

@@ -15,8 +15,9 @@ activations kept for backward. The costs themselves come from `op_costs.py`; the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.planner.intra.blocks import repeated_blocks
 from meshplan.planner.intra.choices import NodeChoices
@@ -112,3 +113,12 @@ def live_sets_by_layer(nc: NodeChoices, index: dict[str, int], layers: Mapping[s
         out.append(tuple(sorted(index[r] for r in index
                                 if r in everyone or seg(r) == layer)))
     return tuple(out) or (tuple(sorted(index.values())),)
+
+
+def without_zero3(form: Formulation, problem: IlpProblem) -> IlpProblem:
+    """``problem`` (of ``form``) with every ZeRO-3 choice forbidden: a partial recomputation
+    does not run with it yet (`planner/recompute.py`)."""
+    costs = tuple(tuple(math.inf if form.choices.choices[r][p].mode == "zero3" else x
+                        for p, x in enumerate(row))
+                  for r, row in zip(form.roots, problem.node_costs))
+    return replace(problem, node_costs=costs)
