@@ -21,7 +21,7 @@ from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
 from oracle import ADAMW, SGD, assert_matches, batches, reference, train_rank
 import test_pipeline_runtime as pipelines
-from test_recompute_memory import _pipeline_peak
+from test_recompute_memory import check_two_stage_peak
 from test_sim_memory import measured_peak
 
 # Attention scores materialized (flash=0): the cores hold (batch, heads, seq, seq) values.
@@ -176,14 +176,8 @@ def test_one_stage_simulated_peak_is_measured(pool2, recompute: str) -> None:
 
 @pytest.mark.parametrize("recompute", ["selective", "layers:2"])
 def test_two_stage_simulated_peak_is_measured(pool2, recompute: str) -> None:
-    w = build_workload(BIG8, device="meta")
-    plan = api.plan(w.model, w.loss_fn, ADAMW, w.example_batch, "local:2",
-                    method="megatron:dp=1,tp=1,pp=2", microbatches=4, recompute=recompute,
-                    memory_budget_gb=0, dtype="fp32", name=BIG8)
-    simulated = simulate(plan).peak_memory_bytes
-    data = batches(build_workload(BIG8, device="cpu", seed=0), 2)
-    for rank, peak in enumerate(pool2.run(_pipeline_peak, plan, BIG8, data)):
-        assert simulated[rank] == pytest.approx(peak, rel=0.10), (rank, simulated[rank], peak)
+    plan = check_two_stage_peak(pool2, BIG8, recompute)
+    assert all(s.recompute for s in plan.stages)
 
 
 # ---------------------------------------------------------------- the planner's choice
