@@ -229,3 +229,33 @@ def test_what_a_partial_replay_refuses() -> None:
         _plan(flash, (1, 2), "megatron", "selective")
     with pytest.raises(NoReplayError, match="ZeRO-3"):
         _plan(GPT, (1, 2), "zero3", "layers:2")
+
+
+# ---------------------------------------------------------------- dropout inside the cores
+
+def test_replayed_cores_draw_the_same_dropout_masks() -> None:
+    """Hugging Face GPT-2 with its eager attention and dropout on: each core multiplies its
+    probabilities by a dropout mask, which the replay must draw again exactly."""
+    import torch
+    import transformers
+    from meshplan.zoo.spec import Workload
+    import test_hf_models as hf
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=hf.VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+        attn_implementation="eager")).train()
+    example, data = hf.batch("gpt2", 0), [hf.batch("gpt2", s) for s in range(2)]
+    g = capture(model, None, example)[1]
+    cores = attention_cores(g)
+    assert len(cores) == 2 and model.config.attn_pdrop > 0
+    assert all("mul" in {g.by_name[n].op for n in core} for core in cores)   # the mask
+    w = Workload(model, None, example, "gpt2-eager")
+    runs = {}
+    for recompute in ("none", "selective"):
+        plan = api.plan(model, None, SGD, example, "local:2", mesh_shape=(1, 2),
+                        method="megatron", memory_budget_gb=0, recompute=recompute,
+                        microbatches=2)
+        runs[recompute] = run_emulated(train_rank, (1, 2), plan, w, data)[0]
+    assert runs["selective"][0] == runs["none"][0]   # bit for bit: the same masks
+    for name, p in runs["none"][1].items():
+        assert torch.equal(runs["selective"][1][name], p), name
