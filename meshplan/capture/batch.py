@@ -110,6 +110,28 @@ def check_static(traced: BatchLayout, given: BatchLayout) -> None:
                          f"ones {dict(traced.static)}; they are fixed when the plan is made")
 
 
+def batch_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
+    """Each batch tensor's shape by placeholder name."""
+    return {k: tuple(v.shape) for k, v in flatten_batch(batch)[1].items()}
+
+
+def check_shapes(planned: Mapping[str, tuple[int, ...]], batch: Any) -> None:
+    """Raise ValueError unless ``batch``'s tensors have the ``planned`` shapes. Every rank is
+    handed the same global batch, so every rank refuses it alike, before communicating."""
+    given = batch_shapes(batch)
+    if given == dict(planned) or set(given) != set(planned):
+        return   # other tensors: `check_static` names them
+    diff = {k: (planned.get(k), given.get(k)) for k in {*planned, *given}
+            if planned.get(k) != given.get(k)}
+    shown = ", ".join(f"{k}: planned {list(a) if a is not None else None}, "
+                      f"given {list(b) if b is not None else None}" for k, (a, b) in
+                      sorted(diff.items()))
+    raise ValueError(f"this batch's shapes differ from the ones the plan was made for ({shown}); "
+                     "a plan runs the batch shape of its example batch: pad or cut the batch "
+                     "to that shape (the planned batch size and sequence length), or make a "
+                     "plan with an example batch of this shape")
+
+
 def model_loss(out: Any) -> torch.Tensor:
     """The loss a model returned itself (``loss_fn=None``). Raises ValueError if there is none."""
     if isinstance(out, torch.Tensor):

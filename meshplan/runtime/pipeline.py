@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import split_microbatches
+from meshplan.capture.batch import batch_shapes, check_shapes, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -81,6 +81,7 @@ class PipelineTrainer:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
         graphs = stage_graphs(graph, plan)
+        self.planned_shapes = batch_shapes(example_batch)
         # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
         self._scales = StepScales(traced.graph_module, graph,
                                   lambda: capture(model, loss_fn, example_batch)[1]) \
@@ -106,6 +107,7 @@ class PipelineTrainer:
         """One training step on the global ``batch`` (as `Trainer.step`); returns the loss.
         ``apply`` False leaves APPLY_GRAD to the caller (`prepare_gradients`, then the
         optimizer of every stage, then `after_update`: `meshplan.parallelize`)."""
+        check_shapes(self.planned_shapes, batch)
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from meshplan.capture.batch import check_static, flatten_batch, split_microbatches
+from meshplan.capture.batch import (batch_shapes, check_shapes, check_static, flatten_batch,
+                                    split_microbatches)
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -139,6 +140,7 @@ class Trainer:
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
         self._layout = traced.batch
+        self.planned_shapes = batch_shapes(example_batch)
         self._steps = 0
         self._units = self._make_units(graph)
         # Recomputation segment by segment (``layers``: each IR node's clustered layer), as
@@ -261,6 +263,7 @@ class Trainer:
         the same on every rank: the step equals single-device training run after
         ``torch.manual_seed(seed)``.
         """
+        check_shapes(self.planned_shapes, batch)
         rng = self.begin_step(seed)
         micro = split_microbatches(batch, self.plan.microbatches)
         scales = self.step_scales(micro)
