@@ -1,61 +1,164 @@
-"""Batches the plan was not made for (issue 26.1): refused on every rank with one clear message
-before any rank communicates, after which the ranks go on in step. The issue's run: a data plan
-of a GPT on 2 gloo processes given a batch of the planned shape, one with a shorter sequence
-and one of fewer sequences — the last used to desynchronize the ranks into a 30 s timeout."""
+"""Every batch shape a loader gives (issue 26.1): a plan serves batch sizes and sequence
+lengths other than its example's — its decisions lowered again on the program traced at each
+new shape, once per shape — equal to one device step by step; a batch it cannot serve is
+refused on every rank with one clear message before any rank communicates, and the ranks go
+on in step."""
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
 import pytest
 import torch
 
+import meshplan.api as api
 from meshplan.capture.batch import check_shapes
-from oracle import make_plan, SGD
-from user_loop import parallel, train_steps
-from meshplan.zoo.spec import build_workload
+from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+from meshplan.runtime.optim import make_optimizer
+from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.zoo.spec import Workload, build_workload
+import test_hf_models as hf
+from oracle import SGD, assert_matches, make_plan
+from user_loop import one_device, parallel, train_steps
+
+# Dynamic padding: every batch padded to its own longest row, the last batch of the epoch short
+# (rows, sequence length); one batch square (rows = length), where equal sizes once traced to
+# another program.
+SHAPES = [(4, 8), (4, 12), (6, 5), (8, 8), (4, 9)]
+
+
+def _padded(seed: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, hf.VOCAB, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[1, -min(3, seq - 1):] = 0      # a shorter row, padded
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+_DATA = [_padded(s, r, q) for s, (r, q) in enumerate(SHAPES)]
+_MODEL = hf.build("llama")
+
+
+def _one_device() -> tuple[list[float], dict]:
+    model = copy.deepcopy(_MODEL)
+    opt = make_optimizer(SGD, model.parameters())
+    losses = []
+    for b in _DATA:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+_REF: list = []
+
+
+def _ref() -> tuple[list[float], dict]:
+    if not _REF:
+        _REF.append(_one_device())
+    return _REF[0]
+
+
+def _shaped_rank(comm, plan, w, data) -> tuple:
+    from meshplan.runtime.trainer import Trainer
+    tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
+    return [tr.step(b) for b in data], tr.full_state_dict()
+
+
+@pytest.mark.parametrize("method,shape,microbatches", [
+    ("data", (1, 2), 1), ("megatron", (1, 2), 2), ("zero3", (1, 2), 2), ("auto", (2, 2), 1)])
+def test_dynamically_padded_batches_equal_one_device(method: str, shape, microbatches) -> None:
+    extra = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0)} if method == "auto" else {}
+    plan = api.plan(_MODEL, None, SGD, _DATA[0], f"local:{math.prod(shape)}", mesh_shape=shape,
+                    method=method, memory_budget_gb=0, microbatches=microbatches, **extra)
+    w = Workload(_MODEL, None, _DATA[0], "llama")
+    for losses, params in run_emulated(_shaped_rank, shape, plan, w, _DATA):
+        # Step by step: every loss, then the parameters after the five steps.
+        assert_matches((losses, params, []), _ref(), plan, SGD)
+
+
+def _pipeline_rank(comm, p2p, plan, data) -> tuple:
+    tr = PipelineTrainer(plan, _MODEL, None, data[0], comm, p2p)
+    return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+
+@pytest.mark.parametrize("method,devices,microbatches", [
+    ("megatron:dp=1,tp=1,pp=2", 2, 2), ("megatron:dp=2,tp=1,pp=2", 4, 1)])
+def test_a_two_stage_pipeline_serves_every_shape(method: str, devices: int,
+                                                 microbatches: int) -> None:
+    plan = api.plan(_MODEL, None, SGD, _DATA[0], f"local:{devices}", method=method,
+                    memory_budget_gb=0, microbatches=microbatches, dtype="fp32")
+    results = run_emulated_stages(_pipeline_rank, plan.stage_meshes(), plan, _DATA)
+    params: dict = {}
+    for _, state in results:
+        params.update(state)
+    assert_matches((results[0][0], params, []), _ref(), plan, SGD)
+
+
+# ---------------------------------------------------------------- the issue's run, on gloo
 
 GPT = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8"
 
 
-def _batch(w, batch: int, seq: int, seed: int):
+def _batch(batch: int, seq: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (batch, seq), generator=g)
     return ((ids,), torch.randint(0, 128, (batch, seq), generator=g))
 
 
-def _rank(rank: int, nprocs: int, plan) -> list:
+ISSUE = [_batch(8, 16, 0), _batch(8, 12, 1), _batch(6, 16, 2)]
+
+
+def _gloo_rank(rank: int, nprocs: int, plan) -> list:
     w = build_workload(GPT, device="cpu", seed=0)
     model, opt, sched = parallel(w, plan)
-    out = [train_steps(model, opt, sched, [_batch(w, 8, 16, 0)])]
-    for batch, seq in ((8, 12), (6, 16)):
+    return train_steps(model, opt, sched, ISSUE)
+
+
+def test_the_issue_batches_train_on_gloo_as_on_one_device(pool2) -> None:
+    plan = make_plan(GPT, (1, 2), "data", SGD)
+    ref, _ = one_device(build_workload(GPT, device="cpu", seed=0), ISSUE)
+    for losses in pool2.run(_gloo_rank, plan):
+        assert losses == pytest.approx(ref, rel=1e-5)
+
+
+def _refusing_rank(rank: int, nprocs: int, plan) -> list:
+    w = build_workload(GPT, device="cpu", seed=0)
+    model, opt, sched = parallel(w, plan)
+    out: list = [train_steps(model, opt, sched, [_batch(8, 16, 0)])]
+    for rows in (3, 2):   # micro-batches that do not divide it; micro-batches of one sample
         t0 = time.perf_counter()
         try:
-            model(_batch(w, batch, seq, 1))
-            out.append(("ran", batch, seq))
+            model(_batch(rows, 16, 1))
+            out.append(("ran", rows))
         except ValueError as e:
             out.append((str(e), time.perf_counter() - t0))
-    out.append(train_steps(model, opt, sched, [_batch(w, 8, 16, 2)]))   # still in step
+    out.append(train_steps(model, opt, sched, [_batch(8, 16, 2)]))   # still in step
     return out
 
 
-def test_a_batch_of_another_shape_is_refused_on_every_rank_at_once(pool2) -> None:
-    plan = make_plan(GPT, (1, 2), "data", SGD)
-    results = pool2.run(_rank, plan)
-    for first, short, few, after in results:
-        for message, seconds in (short, few):   # at once: no collective waited on
-            assert "make a plan" in message and seconds < 5, (message, seconds)
-        assert "input0: planned [8, 16], given [8, 12]" in short[0]
-        assert "input0: planned [8, 16], given [6, 16]" in few[0]
-    # The ranks are still in step: the next planned batch trains on both alike.
+def test_a_batch_it_cannot_serve_is_refused_on_every_rank_at_once(pool2) -> None:
+    plan = make_plan(GPT, (1, 2), "data", SGD, microbatches=2)
+    results = pool2.run(_refusing_rank, plan)
+    for first, odd, single, after in results:
+        for message, seconds in (odd, single):   # at once: no collective waited on
+            assert seconds < 5, (message, seconds)
+        assert "2 micro-batches do not divide the batch of 3" in odd[0]
+        assert "micro-batches of 1 sample(s), the plan's hold 4" in single[0]
+    # The ranks are still in step: the next batch trains on both alike.
     assert results[0][0] == results[1][0] and results[0][3] == results[1][3]
     assert math.isfinite(results[0][3][0])
 
 
-def test_the_message_names_each_tensor_planned_and_given() -> None:
-    example = ((torch.zeros(8, 16, dtype=torch.long),), torch.zeros(8, 16, dtype=torch.long))
+def test_a_pipeline_stage_alone_runs_its_planned_shape() -> None:
     with pytest.raises(ValueError, match=r"input0: planned \[8, 16\], given \[8, 12\]"):
         check_shapes({"input0": (8, 16), "target": (8, 16)},
                      ((torch.zeros(8, 12),), torch.zeros(8, 12)))
-    check_shapes({"input0": (8, 16), "target": (8, 16)}, example)   # the planned shape runs
+    check_shapes({"input0": (8, 16), "target": (8, 16)},
+                 ((torch.zeros(8, 16),), torch.zeros(8, 16)))

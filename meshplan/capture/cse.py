@@ -4,7 +4,10 @@ A module that applies three Linear layers to one input traces three identical vi
 apart they are three values, each moved and synchronized on its own. Merged, the value has three
 consumers, and the planner moves it, and all-reduces its gradient, once (`planner/intra/fanout`).
 Random draws and ops that mutate an operand are never merged: two draws differ, and a mutation
-is a side effect.
+is a side effect. Nor are calls that read no value (``arange(n)``, ``zeros(shape)``): a
+constant costs the plan nothing, and whether two of them coincide depends on the sizes (the
+positions and the batch rows of 8 sequences of 8 tokens), so merging them would make the
+program's structure depend on the batch's shape, which a plan serves whatever its sizes.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def merge_common_subexpressions(gm: GraphModule) -> dict[str, str]:
     seen: dict[Any, Node] = {}
     merged: dict[str, str] = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or _is_impure(node.target):
+        if node.op != "call_function" or _is_impure(node.target) \
+                or not node.all_input_nodes:
             continue
         try:
             key = (node.target, _key(node.args), _key(node.kwargs))

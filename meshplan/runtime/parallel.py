@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import check_shapes, split_microbatches
+from meshplan.capture.batch import split_microbatches
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.devices import check_backend, resolve_device
@@ -85,7 +85,7 @@ class ParallelModel(nn.Module):
             return self._anchor * 0.0 + value
         tr = self._trainer
         assert tr is not None
-        check_shapes(tr.planned_shapes, batch)
+        tr.serve(batch)
         rng = tr.begin_step()
         micro = split_microbatches(batch, self._plan.microbatches)
         scales = tr.step_scales(micro)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import batch_shapes, check_shapes, split_microbatches
+from meshplan.capture.batch import batch_shapes, split_microbatches
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -44,7 +44,7 @@ from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm
 from meshplan.runtime.p2p import P2P
-from meshplan.runtime.trainer import Trainer
+from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
 
 _KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "norm": 5}
 
@@ -90,9 +90,13 @@ class PipelineTrainer:
             plan.stages[s].recompute for s in self.stages) else None
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
                                     captured=(traced, graphs[s]), scales=self._scales,
-                                    layers=layers)
+                                    layers=layers, other_shapes=False)
                          for s in self.stages}
         self._moves = stage_moves(plan, self.program, graph, local_gather)
+        # Other batch shapes (`serve`): each shape's moves and scales, its stage programs.
+        self._model, self._loss_fn, self._gather_locally = model, loss_fn, local_gather
+        self._shape = shape_key(example_batch)
+        self._variants = {self._shape: (self._scales, self._moves)}
         self._tied = [(k, name, me, {i: (self._moves.tied[(name, me, i)],
                                          self._moves.tied[(name, i, me)])
                                      for i in stages if i != me})
@@ -102,12 +106,39 @@ class PipelineTrainer:
         self.held = 0
         self.peak_held = 0
 
+    def serve(self, batch: Any) -> None:
+        """Run the next steps on ``batch``'s shape, as `Trainer.serve`: the model traced at
+        that shape, cut into the stages, each stage's plan lowered on its program, the moves
+        between stages sized anew; once per shape, on every rank alike."""
+        key = shape_key(batch)
+        if key == self._shape:
+            return
+        for t in self.trainers.values():
+            t.check_form(batch)
+        if key not in self._variants:
+            plan = self.plan
+            micro = split_microbatches(batch, plan.microbatches)[0]
+            check_rows(micro, self.planned_shapes, plan.microbatches)
+            traced, graph = locked_capture(self._model, self._loss_fn, micro)
+            graphs = stage_graphs(graph, plan, check=False)
+            scales = StepScales(traced.graph_module, graph,
+                                lambda: locked_capture(self._model, self._loss_fn, batch)[1]) \
+                if plan.microbatches > 1 else None
+            for s, t in self.trainers.items():
+                t.adopt(key, traced, graphs[s], scales)
+            self._variants[key] = (scales, stage_moves(plan, self.program, graph,
+                                                       self._gather_locally))
+        for t in self.trainers.values():
+            t.use(key)
+        self._scales, self._moves = self._variants[key]
+        self._shape = key
+
     # ---------------------------------------------------------------- one step
     def step(self, batch: Any, *, seed: int | None = None, apply: bool = True) -> float:
         """One training step on the global ``batch`` (as `Trainer.step`); returns the loss.
         ``apply`` False leaves APPLY_GRAD to the caller (`prepare_gradients`, then the
         optimizer of every stage, then `after_update`: `meshplan.parallelize`)."""
-        check_shapes(self.planned_shapes, batch)
+        self.serve(batch)
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)

@@ -15,6 +15,8 @@ from backward: nothing to synchronize.
 
 from __future__ import annotations
 
+import threading
+
 import weakref
 from collections import defaultdict
 from contextlib import nullcontext
@@ -23,8 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from meshplan.capture.batch import (batch_shapes, check_shapes, check_static, flatten_batch,
-                                    split_microbatches)
+from meshplan.capture.batch import (batch_shapes, batch_size, check_shapes, check_static,
+                                    flatten_batch, split_microbatches)
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -91,14 +93,16 @@ class Trainer:
     shards, on the communicator's device, ``comm.device``). ``weights`` optionally gives per-axis shard weights (uneven shards, e.g. a 3:1
     batch split on a (1, 2) mesh is ``((1.0,), (3.0, 1.0))``). ``captured`` reuses a capture
     of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
-    trace differs from the program the plan was made for.
+    trace differs from the program the plan was made for. A step's batch may have another
+    shape than ``example_batch`` (`serve`) unless ``other_shapes`` is false (a pipeline
+    stage's trainer).
     """
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None,
                  scales: StepScales | None = None,
-                 layers: Mapping[str, int] | None = None) -> None:
+                 layers: Mapping[str, int] | None = None, other_shapes: bool = True) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -143,32 +147,93 @@ class Trainer:
         self.planned_shapes = batch_shapes(example_batch)
         self._steps = 0
         self._units = self._make_units(graph)
-        # Recomputation segment by segment (``layers``: each IR node's clustered layer), as
-        # the planner prices it (`planner/recompute.py`); a program of one layer reruns its
-        # forward as one piece.
-        self._layered = None
-        if plan.recompute:
-            replay = Replay(plan.recompute_scope, plan.recompute_layers)
-            if replay.scope == "layers" and layers is None and plan.num_stages <= 1 \
-                    and plan.num_layers > 1:
-                layers = recompute_layers(graph, plan)   # a single-stage plan's own layers
-            segments = replay.segments(graph, layers or {}) \
-                if replay.scope == "attention" or layers else {}
-            if replay.scope == "attention" and not segments:
-                raise ValueError("the plan recomputes attention cores, but this program has "
-                                 "none: the plan was made for another program; make a new plan")
-            if segments:
-                owner = self.program.owner
-                self._layered = segmented(
-                    self.program.graph_module, lambda name: segments.get(owner.get(name, "")),
-                    owner.__contains__,
-                    lambda: zero3.running(self._units) if self._units is not None
-                    else nullcontext())
+        self._layers = layers
+        self._layered = self._segments(graph, self.program)
+        # Other batch shapes: the same decisions lowered again on the program traced at the
+        # shape (`serve`), one program per shape.
+        self._capture = (lambda b: locked_capture(model, loss_fn, b)) if other_shapes else None
+        self._weights = w
+        self._shape = shape_key(example_batch)
+        self._programs = {self._shape: (graph, self.program, self.scales, self._layered)}
+        self._structure = _structure(graph)
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
         self._buckets = self._make_buckets()
+
+    def _segments(self, graph: Graph, program: Any) -> Any:
+        """``program`` cut into its recomputed segments (``layers``: each IR node's clustered
+        layer), as the planner prices it (`planner/recompute.py`), or None: not recomputed, or
+        a program of one layer, which reruns its forward as one piece."""
+        plan, layers = self.plan, self._layers
+        if not plan.recompute:
+            return None
+        replay = Replay(plan.recompute_scope, plan.recompute_layers)
+        if replay.scope == "layers" and layers is None and plan.num_stages <= 1 \
+                and plan.num_layers > 1:
+            layers = self._layers = recompute_layers(graph, plan)   # a single stage's own
+        segments = replay.segments(graph, layers or {}) \
+            if replay.scope == "attention" or layers else {}
+        if replay.scope == "attention" and not segments:
+            raise ValueError("the plan recomputes attention cores, but this program has "
+                             "none: the plan was made for another program; make a new plan")
+        if not segments:
+            return None
+        owner = program.owner
+        return segmented(program.graph_module, lambda name: segments.get(owner.get(name, "")),
+                         owner.__contains__,
+                         lambda: zero3.running(self._units) if self._units is not None
+                         else nullcontext())
+
+    def serve(self, batch: Any) -> None:
+        """Run the next steps on ``batch``'s shape: the plan's decisions lowered on the program
+        traced at that shape (a batch size or sequence length other than the example's),
+        once per shape. Every rank holds the same global batch, so every rank switches, or
+        refuses, alike before communicating. Raises ValueError when the plan cannot serve it:
+        its micro-batches do not divide the batch, or the shape changes the model's program
+        (a micro-batch of one sample traces without its batch dim)."""
+        key = shape_key(batch)
+        if key == self._shape:
+            return
+        self.check_form(batch)
+        if key not in self._programs:
+            if self._capture is None:   # a pipeline stage's: its pipeline adopts the shape
+                check_shapes(self.planned_shapes, batch)
+            micro = split_microbatches(batch, self.plan.microbatches)[0]
+            check_rows(micro, self.planned_shapes, self.plan.microbatches)
+            traced, graph = self._capture(micro)
+            scales = StepScales(traced.graph_module, graph, lambda: self._capture(batch)[1]) \
+                if self.plan.microbatches > 1 else None
+            self.adopt(key, traced, graph, scales)
+        self.use(key)
+
+    def check_form(self, batch: Any) -> None:
+        """Raise ValueError unless ``batch`` has the traced example batch's form (its tensors
+        by name, its non-tensor keywords)."""
+        if self._layout is not None:
+            check_static(self._layout, flatten_batch(batch)[0])
+
+    def adopt(self, key: tuple, traced: Traced, graph: Graph, scales: StepScales | None
+              ) -> None:
+        """Lower the plan on ``graph`` (traced at the batch shape ``key``) for `use`. Raises
+        ValueError if its program is not the planned one's but for sizes."""
+        if _structure(graph) != self._structure:
+            raise ValueError(
+                f"at the batch shapes {dict(key)} the model traces to another program than at "
+                f"the planned {self.planned_shapes} (its operations depend on the shape, as "
+                "when a micro-batch holds one sample): make a plan with an example batch of "
+                "this shape")
+        scaled = tuple(r for r in scales.reductions if r.node in graph.by_name) \
+            if scales is not None else ()
+        program = lower(traced, graph, self.plan, self.comm.rank, self._weights,
+                        device=self.device, scaled=scaled)
+        self._programs[key] = (graph, program, scales, self._segments(graph, program))
+
+    def use(self, key: tuple) -> None:
+        """Run the program lowered for the batch shape ``key`` (`adopt`)."""
+        self.graph, self.program, self.scales, self._layered = self._programs[key]
+        self._shape = key
 
     def _make_units(self, graph: Graph) -> Units | None:
         """The plan's ZeRO-3 units over this rank's shards (`runtime/zero3.py`), or None."""
@@ -263,7 +328,7 @@ class Trainer:
         the same on every rank: the step equals single-device training run after
         ``torch.manual_seed(seed)``.
         """
-        check_shapes(self.planned_shapes, batch)
+        self.serve(batch)
         rng = self.begin_step(seed)
         micro = split_microbatches(batch, self.plan.microbatches)
         scales = self.step_scales(micro)
@@ -488,3 +553,34 @@ class Trainer:
                 v, sizes = gathered(v, d, axes, self.pos)
                 t = self.comm.all_gather(t, axes, d, sizes, phase="update")
         return t
+
+
+def check_rows(micro: Any, planned: Mapping[str, tuple[int, ...]], microbatches: int) -> None:
+    """Raise ValueError when a micro-batch holds one sample and the planned ones more (or the
+    other way): a sample alone traces without its batch dim, another program."""
+    rows = batch_size(micro)
+    planned_rows = next(iter(planned.values()))[0] // microbatches if planned else rows
+    if (rows == 1) != (planned_rows == 1):
+        raise ValueError(f"this batch makes micro-batches of {rows} sample(s), the plan's hold "
+                         f"{planned_rows}: a micro-batch of one sample traces to another "
+                         "program; give a batch of at least 2 samples per micro-batch, or make "
+                         "a plan with an example batch of this shape")
+
+
+def shape_key(batch: Any) -> tuple:
+    """The shapes of ``batch``'s tensors, as a key of the programs lowered per shape."""
+    return tuple(sorted(batch_shapes(batch).items()))
+
+
+_CAPTURING = threading.Lock()
+
+
+def locked_capture(model: nn.Module, loss_fn: Callable | None, batch: Any) -> tuple:
+    """`capture`, one at a time: tracing is not thread-safe, and emulated ranks are threads."""
+    with _CAPTURING:
+        return capture(model, loss_fn, batch)
+
+
+def _structure(graph: Graph) -> tuple:
+    """The program without its sizes: what a plan's decisions are made on."""
+    return tuple((n.name, n.role, n.op, n.inputs) for n in graph.nodes)
