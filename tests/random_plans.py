@@ -38,12 +38,13 @@ def randomize(problem: IlpProblem, rng: random.Random) -> IlpProblem:
 
 def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
                 shape: tuple[int, int], seed: int, monkeypatch: Any, *,
-                abstract: bool = False, sfb: str | None = None) -> Plan:
+                abstract: bool = False, sfb: str | None = None, **step: Any) -> Plan:
     """A plan of ``model`` on a ``shape`` mesh whose strategies are a random valid assignment.
 
     Its ``objective`` is what the real problem charges for that assignment. ``abstract``: α=β=1
     units and no memory budget (replicated updates only); else the cluster's own costs with a
-    budget that never binds, so ZeRO-2/3 updates are drawn too.
+    budget that never binds, so ZeRO-2/3 updates are drawn too. ``step``: the training step's
+    options (micro-batches, recomputation, dtype).
     """
     rng = random.Random(seed)
 
@@ -63,6 +64,6 @@ def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
     try:
         return api.plan(model, loss_fn, optimizer, example_batch,
                         f"local:{shape[0] * shape[1]}", mesh_shape=shape, share_blocks=False,
-                        name=f"random-{seed}", sfb=sfb, **units)
+                        name=f"random-{seed}", sfb=sfb, **units, **step)
     finally:
         monkeypatch.undo()

@@ -231,6 +231,32 @@ def test_what_a_partial_replay_refuses() -> None:
         _plan(GPT, (1, 2), "zero3", "layers:2")
 
 
+# ---------------------------------------------------------------- random plans
+
+RANDOM_SHAPES = [(1, 2), (2, 1), (2, 2), (1, 4)]
+
+
+@pytest.mark.parametrize("shape", RANDOM_SHAPES, ids=[f"{r}x{c}" for r, c in RANDOM_SHAPES])
+def test_random_plans_replaying_part_of_themselves_equal_one_device(
+        shape, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random valid assignments of the ILP (`random_plans.py`), each with a random partial
+    replay and micro-batch count: every one trains as one device, with the collectives its
+    plan lists (those of the replayed nodes twice)."""
+    import random
+    from random_plans import random_plan
+    meta = build_workload(GPT, device="meta")
+    w, data = _data(GPT)
+    rng = random.Random(sum(shape))
+    for seed in range(3):
+        recompute = rng.choice(["selective", "layers:1", "layers:3"])
+        plan = random_plan(meta.model, meta.loss_fn, SGD, meta.example_batch, shape,
+                           100 * shape[0] + 10 * shape[1] + seed, monkeypatch,
+                           abstract=seed % 2 == 1, recompute=recompute, microbatches=2)
+        assert plan.recompute
+        for r in run_emulated(train_rank, shape, plan, w, data):
+            assert_matches(r, _oracle(GPT), plan, SGD)
+
+
 # ---------------------------------------------------------------- dropout inside the cores
 
 def test_replayed_cores_draw_the_same_dropout_masks() -> None:
