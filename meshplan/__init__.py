@@ -3,7 +3,8 @@
 Front doors: ``meshplan.plan(model, loss_fn, optimizer, example_batch, cluster)`` returns a
 `Plan`; ``meshplan.load_plan(path)`` reads one back; on each rank ``meshplan.parallelize(model,
 optimizer, plan, loss_fn)`` runs a plan under the user's own training loop (a `Trainer` is the
-same as one object), and ``launch`` starts local worker processes. The command line is ``meshplan plan ...``.
+same as one object), and ``launch`` starts local worker processes; ``meshplan.at_shape(plan,
+model, loss_fn, batch)`` prices a plan at another batch shape. The command line is ``meshplan plan ...``.
 
 The planner, the runtime and checkpoints are imported when first used (each process a launcher
 starts pays only for what it runs: the solver and torch's checkpointing are a second of
@@ -23,6 +24,7 @@ del plan  # noqa: F821 — bound by the import above
 
 _LAZY = {
     "plan": "meshplan.api",
+    "at_shape": "meshplan.planner.intra.at_shape",
     "parallelize": "meshplan.runtime.parallel",
     "Trainer": "meshplan.runtime.trainer",
     "launch": "meshplan.runtime.launcher",
@@ -40,6 +42,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Cluster", "InfeasiblePlanError", "Plan", "Trainer", "WorkerError", "launch",
-           "load_checkpoint", "load_model_state", "load_plan", "parallelize", "parse_cluster_spec",
-           "plan", "save_checkpoint"]
+__all__ = ["Cluster", "InfeasiblePlanError", "Plan", "Trainer", "WorkerError", "at_shape",
+           "launch", "load_checkpoint", "load_model_state", "load_plan", "parallelize",
+           "parse_cluster_spec", "plan", "save_checkpoint"]

@@ -162,3 +162,41 @@ def test_a_pipeline_stage_alone_runs_its_planned_shape() -> None:
                      ((torch.zeros(8, 12),), torch.zeros(8, 12)))
     check_shapes({"input0": (8, 16), "target": (8, 16)},
                  ((torch.zeros(8, 16),), torch.zeros(8, 16)))
+
+
+# ---------------------------------------------------------------- what a new shape costs
+
+def _recorded_rank(comm, plan, w, data) -> list:
+    from meshplan.runtime.trainer import Trainer
+    from oracle import record_counter
+    tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
+    out = []
+    for b in data:
+        start = len(comm.records)
+        tr.step(b)
+        out.append(record_counter(comm.records[start:]))
+    return out
+
+
+@pytest.mark.parametrize("method,shape,microbatches,recompute", [
+    ("data", (1, 2), 1, "none"), ("megatron", (1, 2), 2, "full"), ("zero3", (1, 2), 2, "none"),
+    ("auto", (2, 2), 1, "none")])
+def test_the_plan_priced_at_a_new_shape_lists_what_runs_there(
+        method: str, shape, microbatches: int, recompute: str) -> None:
+    from meshplan.planner.intra.at_shape import at_shape
+    from meshplan.sim.simulate import simulate
+    from oracle import plan_counter
+    plan = api.plan(_MODEL, None, SGD, _DATA[0], f"local:{math.prod(shape)}", mesh_shape=shape,
+                    method=method, memory_budget_gb=0, microbatches=microbatches,
+                    recompute=recompute)
+    same = at_shape(plan, _MODEL, None, _DATA[0])   # at its own shape: the plan itself
+    assert same.collectives == plan.collectives
+    assert same.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"],
+                                                          rel=1e-12)
+    longer = at_shape(plan, _MODEL, None, _DATA[3])   # (8, 8): twice the rows
+    assert longer.predicted["step_time_s"] > plan.predicted["step_time_s"]
+    assert simulate(longer).step_time_s > 0
+    w = Workload(_MODEL, None, _DATA[0], "llama")
+    for per_step in run_emulated(_recorded_rank, shape, plan, w, [_DATA[0], _DATA[3]]):
+        assert per_step[0] == plan_counter(plan)
+        assert per_step[1] == plan_counter(longer)   # the new shape's program, as priced
