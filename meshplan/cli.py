@@ -135,8 +135,9 @@ def _add_plan_parser(subparsers: Any) -> None:
                + describe_zoo())
     p.add_argument("model", metavar="MODEL",
                    help="zoo spec (e.g. mlp:layers=6,hidden=256,batch=32,bias=1, "
-                        "gpt:preset=1.3b,batch=1024, moe:preset=70b, wresnet:preset=13b) or "
-                        "path/to/file.py:fn")
+                        "gpt:preset=1.3b,batch=1024, moe:preset=70b, wresnet:preset=13b), "
+                        "path/to/file.py:fn, or a Hugging Face model by name or config: "
+                        "hf:llama-3-70b,batch=512,seq=4096, hf:path/config.json")
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="cluster YAML path or preset: local:N, PRESET:H, PRESET:HxK "
                         "(e.g. p3.16xlarge:8, p3.16xlarge:1x4, dgx-a100:128)")

@@ -182,7 +182,8 @@ def _check_device_and_seed(device: object, seed: object) -> None:
 
 
 def build_workload(text: str, *, device: str = "meta", seed: int = 0) -> Workload:
-    """Build the Workload named by ``text``: a zoo spec or ``path/to/file.py:fn``.
+    """Build the Workload named by ``text``: a zoo spec, ``path/to/file.py:fn`` or a Hugging
+    Face model, ``hf:NAME[,field=value...]`` or ``hf:path/config.json`` (`hf_catalog.py`).
 
     Zoo specs: see :func:`build_zoo_workload`. File models: ``fn()`` is called with ``device`` as the
     default device and the global RNG seeded with ``seed`` inside ``fork_rng``; it must return
@@ -194,6 +195,10 @@ def build_workload(text: str, *, device: str = "meta", seed: int = 0) -> Workloa
     """
     if not isinstance(text, str):
         raise TypeError(f"model spec must be a str, got {type(text).__name__}")
+    if text.strip().startswith("hf:"):   # a Hugging Face model by name or config.json
+        from meshplan.zoo.hf_catalog import hf_workload
+        _check_device_and_seed(device, seed)
+        return hf_workload(text, device=device, seed=seed)
     if is_file_spec(text, zoo_kinds=tuple(KIND_FIELDS)):
         _check_device_and_seed(device, seed)
         model, loss_fn, batch = load_model_file(text, device=device, seed=seed)
