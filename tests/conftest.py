@@ -4,6 +4,8 @@ whole session.
 Spawning a rank costs a torch import and closing a pool a second or two more (about 6 s for 4
 workers on 2 cores), which each module with real processes used to pay for its own pools. The
 workers keep no state between runs that a test reads (each run builds its workload afresh).
+Under `make test`'s two pytest-xdist workers each worker has its own pools (a session per
+worker), and a test file runs whole on one worker (`--dist loadfile`).
 """
 
 from __future__ import annotations
