@@ -16,7 +16,6 @@ from backward: nothing to synchronize.
 from __future__ import annotations
 
 import threading
-
 import weakref
 from collections import defaultdict
 from contextlib import nullcontext
