@@ -32,7 +32,7 @@ from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, heter
 from meshplan.planner.hetero.to_plan import (HETERO_METHODS, check_mixed_request,
                                              check_segments, plan_mixed)
 from meshplan.planner.intra import baselines
-from meshplan.planner.recompute import FULL, SELECTIVE, NoReplayError, Replay, parse_recompute
+from meshplan.planner.recompute import FULL, NoReplayError, Replay, parse_recompute
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate, without_zero3
@@ -180,8 +180,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     each clustered layer checkpointed on its own: Megatron-LM's full recomputation),
     "selective" (only the attention cores: Megatron-LM's selective recomputation),
     "layers:K" (the first K layers of each stage) or "auto" (only where memory demands it:
-    per pipeline stage the fastest of these that fits; on one stage none, else selective,
-    else full);
+    per pipeline stage the fastest of these that fits; none on one given mesh);
     ``schedule`` of a pipeline "auto" (1F1B, or interleaved 1F1B when the planner finds it
     faster), "1f1b", "gpipe" (every micro-batch in flight) or "interleaved" (Megatron-LM's
     virtual stages: each stage mesh runs v model chunks, the chunk count the fastest that
@@ -327,28 +326,21 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                 raise
             # explained below by the single-stage search, which knows what would help
     last: InfeasiblePlanError | None = None
-    # "auto" on one stage: recompute only when nothing fits without, and then the least.
-    replays = [(False, FULL), (True, SELECTIVE), (True, FULL)] if mode == "auto" else \
-        [(step.recompute, replay)]
-    found = None
+    # "auto" on one given mesh recomputes nothing: its ILP holds a recomputed program's
+    # memory per segment without the replay's gradients in flight, short of the op-by-op
+    # peak, so a plan it found at the budget could predict above it. (The pipeline search
+    # weighs recomputation per stage, a one-stage pipeline on every device included.)
     for num in counts:
-        for rc, again in replays:
-            try:
-                found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh,
-                                   method, opts, budget,
-                                   replace(step, microbatches=num, recompute=rc, replay=again))
-                break
-            except InfeasiblePlanError as e:
-                last = e
-            except NoReplayError:
-                if len(replays) == 1:
-                    raise
-            except ValueError:
-                if last is None:
-                    raise
-                raise last from None  # a micro-batch too small for the model (batch norm of 1)
-        if found is not None:
+        try:
+            found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
+                               opts, budget, replace(step, microbatches=num))
             break
+        except InfeasiblePlanError as e:
+            last = e
+        except ValueError:
+            if last is None:
+                raise
+            raise last from None  # a micro-batch too small for the model (batch norm of 1)
     else:
         assert last is not None
         raise last

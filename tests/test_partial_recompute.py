@@ -205,22 +205,6 @@ def test_the_planner_replays_per_stage_only_what_memory_demands() -> None:
         assert max(simulate(plan).peak_memory_bytes) <= budget * MiB
 
 
-def test_one_stage_auto_recomputes_the_least_that_fits() -> None:
-    w = build_workload(BIG, device="meta")
-
-    def plan(budget_mib: float):
-        return api.plan(w.model, w.loss_fn, ADAMW, w.example_batch, "local:2",
-                        mesh_shape=(1, 2), method="data", recompute="auto",
-                        memory_budget_gb=budget_mib / 1024, microbatches=1, name=BIG)
-    assert not plan(64).recompute
-    selective = plan(27)
-    assert selective.recompute and selective.recompute_scope == "attention"
-    full = plan(20)
-    assert full.recompute and (full.recompute_scope, full.recompute_layers) == ("layers", None)
-    for p, budget in ((selective, 27), (full, 20)):
-        assert p.predicted["peak_memory_bytes"] <= budget * MiB
-
-
 # ---------------------------------------------------------------- refused, clearly
 
 def test_what_a_partial_replay_refuses() -> None:
