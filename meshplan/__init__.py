@@ -35,6 +35,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "data":   # rank-local loading (`meshplan/data.py`), a module of its own
+        return importlib.import_module("meshplan.data")
     if name not in _LAZY:
         raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

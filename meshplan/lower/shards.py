@@ -146,11 +146,13 @@ def op_output(sig: Signature, operands: Sequence[Sharded], out_shape: tuple[int,
     return Sharded(out_shape, out_layout, tuple(pieces))
 
 
-def take_local(full: "torch.Tensor", v: Sharded, pos: MeshPos) -> "torch.Tensor":
-    """This rank's piece of a full tensor laid out as ``v`` (partial sums are not a slicing)."""
+def take_local(full: "torch.Tensor", v: Sharded, pos: MeshPos, have: tuple[int, ...] = ()
+               ) -> "torch.Tensor":
+    """This rank's piece of a full tensor laid out as ``v`` (partial sums are not a slicing);
+    dims ``have`` are this rank's piece already (rank-local loading's rows)."""
     out = full
     for d, (axes, pieces) in enumerate(zip(v.layout.dims, v.pieces)):
-        if axes:
+        if axes and d not in have:
             i = pos.index(axes)
             out = out.narrow(d, sum(pieces[:i]), pieces[i])
     return out.contiguous()

@@ -48,8 +48,11 @@ class ParallelModel(nn.Module):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                  loss_fn: Callable | None, comm: Comm, p2p: P2P | None = None,
-                 captured: Any = None) -> None:
+                 captured: Any = None, local_example: Any = None) -> None:
         super().__init__()
+        # Rank-local loading: the global example batch the trainer is built from, each call
+        # then given this rank's rows only (`meshplan.data`).
+        self._local_example = local_example
         self._model, self._optimizer, self._plan = [model], optimizer, plan
         self._loss_fn, self._comm, self._p2p, self._captured = loss_fn, comm, p2p, captured
         self._trainer: Trainer | None = None
@@ -68,8 +71,9 @@ class ParallelModel(nn.Module):
             trainers = list(self._pipeline.trainers.values())
             prepare = self._pipeline.prepare_gradients
         else:
-            tr = Trainer(plan, model, self._loss_fn, batch, self._comm,
-                         captured=self._captured)
+            local = self._local_example is not None
+            tr = Trainer(plan, model, self._loss_fn, self._local_example if local else batch,
+                         self._comm, captured=self._captured, local_batches=local)
             self._trainer, trainers, prepare = tr, [tr], tr.prepare_gradients
         _repoint(self._optimizer, model, trainers, prepare)
         if self._pending is not None:   # `load_checkpoint` before the first call
@@ -117,8 +121,8 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                 loss_fn: Callable | None = None, *, comm: Comm | None = None,
                 p2p: P2P | None = None, captured: Any = None,
-                device: str | torch.device | None = None
-                ) -> tuple[ParallelModel, torch.optim.Optimizer]:
+                device: str | torch.device | None = None, local_batches: bool = False,
+                example_batch: Any = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
     """The model and optimizer of this rank under ``plan`` (module docstring). ``loss_fn`` is
     the plan's (None: the model returns its own loss). ``comm`` (this rank's stage mesh's
     communicator) and, for a pipeline, ``p2p`` default to the torch.distributed world
@@ -127,10 +131,17 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     ``device`` is where this rank computes ("cpu", "cuda", "cuda:K"; default: ``cuda:LOCAL_RANK``
     when CUDA is available, else the CPU, `devices.resolve_device`); a given ``comm`` brings
     its own. The model's state, the optimizer's and each batch's share are moved there; the
-    user's model object itself is left where it is.
+    user's model object itself is left where it is. ``local_batches``: each call is given
+    this rank's rows of the global batch only (`meshplan.data.LocalBatchSampler` loads them),
+    ``example_batch`` the global example batch the plan was made with; single-stage plans.
     Raises TypeError for an optimizer that is not a torch optimizer, ValueError for one over
     other tensors or a ``device`` other than ``comm``'s, RuntimeError when no world is
     initialized and no ``comm`` is given, or the world's backend cannot reach the device."""
+    if local_batches and (example_batch is None or plan.num_stages > 1):
+        raise (ValueError("local_batches=True needs example_batch=: the global example batch "
+                          "the plan was made with") if example_batch is None else
+               NotImplementedError("local batches for a pipeline plan are not supported yet: "
+                                   "give each rank the global batch"))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, got {type(optimizer).__name__}")
@@ -159,7 +170,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
             comm = ProcessGroupComm.for_stages(plan.stage_meshes(), dev) \
                 if plan.num_stages > 1 else ProcessGroupComm(plan.mesh_shape, dev)
         p2p = p2p or (ProcessGroupP2P(dev) if plan.num_stages > 1 else None)
-    return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured), optimizer
+    return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured,
+                         example_batch if local_batches else None), optimizer
 
 
 def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[Trainer],

@@ -94,14 +94,17 @@ class Trainer:
     of the same model (tracing is not thread-safe, so emulated ranks share one). Raises ValueError if the model's
     trace differs from the program the plan was made for. A step's batch may have another
     shape than ``example_batch`` (`serve`) unless ``other_shapes`` is false (a pipeline
-    stage's trainer).
+    stage's trainer). ``local_batches``: each step is given this rank's rows of the global
+    batch (`meshplan.data.rank_rows`, what `LocalBatchSampler` loads), not the whole batch;
+    ``example_batch`` stays the global one.
     """
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None, example_batch: Any,
                  comm: Comm, *, weights: Sequence[Sequence[float]] | None = None,
                  captured: tuple[Traced, Graph] | None = None,
                  scales: StepScales | None = None,
-                 layers: Mapping[str, int] | None = None, other_shapes: bool = True) -> None:
+                 layers: Mapping[str, int] | None = None, other_shapes: bool = True,
+                 local_batches: bool = False) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -155,6 +158,13 @@ class Trainer:
         self._shape = shape_key(example_batch)
         self._programs = {self._shape: (graph, self.program, self.scales, self._layered)}
         self._structure = _structure(graph)
+        self._local = None
+        if local_batches:
+            from meshplan.data import local_positions, rank_rows
+            rows = batch_size(example_batch)
+            self._local = {k: torch.tensor(v, dtype=torch.long)
+                           for k, v in local_positions(plan, comm.rank, rows).items()}
+            self._local_total = len(rank_rows(plan, comm.rank, rows))
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -192,6 +202,9 @@ class Trainer:
         refuses, alike before communicating. Raises ValueError when the plan cannot serve it:
         its micro-batches do not divide the batch, or the shape changes the model's program
         (a micro-batch of one sample traces without its batch dim)."""
+        if self._local is not None:
+            self._check_local(batch)
+            return
         key = shape_key(batch)
         if key == self._shape:
             return
@@ -206,6 +219,21 @@ class Trainer:
                 if self.plan.microbatches > 1 else None
             self.adopt(key, traced, graph, scales)
         self.use(key)
+
+    def _check_local(self, batch: Any) -> None:
+        """Raise ValueError unless ``batch`` is this rank's rows of a planned global batch;
+        NotImplementedError where the loss needs the whole batch's statistics."""
+        self.check_form(batch)
+        want, got = self._local_total, batch_size(batch)
+        if got != want:
+            raise ValueError(f"with local batches this rank reads {want} rows of each global "
+                             f"batch (meshplan.data.rank_rows), given {got}; other batch "
+                             "shapes are served with global batches")
+        if self.program.scaled:
+            raise NotImplementedError(
+                "local batches with a loss whose micro-batches need the whole batch's counts "
+                "(a mean over real targets, over several micro-batches) are not supported "
+                "yet: give global batches, or one micro-batch")
 
     def check_form(self, batch: Any) -> None:
         """Raise ValueError unless ``batch`` has the traced example batch's form (its tensors
@@ -283,7 +311,12 @@ class Trainer:
         out = []
         for n in self.graph.nodes:
             if n.role in ("input", "target") and n.state_name:
-                piece = take_local(full[n.state_name], self.program.values[n.name], self.pos)
+                t = full[n.state_name]
+                if self._local is not None and t.dim():   # this rank's rows already
+                    piece = take_local(t.index_select(0, self._local[n.name]),
+                                       self.program.values[n.name], self.pos, have=(0,))
+                else:
+                    piece = take_local(t, self.program.values[n.name], self.pos)
                 out.append(piece.to(self.device, non_blocking=True))
         return out
 
