@@ -119,3 +119,35 @@ def test_a_loss_needing_the_whole_batch_is_refused_with_local_batches() -> None:
 
     with pytest.raises(NotImplementedError, match="give global batches"):
         run_emulated(body, (1, 2))
+
+
+def _resume_rank(rank: int, nprocs: int, plan, path: str) -> tuple[list[float], list[float]]:
+    """Two steps, a checkpoint with the sampler's position, then a fresh model, optimizer and
+    sampler resumed from it for the third step; against three steps straight."""
+    import meshplan
+    w = build_workload(GPT, device="cpu", seed=0)
+    data = Tokens()
+
+    def loader(sampler):
+        return iter(torch.utils.data.DataLoader(data, batch_sampler=sampler,
+                                                collate_fn=_collate))
+
+    sampler = LocalBatchSampler(len(data), 8, plan, rank, shuffle=True, seed=1)
+    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
+    batches = loader(sampler)
+    first = train_steps(model, opt, sched, [next(batches) for _ in range(2)])
+    meshplan.save_checkpoint(path, model, opt, extra={"sampler": sampler.state_dict()})
+    third = train_steps(model, opt, sched, [next(batches)])
+
+    again = LocalBatchSampler(len(data), 8, plan, rank, shuffle=True, seed=1)
+    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
+    again.load_state_dict(meshplan.load_checkpoint(path, model, opt)["sampler"])
+    sched.step(), sched.step()   # the schedule's own position, as a user restores it
+    resumed = train_steps(model, opt, sched, [next(loader(again))])
+    return first + third, first + resumed
+
+
+def test_a_resumed_run_reads_the_next_batch(pool2, tmp_path) -> None:
+    plan = make_plan(GPT, (1, 2), "data", SGD)
+    for straight, resumed in pool2.run(_resume_rank, plan, str(tmp_path / "ckpt")):
+        assert resumed == pytest.approx(straight, rel=1e-6)
