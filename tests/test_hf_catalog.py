@@ -51,6 +51,23 @@ def test_a_config_json_names_its_architecture(tmp_path) -> None:
     assert simulate(plan).step_time_s > 0
 
 
+@pytest.mark.parametrize("name", ["t5-base", "bert-base", "qwen2.5-7b", "gemma-2-9b"])
+def test_each_architecture_plans(name: str) -> None:
+    # Shrunk by overrides, each family's own forward and loss trace and plan.
+    w = build_workload(f"hf:{name},layers=1,vocab=256,batch=4,seq=16")
+    plan = api.plan(w.model, None, "adamw", w.example_batch, "local:2", mesh_shape=(1, 2),
+                    method="data", dtype="fp32", name=name)
+    assert simulate(plan).step_time_s > 0
+
+
+def test_mixtrals_dropless_routing_is_named_when_planning() -> None:
+    # Built, but transformers' Mixtral routes tokens by value (nonzero): no static shapes.
+    w = build_workload("hf:mixtral-8x7b,layers=1,vocab=256,batch=4,seq=16")
+    with pytest.raises(ValueError, match="dropless MoE routing"):
+        api.plan(w.model, None, "adamw", w.example_batch, "local:2", mesh_shape=(1, 2),
+                 method="data", dtype="fp32")
+
+
 @pytest.mark.parametrize("spec,message", [
     ("hf:llama-9", "unknown model; known: bert-base"),
     ("hf:gpt2,layers", "is not field=value"),

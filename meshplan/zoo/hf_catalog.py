@@ -85,10 +85,13 @@ CATALOG: dict[str, tuple[str, dict[str, Any], float]] = {
                                intermediate_size=3072, vocab_size=30522), 110),
     "bert-large": ("bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                 intermediate_size=4096, vocab_size=30522), 335),
+    # T5 starts its decoder from the padding token, as its published configs say.
     "t5-base": ("t5", dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64,
-                           vocab_size=32128), 223),
+                           vocab_size=32128, decoder_start_token_id=0, pad_token_id=0,
+                           eos_token_id=1), 223),
     "t5-large": ("t5", dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64,
-                            vocab_size=32128), 738),
+                            vocab_size=32128, decoder_start_token_id=0, pad_token_id=0,
+                            eos_token_id=1), 738),
 }
 
 ALIASES = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
