@@ -160,11 +160,12 @@ class Trainer:
         self._structure = _structure(graph)
         self._local = None
         if local_batches:
-            from meshplan.data import local_positions, rank_rows
-            rows = batch_size(example_batch)
-            self._local = {k: torch.tensor(v, dtype=torch.long)
-                           for k, v in local_positions(plan, comm.rank, rows).items()}
-            self._local_total = len(rank_rows(plan, comm.rank, rows))
+            from meshplan.data import local_positions
+            positions = local_positions(plan, comm.rank, batch_size(example_batch))
+            self._local = {k: torch.tensor(v, dtype=torch.long) for k, v in positions.items()}
+            # The rows read of each micro-batch are the union the positions index.
+            self._local_total = plan.microbatches * (
+                1 + max((max(v) for v in positions.values() if v), default=-1))
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":

@@ -69,7 +69,13 @@ class StageLabel:
     logical_shape: tuple[int, int]
     budget: str        # "free", "lean" or "tp" (see `StageProfiler.variants`)
     recompute: bool
-    kind: str = "full"
+    kind: str = ""     # "": "full" when recomputed, else "plain"
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", "full" if self.recompute else "plain")
+        if self.recompute != (self.kind != "plain"):
+            raise ValueError(f"a stage label recomputed={self.recompute} of kind {self.kind!r}")
 
 
 @functools.lru_cache(maxsize=None)
