@@ -64,3 +64,58 @@ class NoPipelineError(ValueError):
         super().__init__(message)
         self.device_memory = device_memory
         self.min_memory_bytes = min_memory_bytes
+
+
+class StepFailed(RuntimeError):
+    """A training step failed on some rank; every rank of the run raises this same error
+    (`meshplan.runtime.failure`).
+
+    ``rank`` is the rank whose exception failed the step (the lowest one if several raised;
+    ``also`` the others; None when no rank raised but ``silent`` ranks never answered within
+    ``waited_s`` seconds),
+    ``step`` its step number, ``error_type``/``message``/``trace`` that exception.
+    ``recoverable``: no rank had begun its update, so the step was undone on every rank and
+    the next step can run; otherwise the ranks' parameters may differ and the trainer refuses
+    further steps. ``world_formed``: torch.distributed's world was formed again (false when
+    a rank never answered).
+    """
+
+    def __init__(self, *, rank: int | None, step: int, error_type: str, message: str,
+                 trace: str, recoverable: bool, also: tuple[int, ...] = (),
+                 silent: tuple[int, ...] = (), waited_s: float = 0.0,
+                 world_formed: bool = True) -> None:
+        self.rank, self.step, self.error_type, self.message = rank, step, error_type, message
+        self.trace, self.recoverable, self.also = trace, recoverable, also
+        self.silent, self.waited_s, self.world_formed = silent, waited_s, world_formed
+        super().__init__(self.__str__())
+
+    def __reduce__(self):
+        return _rebuild_step_failed, (dict(self.__dict__),)
+
+    def summary(self) -> str:
+        if self.rank is None:
+            return (f"step {self.step} failed: rank(s) {list(self.silent)} made no progress "
+                    f"for {self.waited_s:g} s (the process hangs, died, or left the training "
+                    "loop): its peers timed out waiting for it")
+        more = f" (also raised on rank(s) {list(self.also)})" if self.also else ""
+        return (f"step {self.step} failed on rank {self.rank}: {self.error_type}: "
+                f"{self.message}{more}")
+
+    def __str__(self) -> str:
+        if self.recoverable:
+            then = ("every rank undid the step (gradients dropped, parameters and optimizer "
+                    "state as before it): the next step can run")
+        elif self.world_formed:
+            then = ("some rank had begun its update, so the ranks' parameters may differ: "
+                    "restore the last checkpoint")
+        else:
+            then = "the run cannot go on: restart it from the last checkpoint"
+        trace = f"\n--- traceback of rank {self.rank} ---\n{self.trace}" if self.trace else ""
+        return f"{self.summary()}; {then}{trace}"
+
+
+def _rebuild_step_failed(state: dict) -> StepFailed:
+    out = StepFailed.__new__(StepFailed)
+    out.__dict__.update(state)
+    RuntimeError.__init__(out, str(out))
+    return out

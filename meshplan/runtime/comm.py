@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.runtime.devices import resolve_device
+from meshplan.runtime.failure import peer_errors, waited
 from meshplan.torch_api import all_gather_single, new_group, reduce_scatter_single
 
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "resplit")
@@ -496,8 +497,15 @@ class ProcessGroupComm(Comm):
                 f"{dist.get_world_size()}"
             )
         super().__init__(dist.get_rank(), shape, resolve_device(device))
-        self._groups = _make_groups(shape, tuple(range(dist.get_world_size())))[self.rank]
+        self._make = lambda: _make_groups(shape, tuple(range(dist.get_world_size())))[self.rank]
+        self._groups = self._make()
         self._host = _host_device(self.device)
+        self._host_waits = self.device.type == "cpu"   # gloo: a wait blocks the host
+
+    def rebuild(self) -> None:
+        """This communicator's groups made anew in the world formed again after a failed
+        step (`runtime/failure.py`). Collective, as the constructor."""
+        self._groups = self._make()
 
     @classmethod
     def for_stages(cls, meshes: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -515,17 +523,21 @@ class ProcessGroupComm(Comm):
             raise ValueError(f"stage meshes {stages} must cover the world's "
                              f"{dist.get_world_size()} ranks once, each with r*c ranks")
         me = dist.get_rank()
-        mine = None
-        for shape, ranks in stages:
-            groups = _make_groups(shape, ranks)
-            if me in ranks:
-                mine = (shape, ranks, groups[ranks.index(me)])
-        assert mine is not None
-        shape, ranks, groups = mine
+        shape, ranks = next((s, r) for s, r in stages if me in r)
+
+        def make() -> dict:
+            mine = None
+            for s, r in stages:   # every stage's groups, in stage order, on every rank
+                groups = _make_groups(s, r)
+                if me in r:
+                    mine = groups[r.index(me)]
+            return mine
         comm = cls.__new__(cls)
         Comm.__init__(comm, ranks.index(me), shape, resolve_device(device))
-        comm._groups = groups
+        comm._make = make
+        comm._groups = make()
         comm._host = _host_device(comm.device)
+        comm._host_waits = comm.device.type == "cpu"
         return comm
 
     def _all_reduce(self, buf: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -538,53 +550,66 @@ class ProcessGroupComm(Comm):
         return self._reduce_scatter_start(buf, axes).wait()
 
     def _all_reduce_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
-        work = dist.all_reduce(buf, group=self._groups[axes], async_op=True)
-        return _after(work, buf, buf)
+        with peer_errors():
+            work = dist.all_reduce(buf, group=self._groups[axes], async_op=True)
+        return _after(work, buf, buf, self._host_waits)
 
     def _all_gather_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
         n = self._groups[axes].size()
         out = buf.new_empty((n, *buf.shape))
         # gloo accepts only the flat "concatenation" form of all_gather_single.
-        work = all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes],
-                                 async_op=True)
-        return _after(work, out, buf)
+        with peer_errors():
+            work = all_gather_single(out.view(-1), buf.view(-1), group=self._groups[axes],
+                                     async_op=True)
+        return _after(work, out, buf, self._host_waits)
 
     def _reduce_scatter_start(self, buf: torch.Tensor, axes: tuple[int, ...]) -> Pending:
         out = buf.new_empty(buf.shape[1:])
-        work = reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes],
-                                     async_op=True)
-        return _after(work, out, buf)
+        with peer_errors():
+            work = reduce_scatter_single(out.view(-1), buf.view(-1), group=self._groups[axes],
+                                         async_op=True)
+        return _after(work, out, buf, self._host_waits)
 
     def _all_to_all(
         self, flat: torch.Tensor, in_splits: list[int], out_splits: list[int], axes: tuple[int, ...]
     ) -> torch.Tensor:
         out = flat.new_empty(sum(out_splits))
-        dist.all_to_all_single(out, flat, out_splits, in_splits, group=self._groups[axes])
+        with peer_errors():
+            work = dist.all_to_all_single(out, flat, out_splits, in_splits,
+                                          group=self._groups[axes], async_op=True)
+        waited(work, self._host_waits)
         return out
 
     def _gather_ints(self, value: int, axes: tuple[int, ...]) -> list[int]:
         mine = torch.tensor([value], dtype=torch.int64, device=self._host)
         out = mine.new_empty(self._groups[axes].size())
-        all_gather_single(out, mine, group=self._groups[axes])
+        with peer_errors():
+            work = all_gather_single(out, mine, group=self._groups[axes], async_op=True)
+        waited(work, self._host.type == "cpu")
         return [int(v) for v in out.tolist()]
 
     def _broadcast(self, buf: torch.Tensor, src: int, axes: tuple[int, ...]) -> torch.Tensor:
-        dist.broadcast(buf, group=self._groups[axes], group_src=src)
+        with peer_errors():
+            work = dist.broadcast(buf, group=self._groups[axes], group_src=src, async_op=True)
+        waited(work, self._host_waits)
         return buf
 
     def _reduce(self, buf: torch.Tensor, dst: int, axes: tuple[int, ...]) -> torch.Tensor | None:
         # Only dst's buffer holds the sum; gloo may leave partial sums in the others'.
-        dist.reduce(buf, group=self._groups[axes], group_dst=dst)
+        with peer_errors():
+            work = dist.reduce(buf, group=self._groups[axes], group_dst=dst, async_op=True)
+        waited(work, self._host_waits)
         return buf if self._index(axes) == dst else None
 
 
-def _after(work: dist.Work, out: torch.Tensor, keep: torch.Tensor) -> Pending:
-    """``out`` once ``work`` is done; ``keep`` (its input) is held until then, so the buffer
-    the transport reads cannot be freed under it."""
+def _after(work: dist.Work, out: torch.Tensor, keep: torch.Tensor, host: bool) -> Pending:
+    """``out`` once ``work`` is done (waited for as `failure.waited` does, on the host when
+    ``host``); ``keep`` (its input) is held until then, so the buffer the transport reads
+    cannot be freed under it."""
     held = [keep]
 
     def finish() -> torch.Tensor:
-        work.wait()
+        waited(work, host)
         held.clear()
         return out
     return Pending(finish)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshplan.runtime.failure import ThreadWaiter, peer_errors
 from meshplan.torch_api import new_group
 
 
@@ -158,9 +159,17 @@ class ProcessGroupP2P(P2P):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ProcessGroupP2P needs an initialized torch.distributed world")
         super().__init__(dist.get_rank(), resolve_device(device))
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """The two groups made (again, in the world formed again after a failed step:
+        `runtime/failure.py`), nothing in flight. Collective."""
         everyone = list(range(dist.get_world_size()))
         self._up, self._down = new_group(everyone), new_group(everyone)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._own.clear()
+        self._stash.clear()
+        self._waiter = ThreadWaiter()
 
     def _group(self, src: int, dst: int) -> dist.ProcessGroup:
         return self._up if src < dst else self._down
@@ -171,20 +180,26 @@ class ProcessGroupP2P(P2P):
         group = self._group(self.rank, dst)
         # Delivered ones are let go as we go: a long step posts thousands of messages.
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in (head, buf):
-            self._pending.append((dist.isend(t, dst, group=group), t))
+        with peer_errors():
+            for t in (head, buf):
+                self._pending.append((dist.isend(t, dst, group=group), t))
 
     def _next(self, src: int) -> tuple[int, torch.Tensor]:
         group = self._group(src, self.rank)
         head = torch.empty(3, dtype=torch.int64, device=self.device)
-        dist.recv(head, src, group=group)
+        host = self.device.type == "cpu"
+        with peer_errors():
+            work = dist.irecv(head, src, group=group)
+        self._waiter.wait(work, host)
         tag, dtype, numel = head.tolist()
         buf = torch.empty(numel, dtype=_DTYPES[dtype], device=self.device)
-        dist.recv(buf, src, group=group)
+        with peer_errors():
+            work = dist.irecv(buf, src, group=group)
+        self._waiter.wait(work, host)
         return tag, buf
 
     def wait_all(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            self._waiter.wait(work, self.device.type == "cpu")
         self._pending.clear()
 

@@ -27,6 +27,7 @@ taken over all) and steps each of this rank's stages.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from meshplan.capture.batch import split_microbatches
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
+from meshplan.runtime.failure import StepGuard
 from meshplan.runtime.devices import check_backend, resolve_device
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
@@ -69,13 +71,13 @@ class ParallelModel(nn.Module):
             self._pipeline = PipelineTrainer(plan, model, self._loss_fn, batch, self._comm,
                                              self._p2p, captured=self._captured)
             trainers = list(self._pipeline.trainers.values())
-            prepare = self._pipeline.prepare_gradients
+            prepare, guard = self._pipeline.prepare_gradients, self._pipeline.guard
         else:
             local = self._local_example is not None
             tr = Trainer(plan, model, self._loss_fn, self._local_example if local else batch,
                          self._comm, captured=self._captured, local_batches=local)
-            self._trainer, trainers, prepare = tr, [tr], tr.prepare_gradients
-        _repoint(self._optimizer, model, trainers, prepare)
+            self._trainer, trainers, prepare, guard = tr, [tr], tr.prepare_gradients, tr.guard
+        _repoint(self._optimizer, model, trainers, prepare, guard)
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
             apply_checkpoint(self._pending[0], self, self._pending[1])
@@ -90,24 +92,31 @@ class ParallelModel(nn.Module):
         tr = self._trainer
         assert tr is not None
         tr.serve(batch)
-        rng = tr.begin_step()
-        micro = split_microbatches(batch, self._plan.microbatches)
-        scales = tr.step_scales(micro)
-        done = []
-        for piece, scale in zip(micro[:-1], scales):   # here; the last backward is the caller's
-            loss = tr.run_microbatch(piece, rng, scale)
-            if torch.is_grad_enabled():
-                (loss / len(micro)).backward()
-                tr.own_gradients()
-            done.append(loss.detach())
-        if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
-            tr.last_backward()
-        last = tr.run_microbatch(micro[-1], rng, scales[-1]) / len(micro)
-        local = last.detach() + sum(d / len(micro) for d in done)
-        # The value reported is the whole batch's loss; the gradient flows through this
-        # rank's part of the last micro-batch.
-        whole = torch.tensor(tr._report(local), dtype=last.dtype, device=last.device)
-        return last + (whole - last.detach())
+        with tr.guard.running():
+            rng = tr.begin_step()
+            micro = split_microbatches(batch, self._plan.microbatches)
+            scales = tr.step_scales(micro)
+            done = []
+            for piece, scale in zip(micro[:-1], scales):   # the last backward is the caller's
+                loss = tr.run_microbatch(piece, rng, scale)
+                if torch.is_grad_enabled():
+                    (loss / len(micro)).backward()
+                    tr.own_gradients()
+                done.append(loss.detach())
+            if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
+                tr.last_backward()
+            last = tr.run_microbatch(micro[-1], rng, scales[-1]) / len(micro)
+            local = last.detach() + sum(d / len(micro) for d in done)
+            whole = torch.tensor(tr._report(local), dtype=last.dtype, device=last.device)
+        if not last.requires_grad:
+            return whole
+        # The value returned is the whole batch's loss; its backward runs this rank's part of
+        # the last micro-batch's, guarded as the rest of the step.
+
+        def backward(grad: torch.Tensor) -> None:
+            with tr.guard.running():
+                torch.autograd.backward(last, grad)
+        return _GuardedBackward.apply(self._anchor, whole, backward)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters this rank holds (a pipeline: its stages'), each whole, by its name
@@ -174,11 +183,28 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                          example_batch if local_batches else None), optimizer
 
 
+class _GuardedBackward(torch.autograd.Function):
+    """``value`` as a loss hanging on ``anchor`` whose backward is ``backward(grad)``: the
+    caller's ``loss.backward()`` runs the step's last backward inside the step's guard."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor,
+                backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.run = backward
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.run(grad)
+        return None, None, None
+
+
 def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[Trainer],
-             prepare: Callable[[], None]) -> None:
+             prepare: Callable[[], None], guard: StepGuard) -> None:
     """The user's optimizer, stepping this rank's update tensors (of every stage it runs): each
     group keeps its hyper-parameters; ``prepare`` runs before every step (synchronize, clip),
-    ZeRO-2's compute copies are refreshed after."""
+    ZeRO-2's compute copies are refreshed after; the whole step runs in ``guard`` (a failure
+    on one rank fails it on every rank, `runtime/failure.py`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     local: dict[str, list[torch.Tensor]] = {}
     for t in trainers:
@@ -194,5 +220,16 @@ def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[
         for t in trainers:
             t._refresh_zero2()
 
-    optimizer.register_step_pre_hook(lambda *_: prepare())
+    def before(*_: Any) -> None:
+        prepare()
+        guard.updating = True   # from here a failure leaves the ranks apart
+
+    optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+    unguarded = optimizer.step
+
+    @functools.wraps(unguarded)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with guard.running():
+            return unguarded(*args, **kwargs)
+    optimizer.step = step   # the instance's own: hooks and schedulers wrap it as usual

@@ -42,8 +42,9 @@ from meshplan.lower.pipeline_program import (Exchange, pipeline_program, recompu
                                              stage_graphs)
 from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
-from meshplan.runtime.comm import Comm
-from meshplan.runtime.p2p import P2P
+from meshplan.runtime.comm import Comm, ProcessGroupComm
+from meshplan.runtime.failure import StepGuard
+from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
 
 _KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "norm": 5}
@@ -105,6 +106,16 @@ class PipelineTrainer:
         self._shared = self._moves.shared
         self.held = 0
         self.peak_held = 0
+        # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
+        active = isinstance(comm, ProcessGroupComm) and isinstance(p2p, ProcessGroupP2P)
+        self.guard = StepGuard([comm.rebuild, p2p.rebuild] if active else [], self.undo_step,
+                               active=active)
+
+    def undo_step(self) -> None:
+        """What a failed step left, dropped on each stage this rank runs (`Trainer.undo_step`)."""
+        for t in self.trainers.values():
+            t.undo_step()
+        self.held = 0
 
     def serve(self, batch: Any) -> None:
         """Run the next steps on ``batch``'s shape, as `Trainer.serve`: the model traced at
@@ -139,6 +150,11 @@ class PipelineTrainer:
         ``apply`` False leaves APPLY_GRAD to the caller (`prepare_gradients`, then the
         optimizer of every stage, then `after_update`: `meshplan.parallelize`)."""
         self.serve(batch)
+        self.guard.begin(next(iter(self.trainers.values()))._steps)
+        with self.guard.running():
+            return self._step(batch, seed, apply)
+
+    def _step(self, batch: Any, seed: int | None, apply: bool) -> float:
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
         micro = split_microbatches(batch, self.plan.microbatches)
         count = len(micro)
@@ -204,6 +220,7 @@ class PipelineTrainer:
         """Every stage of this rank: gradients synchronized over the mesh, shared parameters'
         parts summed across stages, clipped by the global norm over every stage, applied."""
         self.prepare_gradients()
+        self.guard.updating = True
         for t in self.trainers.values():
             t.update()
 

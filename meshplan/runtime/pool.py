@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from meshplan.errors import WorkerError
+from meshplan.errors import StepFailed, WorkerError
 from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
@@ -226,8 +226,8 @@ class WorkerPool:
             if kind in ("ok", "ready"):
                 return (body[0] if body else None,)
             if kind == "error":
-                message, trace, when = body
-                return _Failure(True, when, rank, message, trace)
+                message, trace, when, *origin = body
+                return _Failure(True, when, origin[0] if origin else rank, message, trace)
         elif proc.is_alive():
             return None
         proc.join(1.0)
@@ -313,11 +313,17 @@ def _worker_main(
 
 
 def _fail(conn: Connection, exc: BaseException) -> None:
-    """Send the error to the parent and exit at once (peers may be stuck in a collective)."""
+    """Send the error to the parent and exit at once (peers may be stuck in a collective). A
+    step that failed on every rank alike is reported as its origin's error."""
     message = f"{type(exc).__name__}: {exc}"
     trace = "".join(traceback.format_exception(exc))
+    origin: tuple[int, ...] = ()
+    if isinstance(exc, StepFailed) and exc.rank is not None:
+        message, trace, origin = f"{exc.error_type}: {exc.message}", exc.trace, (exc.rank,)
+    elif isinstance(exc, StepFailed) and exc.silent:
+        message, origin = exc.summary(), (exc.silent[0],)
     try:
-        conn.send_bytes(pickle.dumps(("error", message, trace, time.time())))
+        conn.send_bytes(pickle.dumps(("error", message, trace, time.time(), *origin)))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -37,8 +37,9 @@ from meshplan.lower.program import lower
 from meshplan.lower.shards import MeshPos, even_weights, gathered, take_local
 from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
-from meshplan.runtime.comm import Comm, Pending
+from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
+from meshplan.runtime.failure import StepGuard
 from meshplan.runtime.grad_sync import GradBuckets, all_gather_params, dtype_buckets
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
@@ -171,6 +172,10 @@ class Trainer:
             if p.mode == "zero2":
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
         self._buckets = self._make_buckets()
+        self._began = 0
+        # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
+        self.guard = StepGuard([comm.rebuild] if isinstance(comm, ProcessGroupComm) else [],
+                               self.undo_step, active=isinstance(comm, ProcessGroupComm))
 
     def _segments(self, graph: Graph, program: Any) -> Any:
         """``program`` cut into its recomputed segments (``layers``: each IR node's clustered
@@ -362,19 +367,23 @@ class Trainer:
         ``torch.manual_seed(seed)``.
         """
         self.serve(batch)
-        rng = self.begin_step(seed)
-        micro = split_microbatches(batch, self.plan.microbatches)
-        scales = self.step_scales(micro)
-        total = None
-        for k, piece in enumerate(micro):
-            loss = self.run_microbatch(piece, rng, scales[k])
-            if k == len(micro) - 1:
-                self.last_backward()
-            (loss / len(micro)).backward()
-            self.own_gradients()
-            total = loss.detach() if total is None else total + loss.detach()
-        self.apply_gradients()
-        return self._report(total / len(micro))
+        with self.guard.running():
+            rng = self.begin_step(seed)
+            micro = split_microbatches(batch, self.plan.microbatches)
+            scales = self.step_scales(micro)
+            total = None
+            for k, piece in enumerate(micro):
+                loss = self.run_microbatch(piece, rng, scales[k])
+                if k == len(micro) - 1:
+                    self.last_backward()
+                (loss / len(micro)).backward()
+                self.own_gradients()
+                total = loss.detach() if total is None else total + loss.detach()
+            self.prepare_gradients()
+            value = self._report(total / len(micro))
+            self.guard.updating = True
+            self.update()
+        return value
 
     def run_microbatch(self, piece: Any, rng: torch.Generator,
                        scales: dict[str, float | torch.Tensor] | None = None) -> torch.Tensor:
@@ -417,9 +426,25 @@ class Trainer:
         """Before a step's micro-batches: the step's dropout generator (seeded ``seed``,
         default the step number)."""
         rng = generator_for(self.device).manual_seed(self._steps if seed is None else seed)
+        self._began = self._steps
         self._steps += 1
         self._buckets.reset()
+        self.guard.begin(self._began)
         return rng
+
+    def undo_step(self) -> None:
+        """What a failed step left, dropped (`runtime/failure.py`): gradients, transfers in
+        flight, ZeRO-3 copies; the step count as before it."""
+        for p in self.params:
+            p.scattering.clear()
+            p.update.grad = None
+            if p.compute is not None:
+                p.compute.grad = None
+        self._buckets.reset()
+        if self._units is not None:
+            self._units.reset()
+        self.comm.recomputing = False
+        self._steps = self._began
 
     def apply_gradients(self) -> None:
         """After a step's backwards: `prepare_gradients`, then the update applied and ZeRO-2

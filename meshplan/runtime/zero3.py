@@ -126,6 +126,13 @@ class Units:
         self._next_back = 0
         self._backward_ran = False
 
+    def reset(self) -> None:
+        """Nothing in flight, no copy kept: after a failed step (`runtime/failure.py`)."""
+        self._order.reset()
+        self._ahead, self._back, self._copies, self._derived = {}, {}, {}, {}
+        self._grads, self._scattering = {}, []
+        self._next_back, self._backward_ran = 0, False
+
     # ---------------------------------------------------------------- forward
     def forward_members(self, u: int) -> tuple[torch.Tensor, ...]:
         """Unit ``u``'s members whole, for the forward (or its replay)."""
