@@ -1,14 +1,16 @@
 """Rank-local loading (issue 26.3): each rank reads only the rows of each global batch it
-computes on (`meshplan.data`), through a plain `DataLoader` with `LocalBatchSampler`, and
-``parallelize(..., local_batches=True)`` trains on them equal to one device. The bytes each
-rank loads are counted and equal its share."""
+computes on (`meshplan.data`) — in a pipeline only its stages' tensors — through a plain
+`DataLoader` (or a Hugging Face dataset) with `LocalBatchSampler`, and ``parallelize(...,
+local_batches=True)`` trains on them equal to one device, losses counting the whole batch's
+targets over micro-batches included. The bytes each rank loads are counted and equal its
+share."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshplan.data import LocalBatchSampler, rank_rows
+from meshplan.data import LocalBatchSampler, rank_rows, rank_tensors
 from meshplan.zoo.spec import build_workload
 from oracle import SGD, make_plan
 from user_loop import one_device, parallel, train_steps
@@ -18,37 +20,44 @@ SAMPLES, STEPS = 32, 3
 
 
 class Tokens(torch.utils.data.Dataset):
-    """Sequences and their targets; counts the bytes it serves."""
+    """Sequences and their targets (``padded``: some targets -100, a different count of real
+    ones in every micro-batch); serves only the ``tensors`` asked for, counting the bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensors=("input0", "target"), padded: bool = False) -> None:
         g = torch.Generator().manual_seed(7)
         self.ids = torch.randint(0, 128, (SAMPLES, 16), generator=g)
         self.targets = torch.randint(0, 128, (SAMPLES, 16), generator=g)
-        self.served = 0
+        if padded:
+            for i in range(SAMPLES):
+                self.targets[i, 16 - (i * 5) % 13:] = -100
+        self.tensors, self.served = tensors, 0
 
     def __len__(self) -> int:
         return SAMPLES
 
     def __getitem__(self, i: int):
-        self.served += self.ids[i].nbytes + self.targets[i].nbytes
-        return self.ids[i], self.targets[i]
+        out = (self.ids[i] if "input0" in self.tensors else None,
+               self.targets[i] if "target" in self.tensors else None)
+        self.served += sum(t.nbytes for t in out if t is not None)
+        return out
 
 
 def _collate(rows):
     ids, targets = zip(*rows)
-    return ((torch.stack(ids),), torch.stack(targets))
+    stack = lambda ts: None if ts[0] is None else torch.stack(ts)   # noqa: E731
+    return ((stack(ids),), stack(targets))
 
 
-def _global_batches() -> list:
-    data = Tokens()
+def _global_batches(padded: bool = False) -> list:
+    data = Tokens(padded=padded)
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False, collate_fn=_collate)
     return list(loader)[:STEPS]
 
 
-def _rank(rank: int, nprocs: int, plan) -> tuple[list[float], int]:
+def _rank(rank: int, nprocs: int, plan, padded: bool = False) -> tuple[list[float], int]:
     w = build_workload(GPT, device="cpu", seed=0)
-    data = Tokens()
-    sampler = LocalBatchSampler(len(data), 8, plan, rank)
+    sampler = LocalBatchSampler(SAMPLES, 8, plan, rank)
+    data = Tokens(sampler.tensors, padded)   # loads only what this rank reads
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=_collate)
     model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
     batches = [b for _, b in zip(range(STEPS), loader)]
@@ -105,20 +114,44 @@ def test_refusals_are_clear() -> None:
         LocalBatchSampler(4, 8, plan, 0)
 
 
-def test_a_loss_needing_the_whole_batch_is_refused_with_local_batches() -> None:
-    from meshplan.runtime.emulated import run_emulated
-    from meshplan.runtime.trainer import Trainer
-    plan = make_plan(GPT, (1, 2), "data", SGD, microbatches=2)   # a token mean over 2 pieces
-    w = build_workload(GPT, device="cpu", seed=0)
+@pytest.mark.parametrize("method,shape", [("data", (1, 2)), ("zero3", (1, 2))])
+def test_a_loss_counting_the_whole_batch_trains_as_one_device(pool2, method: str,
+                                                              shape) -> None:
+    # A token mean over -100-padded targets, over 2 micro-batches: each micro-batch's scale
+    # counts the real targets of the whole global micro-batch, gathered from the ranks' rows.
+    plan = make_plan(GPT, shape, method, SGD, microbatches=2)
+    ref, _ = one_device(build_workload(GPT, device="cpu", seed=0), _global_batches(True))
+    per_sample = Tokens().ids[0].nbytes * 2
+    for losses, served in pool2.run(_rank, plan, True):
+        assert losses == pytest.approx(ref, rel=1e-5)
+        assert served == STEPS * 4 * per_sample
 
-    def body(comm) -> None:
-        tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, local_batches=True)
-        rows = rank_rows(plan, comm.rank, 8)
-        (ids,), t = _global_batches()[0]
-        tr.step(((ids[rows],), t[rows]))
 
-    with pytest.raises(NotImplementedError, match="give global batches"):
-        run_emulated(body, (1, 2))
+def _pipeline_plan(devices: int, microbatches: int):
+    import meshplan.api as api
+    w = build_workload(GPT, device="meta", seed=0)
+    return api.plan(w.model, w.loss_fn, SGD, w.example_batch, f"local:{devices}",
+                    method=f"megatron:dp={devices // 2},tp=1,pp=2", memory_budget_gb=0,
+                    microbatches=microbatches, dtype="fp32")
+
+
+def test_a_pipeline_rank_loads_only_its_stage_tensors(pool2) -> None:
+    plan = _pipeline_plan(2, 2)
+    assert [rank_tensors(plan, r) for r in (0, 1)] == [("input0",), ("target",)]
+    ref, _ = one_device(build_workload(GPT, device="cpu", seed=0), _global_batches(True))
+    ids_bytes = Tokens().ids[0].nbytes
+    for losses, served in pool2.run(_rank, plan, True):
+        assert losses == pytest.approx(ref, rel=1e-5)
+        assert served == STEPS * 8 * ids_bytes   # every row, of one tensor
+
+
+def test_a_data_parallel_pipeline_on_four_ranks(pool4) -> None:
+    plan = _pipeline_plan(4, 2)
+    ref, _ = one_device(build_workload(GPT, device="cpu", seed=0), _global_batches(True))
+    ids_bytes = Tokens().ids[0].nbytes
+    for losses, served in pool4.run(_rank, plan, True):
+        assert losses == pytest.approx(ref, rel=1e-5)
+        assert served == STEPS * 4 * ids_bytes   # its replica's half, of its stage's tensor
 
 
 def _resume_rank(rank: int, nprocs: int, plan, path: str) -> tuple[list[float], list[float]]:
@@ -151,3 +184,70 @@ def test_a_resumed_run_reads_the_next_batch(pool2, tmp_path) -> None:
     plan = make_plan(GPT, (1, 2), "data", SGD)
     for straight, resumed in pool2.run(_resume_rank, plan, str(tmp_path / "ckpt")):
         assert resumed == pytest.approx(straight, rel=1e-6)
+
+
+# ---------------------------------------------------------------- a Hugging Face dataset
+def _hf_rows() -> dict[str, torch.Tensor]:
+    """16 right-padded sequences of a causal LM, -100 labels on the padding."""
+    import test_hf_models as hf
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, hf.VOCAB, (16, 8), generator=g)
+    mask = torch.ones(16, 8, dtype=torch.long)
+    for i in range(16):
+        mask[i, 8 - i % 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _hf_plan(method: str, devices: int):
+    import meshplan.api as api
+    import test_hf_models as hf
+    rows = _hf_rows()
+    return api.plan(hf.build("llama"), None, SGD, {k: v[:8] for k, v in rows.items()},
+                    f"local:{devices}", method=method, memory_budget_gb=0, microbatches=2,
+                    dtype="fp32")
+
+
+def _hf_steps(model, opt, batches, one_device: bool = False) -> list[float]:
+    losses = []
+    for b in batches:
+        loss = model(**b).loss if one_device else model(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _hf_rank(rank: int, nprocs: int, plan) -> tuple[list[float], tuple[str, ...]]:
+    import datasets
+    import meshplan
+    import test_hf_models as hf
+    from meshplan.runtime.optim import make_optimizer
+    rows = _hf_rows()
+    sampler = LocalBatchSampler(16, 8, plan, rank)
+    table = datasets.Dataset.from_dict({k: v.tolist() for k, v in rows.items()})
+    table = table.select_columns(list(sampler.tensors)).with_format("torch")
+    loader = torch.utils.data.DataLoader(table, batch_sampler=sampler)
+    model = hf.build("llama")
+    opt = make_optimizer(SGD, model.parameters())
+    model, opt = meshplan.parallelize(model, opt, plan, None, local_batches=True,
+                                      example_batch={k: v[:8] for k, v in rows.items()})
+    return _hf_steps(model, opt, list(loader)), tuple(table.column_names)
+
+
+@pytest.mark.parametrize("method,devices", [("data", 2), ("megatron:dp=1,tp=1,pp=2", 2)])
+def test_a_hugging_face_dataset_feeds_each_rank_its_rows(pool2, method: str,
+                                                         devices: int) -> None:
+    import test_hf_models as hf
+    from meshplan.runtime.optim import make_optimizer
+    plan = _hf_plan(method, devices)
+    model = hf.build("llama")
+    opt = make_optimizer(SGD, model.parameters())
+    rows = _hf_rows()
+    ref = _hf_steps(model, opt, [{k: v[i:i + 8] for k, v in rows.items()} for i in (0, 8)],
+                    one_device=True)
+    results = pool2.run(_hf_rank, plan)
+    for losses, columns in results:
+        assert losses == pytest.approx(ref, rel=1e-5)
+    if plan.num_stages > 1:   # the first stage reads the inputs, the last the labels
+        assert "labels" not in results[0][1] and "input_ids" not in results[1][1]

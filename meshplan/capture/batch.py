@@ -100,6 +100,30 @@ def flatten_batch(batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
     return layout, dict(zip(layout.names(), tensors))
 
 
+def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.Tensor]:
+    """A rank-local batch's tensors by name (`meshplan.data`): a rank may leave out the
+    tensors it does not read — None in their place, a missing key in a dict, the whole batch
+    None. Raises ValueError for a tensor the traced batch does not have."""
+    if batch is None:
+        return {}
+    inputs, target = _parts(batch)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, Mapping):
+        out = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    elif isinstance(inputs, (tuple, list)):
+        out = {f"input{i}": v for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
+    else:
+        raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
+    if isinstance(target, torch.Tensor):
+        out["target"] = target
+    known = set(traced.names()) if traced is not None else set(out)
+    if set(out) - known:
+        raise ValueError(f"the batch holds tensors {sorted(set(out) - known)} the traced "
+                         f"example batch does not ({sorted(known)})")
+    return out
+
+
 def check_static(traced: BatchLayout, given: BatchLayout) -> None:
     """Raise ValueError if ``given`` (a step's batch) does not fit the traced layout."""
     if given.names() != traced.names():

@@ -207,6 +207,7 @@ class TargetCounter:
         self._program = HostProgram(
             traced, [target, weight if isinstance(weight, fx.Node) else None], sources,
             "the NLL's target")
+        self.inputs = self._program.inputs
 
     def __call__(self, tensors: Mapping[str, torch.Tensor]) -> float:
         target, weight = self._program(tensors)
@@ -337,6 +338,23 @@ class StepScales:
         """Per micro-batch of a step (global micro-batches, in the batch's form), each
         reduction's scale (a statistic's whole-batch value) by node."""
         from meshplan.capture.batch import flatten_batch
-        rows = micro_scales(self.reductions, self._counters,
-                            [flatten_batch(m)[1] for m in micro])
-        return [{r.node: s for r, s in zip(self.reductions, row)} for row in rows]
+        return self.of_tensors([flatten_batch(m)[1] for m in micro])
+
+    def of_tensors(self, micro: Sequence[Mapping[str, torch.Tensor]],
+                   nodes: Sequence[str] | None = None
+                   ) -> list[dict[str, float | torch.Tensor]]:
+        """As calling it, on each global micro-batch's tensors by batch name (only those
+        `inputs_of` ``nodes`` needed), for the reductions ``nodes`` (default: all)."""
+        wanted = [r for r in self.reductions if nodes is None or r.node in nodes]
+        rows = micro_scales(wanted, self._counters, micro)
+        return [{r.node: s for r, s in zip(wanted, row)} for row in rows]
+
+    def inputs_of(self, nodes: Sequence[str]) -> tuple[str, ...]:
+        """The batch tensors (by batch name) the scales of reductions ``nodes`` are counted
+        from."""
+        names: set[str] = set()
+        for r in self.reductions:
+            counter = self._counters.get(r.node)
+            if r.node in nodes and counter is not None:
+                names.update(counter.inputs)
+        return tuple(sorted(names))

@@ -49,11 +49,13 @@ class ParamDecision:
 
 @dataclass(frozen=True)
 class SourceDecision:
-    """How a batch tensor (an input or the target) is split across devices."""
+    """How a batch tensor (an input or the target) is split across devices; ``name`` is its
+    name in the batch (``input0``, a keyword, ``target``: `capture/batch.py`)."""
 
     node: str
     role: str
     spec: str
+    name: str = ""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from meshplan.capture.batch import split_microbatches
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.failure import StepGuard
@@ -68,8 +67,11 @@ class ParallelModel(nn.Module):
         model, plan = self._model[0], self._plan
         if plan.num_stages > 1:
             assert self._p2p is not None
-            self._pipeline = PipelineTrainer(plan, model, self._loss_fn, batch, self._comm,
-                                             self._p2p, captured=self._captured)
+            local = self._local_example is not None
+            self._pipeline = PipelineTrainer(plan, model, self._loss_fn,
+                                             self._local_example if local else batch,
+                                             self._comm, self._p2p, captured=self._captured,
+                                             local_batches=local)
             trainers = list(self._pipeline.trainers.values())
             prepare, guard = self._pipeline.prepare_gradients, self._pipeline.guard
         else:
@@ -94,7 +96,7 @@ class ParallelModel(nn.Module):
         tr.serve(batch)
         with tr.guard.running():
             rng = tr.begin_step()
-            micro = split_microbatches(batch, self._plan.microbatches)
+            micro = tr.split(batch)
             scales = tr.step_scales(micro)
             done = []
             for piece, scale in zip(micro[:-1], scales):   # the last backward is the caller's
@@ -141,16 +143,15 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     when CUDA is available, else the CPU, `devices.resolve_device`); a given ``comm`` brings
     its own. The model's state, the optimizer's and each batch's share are moved there; the
     user's model object itself is left where it is. ``local_batches``: each call is given
-    this rank's rows of the global batch only (`meshplan.data.LocalBatchSampler` loads them),
-    ``example_batch`` the global example batch the plan was made with; single-stage plans.
+    this rank's rows of the global batch only (`meshplan.data.LocalBatchSampler` loads them;
+    a pipeline's rank only the tensors its stages read, None where it reads none),
+    ``example_batch`` the global example batch the plan was made with.
     Raises TypeError for an optimizer that is not a torch optimizer, ValueError for one over
     other tensors or a ``device`` other than ``comm``'s, RuntimeError when no world is
     initialized and no ``comm`` is given, or the world's backend cannot reach the device."""
-    if local_batches and (example_batch is None or plan.num_stages > 1):
-        raise (ValueError("local_batches=True needs example_batch=: the global example batch "
-                          "the plan was made with") if example_batch is None else
-               NotImplementedError("local batches for a pipeline plan are not supported yet: "
-                                   "give each rank the global batch"))
+    if local_batches and example_batch is None:
+        raise ValueError("local_batches=True needs example_batch=: the global example batch "
+                         "the plan was made with")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, got {type(optimizer).__name__}")

@@ -65,7 +65,7 @@ class PipelineTrainer:
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable | None,
                  example_batch: Any, comm: Comm, p2p: P2P, *,
                  captured: tuple[Traced, Graph] | None = None,
-                 local_gather: bool = True) -> None:
+                 local_gather: bool = True, local_batches: bool = False) -> None:
         if plan.num_stages < 2:
             raise ValueError(f"plan {plan.model!r} has one stage: train it with "
                              "meshplan.runtime.trainer.Trainer, not PipelineTrainer")
@@ -91,8 +91,10 @@ class PipelineTrainer:
             plan.stages[s].recompute for s in self.stages) else None
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
                                     captured=(traced, graphs[s]), scales=self._scales,
-                                    layers=layers, other_shapes=False)
+                                    layers=layers, other_shapes=False,
+                                    local_batches=local_batches, pipeline=(plan, p2p.rank))
                          for s in self.stages}
+        self._local = local_batches
         self._moves = stage_moves(plan, self.program, graph, local_gather)
         # Other batch shapes (`serve`): each shape's moves and scales, its stage programs.
         self._model, self._loss_fn, self._gather_locally = model, loss_fn, local_gather
@@ -121,6 +123,10 @@ class PipelineTrainer:
         """Run the next steps on ``batch``'s shape, as `Trainer.serve`: the model traced at
         that shape, cut into the stages, each stage's plan lowered on its program, the moves
         between stages sized anew; once per shape, on every rank alike."""
+        if self._local:   # this rank's rows and tensors, of the planned shape
+            for t in self.trainers.values():
+                t.serve(batch)
+            return
         key = shape_key(batch)
         if key == self._shape:
             return
@@ -156,10 +162,16 @@ class PipelineTrainer:
 
     def _step(self, batch: Any, seed: int | None, apply: bool) -> float:
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
-        micro = split_microbatches(batch, self.plan.microbatches)
+        first = next(iter(self.trainers.values()))
+        micro = first.split(batch)   # (every stage of a rank reads the same rows)
         count = len(micro)
-        scales = self._scales(micro) \
-            if any(t.program.scaled for t in self.trainers.values()) else [None] * count
+        if self._local:   # each stage counts its own reductions' scales
+            per_stage = {s: t.step_scales(micro) for s, t in self.trainers.items()}
+            scales = [{k: v for s in per_stage for k, v in (per_stage[s][j] or {}).items()}
+                      for j in range(count)]
+        else:
+            scales = self._scales(micro) \
+                if any(t.program.scaled for t in self.trainers.values()) else [None] * count
         # Keyed by (stage, micro-batch): a rank may run several stages.
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

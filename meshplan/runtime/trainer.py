@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshplan.capture.batch import (batch_shapes, batch_size, check_shapes, check_static,
-                                    flatten_batch, split_microbatches)
+                                    flatten_batch, present_tensors, split_microbatches)
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
@@ -105,7 +105,8 @@ class Trainer:
                  captured: tuple[Traced, Graph] | None = None,
                  scales: StepScales | None = None,
                  layers: Mapping[str, int] | None = None, other_shapes: bool = True,
-                 local_batches: bool = False) -> None:
+                 local_batches: bool = False,
+                 pipeline: tuple[Plan, int] | None = None) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -161,12 +162,13 @@ class Trainer:
         self._structure = _structure(graph)
         self._local = None
         if local_batches:
-            from meshplan.data import local_positions
-            positions = local_positions(plan, comm.rank, batch_size(example_batch))
+            from meshplan.data import local_positions, rank_rows
+            # A pipeline stage's rows are among those of every stage its rank runs.
+            whole, rank = pipeline or (plan, comm.rank)
+            rows = batch_size(example_batch)
+            positions = local_positions(whole, rank, rows, stage=plan if pipeline else None)
             self._local = {k: torch.tensor(v, dtype=torch.long) for k, v in positions.items()}
-            # The rows read of each micro-batch are the union the positions index.
-            self._local_total = plan.microbatches * (
-                1 + max((max(v) for v in positions.values() if v), default=-1))
+            self._local_total = len(rank_rows(whole, rank, rows))
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -227,19 +229,30 @@ class Trainer:
         self.use(key)
 
     def _check_local(self, batch: Any) -> None:
-        """Raise ValueError unless ``batch`` is this rank's rows of a planned global batch;
-        NotImplementedError where the loss needs the whole batch's statistics."""
-        self.check_form(batch)
-        want, got = self._local_total, batch_size(batch)
-        if got != want:
+        """Raise ValueError unless ``batch`` is this rank's rows of a planned global batch,
+        holding at least the tensors this stage reads."""
+        flat = present_tensors(batch, self._layout)
+        need = {n.state_name for n in self.graph.nodes
+                if n.role in ("input", "target") and n.state_name}
+        if need - set(flat):
+            raise ValueError(f"this rank reads the batch tensors {sorted(need)} "
+                             "(meshplan.data.rank_tensors); the batch given lacks "
+                             f"{sorted(need - set(flat))}")
+        want = self._local_total
+        got = sorted({t.shape[0] for t in flat.values() if t.dim()})
+        if got and got != [want]:
             raise ValueError(f"with local batches this rank reads {want} rows of each global "
-                             f"batch (meshplan.data.rank_rows), given {got}; other batch "
+                             f"batch (meshplan.data.rank_rows), given {got[-1]}; other batch "
                              "shapes are served with global batches")
-        if self.program.scaled:
-            raise NotImplementedError(
-                "local batches with a loss whose micro-batches need the whole batch's counts "
-                "(a mean over real targets, over several micro-batches) are not supported "
-                "yet: give global batches, or one micro-batch")
+
+    def split(self, batch: Any) -> list[Any]:
+        """The step's micro-batches of ``batch``: global ones, or with local batches this
+        rank's rows of each, as its tensors by batch name."""
+        if self._local is None:
+            return split_microbatches(batch, self.plan.microbatches)
+        flat = dict(present_tensors(batch, self._layout))
+        m = self.plan.microbatches
+        return split_microbatches(flat, m) if flat and m > 1 else [flat] * m
 
     def check_form(self, batch: Any) -> None:
         """Raise ValueError unless ``batch`` has the traced example batch's form (its tensors
@@ -311,9 +324,12 @@ class Trainer:
         ``batch`` has the form of the traced example batch (``capture/batch.py``): ``(inputs,
         target)`` or a dict of keyword arguments. Raises TypeError/ValueError if it does not.
         """
-        layout, full = flatten_batch(batch)
-        if self._layout is not None:
-            check_static(self._layout, layout)
+        if self._local is not None:   # this rank's tensors by name (`split`)
+            full = batch
+        else:
+            layout, full = flatten_batch(batch)
+            if self._layout is not None:
+                check_static(self._layout, layout)
         out = []
         for n in self.graph.nodes:
             if n.role in ("input", "target") and n.state_name:
@@ -369,7 +385,7 @@ class Trainer:
         self.serve(batch)
         with self.guard.running():
             rng = self.begin_step(seed)
-            micro = split_microbatches(batch, self.plan.microbatches)
+            micro = self.split(batch)
             scales = self.step_scales(micro)
             total = None
             for k, piece in enumerate(micro):
@@ -397,7 +413,32 @@ class Trainer:
         None each when the program has none."""
         if not self.program.scaled:
             return [None] * len(micro)
-        return self.scales(micro)
+        if self._local is None:
+            return self.scales(micro)
+        return self.scales.of_tensors([self._whole_counted(m) for m in micro],
+                                      self.program.scaled)
+
+    def _whole_counted(self, piece: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With local batches: the global micro-batch's tensors the loss's scales are counted
+        from (targets, masks), gathered from the ranks' rows over the axes that split them."""
+        by_batch_name = {n.state_name: n.name for n in self.graph.nodes
+                         if n.role in ("input", "target") and n.state_name}
+        out = {}
+        n = len(self.comm.records)
+        for name in self.scales.inputs_of(self.program.scaled):
+            if name not in by_batch_name:
+                raise NotImplementedError(
+                    f"the loss's micro-batch scales are counted from the batch tensor "
+                    f"{name!r}, which this pipeline stage does not read: give global batches")
+            node = by_batch_name[name]
+            t = piece[name].index_select(0, self._local[node]).to(self.device)
+            axes = self.program.values[node].layout.dims[0]
+            if axes:
+                _, sizes = gathered(self.program.values[node], 0, axes, self.pos)
+                t = self.comm.all_gather(t, axes, 0, sizes, phase="update")
+            out[name] = t.cpu()
+        del self.comm.records[n:]   # not the plan's: kept out of the record, as the loss's
+        return out
 
     def last_backward(self) -> None:
         """The next backward is the step's last: its complete gradient buckets are

@@ -147,7 +147,8 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
     groups = _sync(form, grouped, times, counts)
     working = working_peak(form.problem, choices)
     sources = tuple(SourceDecision(n.name, n.role,
-                                   nc.choices[n.name][idx[n.name]].strategy.output.spec())
+                                   nc.choices[n.name][idx[n.name]].strategy.output.spec(),
+                                   n.state_name or "")
                     for n in g.nodes if n.role in ("input", "target"))
     owned = tuple((o, CollectiveEntry(k, b, a, p, c))
                   for (k, b, a, p, o), c in sorted(counts.items()))
