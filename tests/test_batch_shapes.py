@@ -200,3 +200,52 @@ def test_the_plan_priced_at_a_new_shape_lists_what_runs_there(
     for per_step in run_emulated(_recorded_rank, shape, plan, w, [_DATA[0], _DATA[3]]):
         assert per_step[0] == plan_counter(plan)
         assert per_step[1] == plan_counter(longer)   # the new shape's program, as priced
+
+
+def _recorded_pipeline_rank(comm, p2p, plan, data) -> list:
+    from collections import Counter
+    from oracle import record_counter
+    tr = PipelineTrainer(plan, _MODEL, None, data[0], comm, p2p)
+    out = []
+    for i, b in enumerate(data):
+        start, sent = len(comm.records), len(p2p.records)
+        tr.step(b, seed=i)
+        out.append((tr.stages, record_counter(comm.records[start:]),
+                    Counter((r.kind, r.src, r.dst, r.nbytes) for r in p2p.records[sent:]
+                            if r.kind in ("activation", "gradient", "gather", "tied"))))
+    return out
+
+
+@pytest.mark.parametrize("method,devices,microbatches,recompute", [
+    ("megatron:dp=1,tp=2,pp=2", 4, 2, "none"), ("megatron:dp=2,tp=1,pp=2", 4, 1, "full")])
+def test_a_pipeline_priced_at_a_new_shape_lists_what_runs_there(
+        method: str, devices: int, microbatches: int, recompute: str) -> None:
+    from collections import Counter
+    from meshplan.planner.intra.at_shape import at_shape
+    from meshplan.sim.simulate import simulate
+    from oracle import plan_counter
+    plan = api.plan(_MODEL, None, SGD, _DATA[0], f"local:{devices}", method=method,
+                    memory_budget_gb=0, microbatches=microbatches, dtype="fp32",
+                    recompute=recompute)
+    same = at_shape(plan, _MODEL, None, _DATA[0])   # at its own shape: the plan itself
+    assert same.transfers == plan.transfers
+    for a, b in zip(plan.stages, same.stages):
+        assert (b.latency_s, b.memory_bytes) == pytest.approx((a.latency_s, a.memory_bytes),
+                                                              rel=1e-12)
+    assert same.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"],
+                                                          rel=1e-12)
+    longer = at_shape(plan, _MODEL, None, _DATA[3])   # (8, 8): twice the rows
+    assert longer.predicted["step_time_s"] > plan.predicted["step_time_s"]
+    assert longer.predicted["peak_memory_bytes"] > plan.predicted["peak_memory_bytes"]
+    assert simulate(longer).step_time_s > simulate(plan).step_time_s
+    results = run_emulated_stages(_recorded_pipeline_rank, plan.stage_meshes(), plan,
+                                  [_DATA[0], _DATA[3]])
+    for rank, per_step in enumerate(results):
+        for priced, (stages, collectives, sent) in zip((plan, longer), per_step):
+            assert collectives == sum((plan_counter(priced.stages[s].plan) for s in stages),
+                                      Counter())
+            want: Counter = Counter()
+            for t in priced.transfers:
+                if t.src == rank:
+                    want[(t.kind, t.src, t.dst, t.bytes)] += t.count
+            assert sent == want

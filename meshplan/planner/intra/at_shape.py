@@ -7,7 +7,11 @@ built on it, every decision the plan records (each op's strategy and operand lay
 parameter's layout and update mode, each batch tensor's split) fixed, and the rest (what the
 plan does not record: buffers, constants) left to the solver, which finds them as the plan's
 own search did. The result is a `Plan` of the same decisions with the new shape's
-predictions, collectives and memory: `explain` and `simulate` read it like any other.
+predictions, collectives and memory: `explain` and `simulate` read it like any other. A
+pipeline is priced stage by stage the same way, each stage's program cut from the new trace
+where its plan puts its ops (`runtime/pipeline.PipelineTrainer.serve` runs exactly those),
+its latency and in-flight memory as the stage DP prices them; at the plan's own shape the
+result is the plan.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from meshplan.cost.cluster import cluster_from_dict
 from meshplan.cost.mesh import logical_mesh
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasibleIlpError
+from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.intra.choices import Choice, IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
@@ -36,21 +41,38 @@ from meshplan.planner.recompute import Replay
 def at_shape(plan: Plan, model: nn.Module, loss_fn: Callable | None, batch: Any) -> Plan:
     """``plan``'s decisions priced on ``model`` traced at ``batch``'s shape (module docstring).
     Raises ValueError when a decision is not open at that shape (a split the new sizes do not
-    allow) or the micro-batches do not divide the batch; NotImplementedError for pipelines
-    and HAP's model segments, not priced at other shapes yet."""
-    if plan.num_stages > 1 or plan.segment_weights:
+    allow) or the micro-batches do not divide the batch; NotImplementedError for HAP's model
+    segments, not priced at other shapes yet."""
+    if plan.segment_weights:
         raise NotImplementedError(
-            "pricing a plan at another batch shape covers single-stage plans without model "
-            "segments; for this one, make a plan with an example batch of the shape")
+            "pricing a plan at another batch shape does not cover plans cut into model "
+            "segments yet; for this one, make a plan with an example batch of the shape")
     micro = split_microbatches(batch, plan.microbatches)[0]
     _, traced = capture(model, loss_fn, micro)
-    graph = with_compute_dtype(traced, plan.dtype)
+    if plan.num_stages > 1:
+        return _pipeline_at_shape(plan, traced)
+    layers = None
+    if plan.recompute and plan.recompute_scope == "layers" and plan.num_layers > 1:
+        from meshplan.lower.pipeline_program import recompute_layers
+        layers = recompute_layers(traced, plan)
+    form, sol, segments, replay, mesh, cl = _solved(plan, with_compute_dtype(traced, plan.dtype),
+                                                    layers)
+    return intra_plan(form, sol, mesh, cl, name=plan.model, fingerprint=traced.fingerprint(),
+                      method=plan.method, optimizer=plan.optimizer, options=form_options(plan),
+                      budget=None, search_time_s=0.0, dtype=plan.dtype,
+                      unsupported_ops=traced.unsupported_ops, axis_weights=plan.axis_weights,
+                      layers=segments, replay=replay)
+
+
+def _solved(plan: Plan, graph: Graph, layers: dict[str, int] | None) -> tuple:
+    """The single-stage ``plan``'s ILP on ``graph`` (at the plan's compute dtype) with its
+    decisions fixed, solved: (formulation, solution, replayed segments, replay, mesh,
+    cluster)."""
     cl = cluster_from_dict(plan.cluster)
     mesh = logical_mesh(cl, tuple(plan.mesh_shape))
     if plan.axis_weights:
         mesh = replace(mesh, weights=plan.axis_weights,
                        gather_impl=plan.options.get("gather_impl", "auto"))
-    opts = _options(plan)
     from meshplan.runtime.optim import OptimizerSpec
     ctx = CostContext(mesh, cl.device, OptimizerSpec.from_dict(plan.optimizer).state(),
                       param_reshard=plan.method == "heuristic", microbatches=plan.microbatches,
@@ -58,28 +80,66 @@ def at_shape(plan: Plan, model: nn.Module, loss_fn: Callable | None, batch: Any)
     segments, replay = None, None
     if plan.recompute:
         replay = Replay(plan.recompute_scope, plan.recompute_layers)
-        layers = {}
-        if replay.scope == "layers" and plan.num_layers > 1:
-            from meshplan.lower.pipeline_program import recompute_layers
-            layers = recompute_layers(traced, plan)
-        segments = replay.segments(graph, layers)
+        segments = replay.segments(graph, layers or {})
         if not replay.whole:
             ctx = replace(ctx, recomputed=frozenset(segments))
-    form = formulate(resolve_choices(graph, tuple(plan.mesh_shape), opts), ctx, None,
-                     share_blocks=False, layers=segments)
+    form = formulate(resolve_choices(graph, tuple(plan.mesh_shape), form_options(plan)), ctx,
+                     None, share_blocks=False, layers=segments)
     try:
         sol = solve(_fixed(form, plan))
     except InfeasibleIlpError:
         raise ValueError("the plan's decisions do not fit together at the shapes of this batch; "
                          "make a plan with an example batch of this shape") from None
-    return intra_plan(form, sol, mesh, cl, name=plan.model, fingerprint=traced.fingerprint(),
-                      method=plan.method, optimizer=plan.optimizer, options=opts, budget=None,
-                      search_time_s=0.0, dtype=plan.dtype,
-                      unsupported_ops=traced.unsupported_ops, axis_weights=plan.axis_weights,
-                      layers=segments, replay=replay)
+    return form, sol, segments, replay, mesh, cl
 
 
-def _options(plan: Plan) -> IntraOptions:
+def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
+    """A pipeline's stages priced at the shape ``graph`` was traced at, as the runtime serves
+    it (`PipelineTrainer.serve`): each stage's program cut where its plan puts its ops, its
+    decisions fixed; each stage's latency per micro-batch and its memory with its in-flight
+    micro-batches as the stage DP prices them, its inbound transfer over the cluster's slowest
+    link between stages; the step by Alpa's eq. 2 and the messages between stages anew."""
+    from meshplan.lower.pipeline_program import pipeline_program, recompute_layers, stage_graphs
+    from meshplan.lower.stage_transfers import step_transfers
+    from meshplan.planner.intra.ilp_problem import peak_memory
+    from meshplan.planner.inter.stage_costs import _in_flight_problem
+    from meshplan.planner.inter.stage_problem import pipeline_latency
+    graphs = stage_graphs(graph, plan, check=False)
+    layer_of = recompute_layers(graph, plan)
+    cl = cluster_from_dict(plan.cluster)
+    link = cl.inter_host if cl.num_hosts > 1 else cl.intra_host
+    stages = []
+    for s, g in zip(plan.stages, graphs):
+        sp = s.plan
+        assert sp is not None
+        form, sol, segments, replay, mesh, sub = _solved(sp, g, layer_of)
+        priced = intra_plan(form, sol, mesh, sub, name=sp.model, fingerprint=g.fingerprint(),
+                            method=sp.method, optimizer=sp.optimizer,
+                            options=form_options(sp), budget=None, search_time_s=0.0,
+                            dtype=sp.dtype, unsupported_ops=sp.options.get("unsupported_ops",
+                                                                             ()),
+                            layers=segments, replay=replay)
+        # What the stage's first layer receives from the stages before, there and back.
+        first = {n for n, k in layer_of.items() if k == s.layers[0]}
+        users = g.users
+        inbound = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in g.nodes
+                      if n.role == "input" and n.op == "input" and not n.state_name
+                      and any(u in first for u in users[n.name]))
+        latency = priced.objective / plan.microbatches + \
+            (link.latency + inbound / link.effective_bandwidth if inbound else 0.0)
+        memory = peak_memory(_in_flight_problem(form, g, segments, s.in_flight), sol.choices)
+        stages.append(dataclasses.replace(s, latency_s=latency, memory_bytes=memory,
+                                          plan=priced))
+    meshes = len(stages) // plan.chunks
+    step = pipeline_latency(tuple(s.latency_s for s in stages), plan.microbatches, plan.chunks)
+    peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
+    out = replace(plan, graph_fingerprint=graph.fingerprint(), stages=tuple(stages),
+                  objective=step, search_time_s=0.0,
+                  predicted={**plan.predicted, "step_time_s": step, "peak_memory_bytes": peak})
+    return replace(out, transfers=step_transfers(out, pipeline_program(out), graph))
+
+
+def form_options(plan: Plan) -> IntraOptions:
     """The plan's own search options (`Plan.options` records them), without a budget."""
     names = {f.name for f in dataclasses.fields(IntraOptions)} - {"memory_budget",
                                                                   "replicated_updates"}
