@@ -7,6 +7,8 @@ share."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -251,3 +253,53 @@ def test_a_hugging_face_dataset_feeds_each_rank_its_rows(pool2, method: str,
         assert losses == pytest.approx(ref, rel=1e-5)
     if plan.num_stages > 1:   # the first stage reads the inputs, the last the labels
         assert "labels" not in results[0][1] and "input_ids" not in results[1][1]
+
+
+# ---------------------------------------------------------------- random plans
+def _local_rank(comm, plan, w, data, captured) -> tuple:
+    from meshplan.runtime.trainer import Trainer
+    tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, captured=captured,
+                 local_batches=True)
+    rows = torch.tensor(rank_rows(plan, comm.rank, 4))
+    losses = [tr.step({k: v.index_select(0, rows) for k, v in b.items()}, seed=i)
+              for i, b in enumerate(data)]
+    return losses, tr.full_state_dict(), []
+
+
+@functools.cache
+def _gpt2_without_dropout() -> tuple:
+    """GPT-2, 2 batches, the one-device oracle and a capture at one of 2 micro-batches. No
+    dropout: a micro-batch draws its own masks, not the rows' masks of the whole batch."""
+    import copy
+    import test_random_plans as R
+    from meshplan.capture.batch import split_microbatches
+    from meshplan.capture.to_ir import capture
+    from meshplan.zoo.spec import Workload
+    from oracle import reference
+    w, data, _, _ = R._gpt2()
+    model = copy.deepcopy(w.model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    w = Workload(model, None, w.example_batch, "gpt2")
+    return w, data, reference(w, R.SGD, data), \
+        capture(model, None, split_microbatches(w.example_batch, 2)[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 2), (1, 4)],
+                         ids=["1x2", "2x1", "2x2", "1x4"])
+def test_random_plans_with_local_batches_equal_one_device(shape, monkeypatch) -> None:
+    # GPT-2 as its authors wrote it (-100 labels on padding, its own token mean) over 2
+    # micro-batches: whatever split of the batch a random valid plan draws, each rank given
+    # only its rows trains as one device, the token counts gathered across the ranks.
+    from meshplan.runtime.emulated import run_emulated
+    from oracle import assert_matches
+    from random_plans import random_plan
+    import test_random_plans as R
+    w, data, ref, captured = _gpt2_without_dropout()
+    for seed in range(3):
+        plan = random_plan(w.model, None, R.SGD, w.example_batch, shape,
+                           8000 + 100 * shape[0] + 10 * shape[1] + seed, monkeypatch,
+                           abstract=seed % 2 == 1, microbatches=2)
+        for r in run_emulated(_local_rank, shape, plan, w, data, captured):
+            assert_matches(r, ref, plan, R.SGD)
