@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshplan
-from meshplan.capture.batch import flatten_batch, split_microbatches, step_loss
+from meshplan.capture.batch import (batch_size, flatten_batch, split_microbatches,
+                                   step_loss)
 from meshplan.capture.to_ir import capture
 from meshplan.lower.microbatch import batch_reductions
 from meshplan.runtime.emulated import run_emulated, run_emulated_stages
@@ -276,6 +277,21 @@ def test_micro_batches_of_one_sample_make_the_full_batch_step() -> None:
     assert plan.options["microbatch_loss"]["exact"]
     data = _batches(w, 2)
     _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_finding_the_reductions_does_not_trace_the_whole_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where one sample's program hides the batch, two samples' shows it as the whole batch's
+    does: the plan's check traces no more than that (the count search traced it already when
+    it tried two samples per micro-batch; the whole batch of a large model takes seconds)."""
+    import meshplan.api as api
+    sizes = []
+    monkeypatch.setattr(api, "capture",
+                        lambda m, f, b: sizes.append(batch_size(b)) or capture(m, f, b))
+    w = _lm_workload(_ce)
+    plan = _plan(w, "local:2", method="megatron:dp=1,tp=1,pp=2", microbatches=BATCH)
+    assert plan.options["microbatch_loss"]["exact"]
+    assert BATCH not in sizes and 2 in sizes
 
 
 def test_strided_batch_pieces_are_counted() -> None:
