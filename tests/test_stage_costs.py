@@ -86,6 +86,42 @@ def test_chosen_stages_fit_with_their_in_flight_micro_batches(program) -> None:
     assert three.memory_bytes > one.memory_bytes   # activations counted once per micro-batch
 
 
+def test_identical_layers_share_their_stage_ilps(program,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPT's four identical blocks are priced as one: each distinct layer structure once
+    per submesh, logical shape and variant, however many layers share it."""
+    prof = _profiler(program)
+    priced: list[tuple] = []
+    price = StageProfiler._price
+
+    def counted(self, start, end, submesh, shape, budget):
+        priced.append((self.key(start, end), submesh, shape, budget))
+        return price(self, start, end, submesh, shape, budget)
+
+    monkeypatch.setattr(StageProfiler, "_price", counted)
+    sub = (1, 2)
+    prof.prefetch((sub,), workers=1)
+    keys = {prof.key(m, m + 1) for m in range(prof.layering.num_layers)}
+    assert len(keys) == 3   # the embedding's layer, the blocks, the head's
+    per_key = sum(len(prof.variants(sub, shape)) for shape in prof.shapes(sub))
+    assert len(priced) == len(set(priced)) == len(keys) * per_key
+
+
+def test_a_whole_stage_problem_is_solved_once(program, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranges of one structure on one logical mesh, priced by different variants ("free",
+    "lean", "tp"), are one whole ILP: solved once, counted once, one answer."""
+    prof = _profiler(program)
+    solves = []
+    solve = stage_costs.solve
+    monkeypatch.setattr(stage_costs, "solve", lambda *a, **k: solves.append(1) or solve(*a, **k))
+    assert prof.key(1, 3) == prof.key(3, 5)
+    first = prof.whole_cost(1, 3, (1, 2), StageLabel((1, 2), "free", False), 2)
+    again = prof.whole_cost(3, 5, (1, 2), StageLabel((1, 2), "lean", False), 2)
+    chosen = prof.solutions([(1, 3, (1, 2), StageLabel((1, 2), "tp", False), 2)])[0]
+    assert len(solves) == prof.solves == 1
+    assert first == again == (chosen.latency, chosen.memory_bytes)
+
+
 def test_mirror_logical_shapes_are_priced_once(program) -> None:
     assert _profiler(program).shapes((1, 4)) == [(1, 4), (2, 2)]
     # On two hosts the axes have different links: both orders are different problems.

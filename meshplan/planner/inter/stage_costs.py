@@ -573,12 +573,16 @@ class StageProfiler:
         for start, end, submesh, label, in_flight in sorted(chosen, key=lambda c: -c[4]):
             firsts.setdefault((self.key(start, end), submesh, label),
                               (start, end, submesh, label, in_flight))
-        solved = list(self._map("_solve_whole", list(firsts.values()), workers,
-                                parallel_from=3))
-        shared = {}
-        for (group, first), (sol, solves) in zip(firsts.items(), solved):
-            shared[group] = self._wholes[(*group, first[4])] = sol
+        # Groups of one problem (labels differing only in the variant that priced them) and
+        # problems solved before need no solve of their own.
+        tasks = {self.whole_key(*first): first for first in firsts.values()}
+        tasks = {k: t for k, t in tasks.items() if k not in self._wholes}
+        solved = list(self._map("_solve_whole", list(tasks.values()), workers,
+                                parallel_from=WHOLE_PARALLEL_FROM))
+        for k, (sol, solves) in zip(tasks, solved):
+            self._wholes[k] = sol
             self.solves += solves
+        shared = {group: self._wholes[self.whole_key(*first)] for group, first in firsts.items()}
         out = []
         for start, end, submesh, label, in_flight in chosen:
             # Formulated for this very range: the plan must name its own nodes. Ranges of one
@@ -614,11 +618,12 @@ class StageProfiler:
         """`whole_cost` of each ``(start, end, submesh, label, in_flight)`` ahead of time, the
         distinct uncached ones on forked workers (`_map`)."""
         tasks: dict[tuple, tuple] = {}
-        for start, end, submesh, label, in_flight in stages:
-            key = (self.key(start, end), submesh, label, in_flight)
+        for stage in stages:
+            key = self.whole_key(*stage)
             if key not in self._whole_costs:
-                tasks.setdefault(key, (start, end, submesh, label, in_flight))
-        done = self._map("_whole_cost_task", list(tasks.values()), workers, parallel_from=3)
+                tasks.setdefault(key, stage)
+        done = self._map("_whole_cost_task", list(tasks.values()), workers,
+                         parallel_from=WHOLE_PARALLEL_FROM)
         for key, (sol, cost, solves) in zip(tasks, done):
             self._wholes[key], self._whole_costs[key] = sol, cost
             self.solves += solves
@@ -627,19 +632,28 @@ class StageProfiler:
                          in_flight: int) -> tuple[IlpSolution, tuple[float, float], int]:
         before = self.solves
         self.whole_cost(start, end, submesh, label, in_flight)
-        key = (self.key(start, end), submesh, label, in_flight)
+        key = self.whole_key(start, end, submesh, label, in_flight)
         return self._wholes[key], self._whole_costs[key], self.solves - before
+
+    def whole_key(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                  in_flight: int) -> tuple:
+        """What a whole solve of the stage depends on: its structure, submesh, logical mesh,
+        recomputation and in-flight micro-batches. Not the label's variant (``budget``): the
+        whole solve is the unconstrained ILP under the pipeline's memory whatever variant
+        priced the option, so stages of one structure that the DP priced by different
+        variants share one solve."""
+        return (self.key(start, end), submesh, label.logical_shape, label.kind, in_flight)
 
     def whole_cost(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                    in_flight: int) -> tuple[float, float]:
         """(seconds per micro-batch, peak bytes per device) of the stage solved whole with
         ``in_flight`` micro-batches kept, as `solutions` gives them; cached by structure, so
         comparing candidate pipelines of repeated blocks costs a solve per distinct stage."""
-        key = (self.key(start, end), submesh, label, in_flight)
+        key = self.whole_key(start, end, submesh, label, in_flight)
         if key not in self._whole_costs:
-            sol, solves = self._solve_whole(start, end, submesh, label, in_flight)
-            self._wholes[key] = sol
-            self.solves += solves
+            # `_solve` has counted the solves already.
+            sol = self._wholes[key] = self._solve_whole(start, end, submesh, label,
+                                                        in_flight)[0]
             # The structure's shared formulation (no new one for this range's names).
             first = self._form_range(start, end, submesh, label.logical_shape)
             s = StageSolution(self._form(start, end, submesh, label.logical_shape), sol,
@@ -650,7 +664,7 @@ class StageProfiler:
 
     def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                      in_flight: int) -> tuple[IlpSolution, int]:
-        key = (self.key(start, end), submesh, label, in_flight)
+        key = self.whole_key(start, end, submesh, label, in_flight)
         if key in self._wholes:
             return self._wholes[key], 0
         return self._solve_whole_now(start, end, submesh, label, in_flight)
@@ -709,6 +723,8 @@ class StageProfiler:
 
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
+# Whole solves of long stages take seconds each: two already pay for the fork.
+WHOLE_PARALLEL_FROM = 2
 _FORKED: StageProfiler | None = None   # the profiler forked workers price for
 
 
