@@ -54,7 +54,7 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
-from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
@@ -449,11 +449,14 @@ def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
     profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, n)
                                    for c, m in zip(near, most) for s, n in zip(c.stages, m)
                                    for o in _relabels(profiler, s, budget, n)])
+    chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
+                                      for s, n in zip(c.stages, m))) for c, m in zip(near, most)]
+    # A stage relabelled may be priced at another count than its relabelling was (its own
+    # label's most in flight): those solves too run side by side, not one by one.
+    profiler.prefetch_whole_costs([r for c in chosen for r in _whole_requests(profiler, c)])
     best = None
-    for k, (c, m) in enumerate(zip(near, most)):
-        chosen = replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
-                                         for s, n in zip(c.stages, m)))
-        whole, fits = solved_as_whole(profiler, chosen, budget)
+    for k, c in enumerate(chosen):
+        whole, fits = solved_as_whole(profiler, c, budget)
         if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
             best = whole
     assert best is not None
@@ -466,18 +469,26 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
     fits ``budget`` so. `StageProfiler.solutions` solves the stages of one structure and plan
     once, at the most micro-batches any of them keeps: priced so here (memory conservatively
     at that count), the figures are the plan's."""
-    most: dict[tuple, int] = {}
-    for s in pipeline.stages:
-        group = (profiler.key(s.start, s.end), s.submesh, s.option.label)
-        most[group] = max(most.get(group, 0), s.in_flight)
-    solved = [profiler.whole_cost(s.start, s.end, s.submesh, s.option.label,
-                                  most[(profiler.key(s.start, s.end), s.submesh,
-                                        s.option.label)]) for s in pipeline.stages]
+    solved = [profiler.whole_cost(*r) for r in _whole_requests(profiler, pipeline)]
     stages = tuple(replace(s, option=replace(s.option, latency=latency))
                    for s, (latency, _) in zip(pipeline.stages, solved))
     return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks,
                           pipeline.hosts),
             fits_by_mesh([memory for _, memory in solved], pipeline.chunks, budget))
+
+
+def _whole_requests(profiler: StageProfiler, pipeline: PipelineSolution
+                    ) -> list[tuple[int, int, Submesh, StageLabel, int]]:
+    """Per stage, the whole solve `solved_as_whole` prices it by: ``(start, end, submesh,
+    label, in_flight)`` at the most micro-batches any stage of its structure, submesh and
+    label keeps."""
+    most: dict[tuple, int] = {}
+    for s in pipeline.stages:
+        group = (profiler.key(s.start, s.end), s.submesh, s.option.label)
+        most[group] = max(most.get(group, 0), s.in_flight)
+    return [(s.start, s.end, s.submesh, s.option.label,
+             most[(profiler.key(s.start, s.end), s.submesh, s.option.label)])
+            for s in pipeline.stages]
 
 
 def fits_by_mesh(memory: list[float], chunks: int, budget: float) -> bool:
