@@ -163,6 +163,55 @@ def test_a_pure_program_is_not_retraced_and_reads_the_same(spec: str, monkeypatc
         [(n.name, n.op, n.inputs, n.kept) for n in retraced.nodes]
 
 
+TINY_LLAMA = ("hf:llama-3-8b,batch=2,seq=16,num_hidden_layers=2,hidden_size=64,"
+              "intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,vocab_size=128")
+
+
+def test_an_unseen_in_place_write_is_made_pure_without_a_retrace(monkeypatch) -> None:
+    """Hugging Face's mask helpers shift a fresh arange in place, the one write of a Llama's
+    trace: it is made pure where it stands (no second trace, half the tracing time) and the
+    program reads as the retraced one: same nodes, names, saved values and fingerprint."""
+    import meshplan.capture.trace as trace_module
+    from meshplan.capture.to_ir import _capture_now   # past capture()'s memo: traced anew
+    from meshplan.zoo.spec import build_workload
+    w = build_workload(TINY_LLAMA, device="meta")
+    retraces = []
+    functionalize = trace_module.functionalize
+    monkeypatch.setattr(trace_module, "functionalize",
+                        lambda *a, **k: retraces.append(1) or functionalize(*a, **k))
+    fast_traced, fast = _capture_now(w.model, w.loss_fn, w.example_batch)
+    assert not retraces and not trace_module._mutates(fast_traced.graph_module)
+    monkeypatch.setattr(trace_module, "pure_forms", lambda writes: None)
+    slow_traced, retraced = _capture_now(w.model, w.loss_fn, w.example_batch)
+    assert retraces
+    assert fast.fingerprint() == retraced.fingerprint()
+    assert [(n.name, n.op, n.inputs, n.kept) for n in fast.nodes] == \
+        [(n.name, n.op, n.inputs, n.kept) for n in retraced.nodes]
+    assert fast_traced.saved == slow_traced.saved
+
+
+def test_a_write_another_op_sees_is_left_to_functionalization(monkeypatch) -> None:
+    import meshplan.capture.trace as trace_module
+
+    class Seen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            before = y.sin()   # reads y before the write: the write is not unseen
+            y.add_(1.0)
+            return y * before
+
+    retraces = []
+    functionalize = trace_module.functionalize
+    monkeypatch.setattr(trace_module, "functionalize",
+                        lambda *a, **k: retraces.append(1) or functionalize(*a, **k))
+    traced = trace_module.trace(Seen(), F.mse_loss, (torch.randn(3, 4), torch.randn(3, 4)))
+    assert retraces and not trace_module._mutates(traced.graph_module)
+
+
 def test_a_program_with_in_place_ops_is_functionalized() -> None:
     import meshplan.capture.trace as trace_module
 

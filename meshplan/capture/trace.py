@@ -36,6 +36,7 @@ from torch.func import functionalize
 from meshplan.torch_api import FakeTensorMode, OpOverload, make_fx
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
+from meshplan.capture.in_place import make_pure, pure_forms
 from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
@@ -128,6 +129,10 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
             plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
         if not _mutates(plain):   # already pure: the retrace would copy it
             return plain, _name_placeholders_as_retraced(plain, saved.names)
+        forms = pure_forms(_writes(plain))
+        if forms:   # only writes no other op sees (`capture/in_place.py`)
+            return plain, _name_placeholders_as_retraced(plain,
+                                                         make_pure(plain, forms, saved.names))
         try:
             pure = make_fx(functionalize(plain, remove="mutations"))(state, batch)
             return pure, same_nodes(saved.names, plain, pure)
@@ -140,17 +145,23 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
 def _mutates(gm: GraphModule) -> bool:
     """Whether a traced graph may write into a tensor: an aten op whose schema writes an
     argument (in-place, ``out=``), or a call fx cannot see into."""
+    return bool(_writes(gm))
+
+
+def _writes(gm: GraphModule) -> list[torch.fx.Node]:
+    """The nodes of `_mutates`."""
+    out = []
     for node in gm.graph.nodes:
         if node.op == "call_function":
             target = node.target
             if isinstance(target, OpOverload):
                 if target._schema.is_mutable:
-                    return True
+                    out.append(node)
             elif target is not operator.getitem:
-                return True
+                out.append(node)
         elif node.op in ("call_method", "call_module"):
-            return True
-    return False
+            out.append(node)
+    return out
 
 
 def _name_placeholders_as_retraced(gm: GraphModule, saved: set[str]) -> set[str]:
