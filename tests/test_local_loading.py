@@ -267,36 +267,28 @@ def _local_rank(comm, plan, w, data, captured) -> tuple:
 
 
 @functools.cache
-def _gpt2_without_dropout() -> tuple:
-    """GPT-2, 2 batches, the one-device oracle and a capture at one of 2 micro-batches. No
-    dropout: a micro-batch draws its own masks, not the rows' masks of the whole batch."""
-    import copy
+def _gpt2() -> tuple:
+    """GPT-2 (dropout 0.1 on embeddings, attention and residuals), 2 batches, the one-device
+    oracle and a capture at one of 2 micro-batches."""
     import test_random_plans as R
     from meshplan.capture.batch import split_microbatches
     from meshplan.capture.to_ir import capture
-    from meshplan.zoo.spec import Workload
-    from oracle import reference
-    w, data, _, _ = R._gpt2()
-    model = copy.deepcopy(w.model)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    w = Workload(model, None, w.example_batch, "gpt2")
-    return w, data, reference(w, R.SGD, data), \
-        capture(model, None, split_microbatches(w.example_batch, 2)[0])
+    w, data, ref, _ = R._gpt2()
+    return w, data, ref, capture(w.model, None, split_microbatches(w.example_batch, 2)[0])
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 2), (1, 4)],
                          ids=["1x2", "2x1", "2x2", "1x4"])
 def test_random_plans_with_local_batches_equal_one_device(shape, monkeypatch) -> None:
-    # GPT-2 as its authors wrote it (-100 labels on padding, its own token mean) over 2
-    # micro-batches: whatever split of the batch a random valid plan draws, each rank given
-    # only its rows trains as one device, the token counts gathered across the ranks.
+    # GPT-2 as its authors wrote it (dropout, -100 labels on padding, its own token mean)
+    # over 2 micro-batches: whatever split of the batch a random valid plan draws, each rank
+    # given only its rows trains as one device (the whole batch's dropout masks, the token
+    # counts gathered across the ranks).
     from meshplan.runtime.emulated import run_emulated
     from oracle import assert_matches
     from random_plans import random_plan
     import test_random_plans as R
-    w, data, ref, captured = _gpt2_without_dropout()
+    w, data, ref, captured = _gpt2()
     for seed in range(3):
         plan = random_plan(w.model, None, R.SGD, w.example_batch, shape,
                            8000 + 100 * shape[0] + 10 * shape[1] + seed, monkeypatch,

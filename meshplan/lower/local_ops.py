@@ -222,8 +222,9 @@ def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
-                            rng: torch.Generator | None, global_shape: tuple[int, ...],
-                            offsets: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                            rng: Any, global_shape: tuple[int, ...],
+                            offsets: tuple[tuple[int, int], ...], node: str = ""
+                            ) -> torch.Tensor:
     """Dropout whose mask is this rank's piece of the mask one device would draw.
 
     torch's CPU dropout draws ``bernoulli(1 - p)`` over the whole input and scales by
@@ -231,26 +232,43 @@ def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,
     run and keeping this rank's piece gives identical results on any sharding (at the price of
     drawing the whole mask on every rank). On a GPU the mask is drawn there, from the rank's
     CUDA generator: every plan draws the same masks as a one-device run of meshplan, though
-    not the bits of CUDA's fused dropout kernel.
+    not the bits of CUDA's fused dropout kernel. ``rng`` may be the step's
+    `runtime.dropout.DropoutStream` (several micro-batches or pipeline stages): dropout
+    ``node``'s mask is then the micro-batch's rows of the whole batch's.
     """
     if not train or p == 0:
         return x * 1.0
     if p >= 1:
         return x * 0.0
-    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(
-        1 - p, generator=rng)
+    if hasattr(rng, "mask"):
+        mask = rng.mask(node, x.dtype, x.device)
+    else:
+        mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(
+            1 - p, generator=rng)
     for d, (start, length) in enumerate(offsets):
         mask = mask.narrow(d, start, length)
     return x * mask * (1.0 / (1 - p))
 
 
+def bernoulli_like_one_device(target: Any, x: torch.Tensor, args: tuple, kwargs: dict,
+                              rng: Any, node: str) -> torch.Tensor:
+    """A ``bernoulli`` draw (the whole tensor, as every rank draws it: `random_rule`) from the
+    step's generator, or from its `runtime.dropout.DropoutStream`: IR node ``node``'s mask of
+    the current micro-batch, the rows of the whole batch's."""
+    if hasattr(rng, "mask"):
+        return rng.mask(node, x.dtype, x.device)
+    return target(x, *args, **kwargs, generator=rng)
+
+
 def emit_dropout(g: fx.Graph, orig: fx.Node, x: fx.Node, rng: fx.Node,
-                 global_shape: tuple[int, ...], offsets: tuple[tuple[int, int], ...]) -> fx.Node:
-    """``native_dropout(x, p, train)`` as `dropout_like_one_device` on the local piece."""
+                 global_shape: tuple[int, ...], offsets: tuple[tuple[int, int], ...],
+                 node: str) -> fx.Node:
+    """``native_dropout(x, p, train)`` (IR node ``node``) as `dropout_like_one_device` on the
+    local piece."""
     p = orig.args[1] if len(orig.args) > 1 else orig.kwargs.get("p")
     train = orig.args[2] if len(orig.args) > 2 else orig.kwargs.get("train")
     return g.call_function(dropout_like_one_device, (x, p, train, rng, tuple(global_shape),
-                                                     offsets))
+                                                     offsets, node))
 
 
 def constant_like(kind: str, shape: tuple[int, ...], dtype: str, fill: Any, *,

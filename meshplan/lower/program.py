@@ -247,12 +247,15 @@ class _Lowerer:
         if node.op == "bernoulli":
             orig = self.fx_nodes[node.name]
             self.env[node.name] = self.out.call_function(
-                orig.target, (operands[0], *orig.args[1:]), {**orig.kwargs, "generator": self.rng})
+                local_ops.bernoulli_like_one_device,
+                (orig.target, operands[0], tuple(orig.args[1:]), dict(orig.kwargs), self.rng,
+                 node.name))
             return
         if node.op == "native_dropout":
             self.env[node.name] = local_ops.emit_dropout(self.out, self.fx_nodes[node.name],
                                                          operands[0], self.rng, node.out.shape,
-                                                         piece_offsets(result, self.pos))
+                                                         piece_offsets(result, self.pos),
+                                                         node.name)
             return
         use = self.sfb.get(node.name)
         weight = operands[use.weight] if use else None

@@ -99,15 +99,15 @@ class ParallelModel(nn.Module):
             micro = tr.split(batch)
             scales = tr.step_scales(micro)
             done = []
-            for piece, scale in zip(micro[:-1], scales):   # the last backward is the caller's
-                loss = tr.run_microbatch(piece, rng, scale)
+            for k, (piece, scale) in enumerate(zip(micro[:-1], scales)):   # the last backward
+                loss = tr.run_microbatch(piece, rng, scale, k)                # is the caller's
                 if torch.is_grad_enabled():
                     (loss / len(micro)).backward()
                     tr.own_gradients()
                 done.append(loss.detach())
             if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
                 tr.last_backward()
-            last = tr.run_microbatch(micro[-1], rng, scales[-1]) / len(micro)
+            last = tr.run_microbatch(micro[-1], rng, scales[-1], len(micro) - 1) / len(micro)
             local = last.detach() + sum(d / len(micro) for d in done)
             whole = torch.tensor(tr._report(local), dtype=last.dtype, device=last.device)
         if not last.requires_grad:

@@ -43,6 +43,7 @@ from meshplan.lower.pipeline_program import (Exchange, pipeline_program, recompu
 from meshplan.lower.stage_transfers import stage_moves
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
+from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
@@ -92,14 +93,18 @@ class PipelineTrainer:
         self.trainers = {s: Trainer(plan.stages[s].plan, model, loss_fn, example_batch, comm,
                                     captured=(traced, graphs[s]), scales=self._scales,
                                     layers=layers, other_shapes=False,
-                                    local_batches=local_batches, pipeline=(plan, p2p.rank))
+                                    local_batches=local_batches, pipeline=(plan, p2p.rank),
+                                    dropout=False)
                          for s in self.stages}
         self._local = local_batches
         self._moves = stage_moves(plan, self.program, graph, local_gather)
         # Other batch shapes (`serve`): each shape's moves and scales, its stage programs.
         self._model, self._loss_fn, self._gather_locally = model, loss_fn, local_gather
+        # The stages' dropouts draw the whole program's masks for the whole batch, as one
+        # device does (`runtime/dropout.py`).
+        self._dropout = self._stream(traced, graph, example_batch)
         self._shape = shape_key(example_batch)
-        self._variants = {self._shape: (self._scales, self._moves)}
+        self._variants = {self._shape: (self._scales, self._moves, self._dropout)}
         self._tied = [(k, name, me, {i: (self._moves.tied[(name, me, i)],
                                          self._moves.tied[(name, i, me)])
                                      for i in stages if i != me})
@@ -112,6 +117,12 @@ class PipelineTrainer:
         active = isinstance(comm, ProcessGroupComm) and isinstance(p2p, ProcessGroupP2P)
         self.guard = StepGuard([comm.rebuild, p2p.rebuild] if active else [], self.undo_step,
                                active=active)
+
+    def _stream(self, traced: Traced, graph: Graph, batch: Any) -> DropoutStream | None:
+        """The whole program's dropouts as one device draws them for the global ``batch``
+        (`runtime/dropout.py`), or None when it has none."""
+        return stream_for(traced.graph_module, graph, self.plan.dtype, self.plan.microbatches,
+                          batch, lambda b: locked_capture(self._model, self._loss_fn, b))
 
     def undo_step(self) -> None:
         """What a failed step left, dropped on each stage this rank runs (`Trainer.undo_step`)."""
@@ -144,10 +155,11 @@ class PipelineTrainer:
             for s, t in self.trainers.items():
                 t.adopt(key, traced, graphs[s], scales)
             self._variants[key] = (scales, stage_moves(plan, self.program, graph,
-                                                       self._gather_locally))
+                                                       self._gather_locally),
+                                   self._stream(traced, graph, batch))
         for t in self.trainers.values():
             t.use(key)
-        self._scales, self._moves = self._variants[key]
+        self._scales, self._moves, self._dropout = self._variants[key]
         self._shape = key
 
     # ---------------------------------------------------------------- one step
@@ -162,6 +174,9 @@ class PipelineTrainer:
 
     def _step(self, batch: Any, seed: int | None, apply: bool) -> float:
         rngs = {s: t.begin_step(seed) for s, t in self.trainers.items()}
+        if self._dropout is not None:   # one stream for every stage, from the same seed
+            stream = self._dropout.begin(next(iter(rngs.values())))
+            rngs = {s: stream for s in rngs}
         first = next(iter(self.trainers.values()))
         micro = first.split(batch)   # (every stage of a rank reads the same rows)
         count = len(micro)
@@ -185,6 +200,8 @@ class PipelineTrainer:
                     value = self._receive(k, e, "activation", j)
                     inbox.setdefault(key, {})[e.value] = value.requires_grad_(self._grad(e))
             elif ins.op == "RUN" and ins.kind == "forward":
+                if self._dropout is not None:
+                    self._dropout.set_state(j)
                 out = t._run(t._program_args(t.local_batch(micro[j]), inbox.get(key, {}),
                                              scales[j]), rngs[ins.stage])
                 loss, values = t.program.split_output(out)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshplan.cost.precision import DTYPES
 from meshplan.runtime.comm import Comm
+from meshplan.runtime.dropout import DropoutStream
 
 
 def autocast_for(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
@@ -140,7 +141,7 @@ class _Recomputed(torch.nn.Module):
             return self.layer(*args)
 
     def forward(self, *args: Any) -> Any:
-        rng = next((a for a in args if isinstance(a, torch.Generator)), None)
+        rng = next((a for a in args if isinstance(a, (torch.Generator, DropoutStream))), None)
         comm = next((a for a in args if isinstance(a, Comm)), None)
 
         def contexts() -> tuple[contextlib.AbstractContextManager, ...]:

@@ -39,6 +39,7 @@ from meshplan.plan.plan import Plan
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
+from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
 from meshplan.runtime.grad_sync import GradBuckets, all_gather_params, dtype_buckets
 from meshplan.lower.factored_stats import update_dims
@@ -106,7 +107,7 @@ class Trainer:
                  scales: StepScales | None = None,
                  layers: Mapping[str, int] | None = None, other_shapes: bool = True,
                  local_batches: bool = False,
-                 pipeline: tuple[Plan, int] | None = None) -> None:
+                 pipeline: tuple[Plan, int] | None = None, dropout: bool = True) -> None:
         if plan.num_stages > 1:
             raise ValueError(
                 f"this plan has {plan.num_stages} pipeline stages: run it with the pipeline "
@@ -159,6 +160,12 @@ class Trainer:
         self._weights = w
         self._shape = shape_key(example_batch)
         self._programs = {self._shape: (graph, self.program, self.scales, self._layered)}
+        # Several micro-batches draw the whole batch's dropout masks (`runtime/dropout.py`);
+        # a pipeline's stages share their whole program's (``dropout`` False).
+        self._own_dropout = dropout
+        self._recapture = lambda b: locked_capture(model, loss_fn, b)
+        self._streams = {self._shape: self._stream(traced, graph, example_batch)}
+        self._dropout = self._streams[self._shape]
         self._structure = _structure(graph)
         self._local = None
         if local_batches:
@@ -225,7 +232,7 @@ class Trainer:
             traced, graph = self._capture(micro)
             scales = StepScales(traced.graph_module, graph, lambda: self._capture(batch)[1]) \
                 if self.plan.microbatches > 1 else None
-            self.adopt(key, traced, graph, scales)
+            self.adopt(key, traced, graph, scales, batch)
         self.use(key)
 
     def _check_local(self, batch: Any) -> None:
@@ -260,8 +267,8 @@ class Trainer:
         if self._layout is not None:
             check_static(self._layout, flatten_batch(batch)[0])
 
-    def adopt(self, key: tuple, traced: Traced, graph: Graph, scales: StepScales | None
-              ) -> None:
+    def adopt(self, key: tuple, traced: Traced, graph: Graph, scales: StepScales | None,
+              batch: Any = None) -> None:
         """Lower the plan on ``graph`` (traced at the batch shape ``key``) for `use`. Raises
         ValueError if its program is not the planned one's but for sizes."""
         if _structure(graph) != self._structure:
@@ -275,11 +282,22 @@ class Trainer:
         program = lower(traced, graph, self.plan, self.comm.rank, self._weights,
                         device=self.device, scaled=scaled)
         self._programs[key] = (graph, program, scales, self._segments(graph, program))
+        self._streams[key] = self._stream(traced, graph, batch)
 
     def use(self, key: tuple) -> None:
         """Run the program lowered for the batch shape ``key`` (`adopt`)."""
         self.graph, self.program, self.scales, self._layered = self._programs[key]
+        self._dropout = self._streams[key]
         self._shape = key
+
+    def _stream(self, traced: Traced, graph: Graph, batch: Any) -> DropoutStream | None:
+        """The dropout masks of a step of several micro-batches of the global ``batch``, or
+        None (one micro-batch draws the whole batch's masks itself; a pipeline stage's come
+        from its pipeline)."""
+        if not self._own_dropout or self.plan.microbatches == 1:
+            return None
+        return stream_for(traced.graph_module, graph, self.plan.dtype, self.plan.microbatches,
+                          batch, self._recapture)
 
     def _make_units(self, graph: Graph) -> Units | None:
         """The plan's ZeRO-3 units over this rank's shards (`runtime/zero3.py`), or None."""
@@ -389,7 +407,7 @@ class Trainer:
             scales = self.step_scales(micro)
             total = None
             for k, piece in enumerate(micro):
-                loss = self.run_microbatch(piece, rng, scales[k])
+                loss = self.run_microbatch(piece, rng, scales[k], k)
                 if k == len(micro) - 1:
                     self.last_backward()
                 (loss / len(micro)).backward()
@@ -401,10 +419,13 @@ class Trainer:
             self.update()
         return value
 
-    def run_microbatch(self, piece: Any, rng: torch.Generator,
-                       scales: dict[str, float | torch.Tensor] | None = None) -> torch.Tensor:
-        """This rank's local loss of one global micro-batch ``piece`` (its share taken),
-        its batch reductions by ``scales`` (`step_scales`)."""
+    def run_microbatch(self, piece: Any, rng: torch.Generator | DropoutStream,
+                       scales: dict[str, float | torch.Tensor] | None = None,
+                       index: int = 0) -> torch.Tensor:
+        """This rank's local loss of one global micro-batch ``piece`` (its share taken, the
+        step's ``index``-th), its batch reductions by ``scales`` (`step_scales`)."""
+        if isinstance(rng, DropoutStream):
+            rng.set_state(index)
         return self._run(self._program_args(self.local_batch(piece), None, scales), rng)
 
     def step_scales(self, micro: Sequence[Any]) -> list[dict[str, float] | None]:
@@ -471,7 +492,7 @@ class Trainer:
         self._steps += 1
         self._buckets.reset()
         self.guard.begin(self._began)
-        return rng
+        return self._dropout.begin(rng) if self._dropout is not None else rng
 
     def undo_step(self) -> None:
         """What a failed step left, dropped (`runtime/failure.py`): gradients, transfers in

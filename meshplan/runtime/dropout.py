@@ -1,0 +1,190 @@
+"""Dropout masks of a step of several micro-batches or pipeline stages, as one device draws
+them for the whole batch.
+
+One device runs the whole batch's forward once: each dropout draws its mask over the whole
+batch from the step's generator, one after the other in program order. A rank running the
+step as micro-batches (or one pipeline stage's part of it) draws fewer, smaller masks from its
+generator, so its masks would be other random masks. `DropoutStream` gives it the very masks
+one device draws: at the step's start it walks the whole program's dropouts in order, noting
+the generator's state before each and drawing each whole-batch mask to advance the generator
+as one device does (`sites`); a micro-batch's dropout then restarts the generator at its own
+state, draws the whole-batch mask and keeps its micro-batch's rows along the dim that carries
+the batch (the batch outermost: a merged batch-and-sequence dim keeps a contiguous block).
+A dropout of what carries no batch (a weight's) gets the one mask every micro-batch shares.
+
+This costs the whole batch's masks once per step and once per micro-batch (a dropout a stage
+runs). Its state (`get_state`) is the micro-batch running, so a recomputation replays the
+masks of the micro-batch it replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from meshplan.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class DropoutSite:
+    """One random mask of the program (IR node ``node``: a dropout, or the ``bernoulli(p)``
+    draw a traced dropout becomes), each element 1 with probability ``keep``: one device draws
+    it in ``whole`` shape for the whole batch, a micro-batch's mask (``shape``) is the
+    ``micro``-th block of ``block`` along ``batch_dim`` (None: no batch, as a weight's mask,
+    the same for every micro-batch)."""
+
+    node: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    keep: float
+    batch_dim: int | None
+    whole: tuple[int, ...]
+    block: int
+
+
+def sites(graph: Graph, traced: fx.GraphModule, microbatches: int,
+          shown: Callable[[], tuple[fx.GraphModule, Graph, int]] | None = None
+          ) -> list[DropoutSite]:
+    """The random masks ``graph`` (traced at one micro-batch, at its compute dtype) draws, in
+    program order. A micro-batch of one sample hides its batch (a size-1 dim folds away):
+    ``shown`` then gives a trace of a few samples (module, graph, samples) whose masks show
+    where it runs. Raises NotImplementedError for a mask whose batch runs along two dims (its
+    micro-batch's mask is no block of the whole batch's) or a ``bernoulli`` of a tensor of
+    probabilities (the other micro-batches' probabilities are not at hand)."""
+    found = _draws(graph, traced)
+    if not found:
+        return []
+    if shown is not None:
+        s_traced, s_graph, samples = shown()
+        seen = _draws(s_graph, s_traced)
+        if len(seen) != len(found):
+            raise NotImplementedError(
+                "the program draws other random masks at one sample per micro-batch than at "
+                f"{samples}: train with micro-batches of several samples")
+        out = []
+        for (node, shape, dtype, keep, _), (_, s_shape, _, _, dim) in zip(found, seen):
+            if dim is None:
+                out.append(DropoutSite(node, shape, dtype, keep, None, shape, 0))
+                continue
+            each = s_shape[dim] // samples   # one sample's extent along the batch's dim
+            whole = tuple(each * microbatches if d == dim else n for d, n in enumerate(s_shape))
+            out.append(DropoutSite(node, shape, dtype, keep, dim, whole, each))
+        return out
+    return [DropoutSite(node, shape, dtype, keep, dim,
+                        shape if dim is None else tuple(n * microbatches if d == dim else n
+                                                        for d, n in enumerate(shape)),
+                        0 if dim is None else shape[dim])
+            for node, shape, dtype, keep, dim in found]
+
+
+def _draws(graph: Graph, traced: fx.GraphModule) -> list[tuple]:
+    """(node, shape, dtype, keep, batch dim or None) of each random mask, in program order."""
+    from meshplan.planner.intra.choices import batch_dims
+    fx_nodes = {n.name: n for n in traced.graph.nodes}
+    batched = batch_dims(graph)
+    out = []
+    for n in graph.nodes:
+        if n.op not in ("native_dropout", "bernoulli"):
+            continue
+        orig = fx_nodes[n.name]
+        p = orig.args[1] if len(orig.args) > 1 else orig.kwargs.get("p")
+        if n.op == "native_dropout":
+            train = orig.args[2] if len(orig.args) > 2 else orig.kwargs.get("train")
+            if not train or not 0 < p < 1:   # draws nothing (`dropout_like_one_device`)
+                continue
+            keep = 1 - float(p)
+        elif not isinstance(p, (int, float)):
+            raise NotImplementedError(
+                f"{n.name} draws bernoulli of a tensor of probabilities: over several "
+                "micro-batches or pipeline stages meshplan cannot draw one device's masks "
+                "for it; train with one micro-batch and one stage, or use nn.Dropout")
+        else:
+            keep = float(p)
+        dims = sorted(batched.get(n.name, ()) or _shaped_like(orig, batched))
+        if len(dims) > 1:
+            raise NotImplementedError(
+                f"dropout {n.name} runs the batch along dims {dims}: its micro-batch's mask "
+                "is not a block of the whole batch's; train with one micro-batch")
+        out.append((n.name, tuple(n.out.shape), getattr(torch, n.out.dtype), keep,
+                    dims[0] if dims else None))
+    return out
+
+
+def _shaped_like(draw: fx.Node, batched: dict[str, frozenset[int]]) -> frozenset[int]:
+    """The batch dims of what a mask is drawn in the shape of: a traced dropout draws
+    ``bernoulli(empty_like(x))``, an empty tensor that carries no batch itself."""
+    source = draw.args[0] if draw.args else None
+    if isinstance(source, fx.Node) and "_like" in str(source.target) and source.args:
+        source = source.args[0]
+    return batched.get(source.name, frozenset()) if isinstance(source, fx.Node) \
+        else frozenset()
+
+
+class DropoutStream:
+    """The step's dropout masks as one device draws them for the whole batch of
+    ``microbatches`` micro-batches (module docstring); passed to the local programs in place
+    of a generator."""
+
+    def __init__(self, sites: list[DropoutSite], microbatches: int) -> None:
+        self._sites = {s.node: s for s in sites}
+        self._order = list(sites)
+        self.microbatches = microbatches
+        self._states: dict[str, torch.Tensor] = {}
+        self._gen: torch.Generator | None = None
+        self._micro = 0
+
+    def begin(self, generator: torch.Generator) -> DropoutStream:
+        """A step starting from ``generator`` (seeded as one device's): every dropout's
+        state noted, the generator advanced through the whole batch's masks."""
+        self._gen, self._states = generator, {}
+        for s in self._order:
+            self._states[s.node] = generator.get_state()
+            torch.empty(s.whole, dtype=s.dtype, device=generator.device).bernoulli_(
+                s.keep, generator=generator)
+        self._micro = 0
+        return self
+
+    def get_state(self) -> int:
+        return self._micro
+
+    def set_state(self, micro: int) -> None:
+        """The micro-batch the next masks are for."""
+        self._micro = int(micro)
+
+    def mask(self, node: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Dropout ``node``'s mask of the current micro-batch (its whole micro-batch shape,
+        before any rank takes its piece)."""
+        s = self._sites.get(node)
+        if s is None or self._gen is None:
+            raise AssertionError(f"meshplan internal error: dropout {node} is not one of the "
+                                 "step's dropouts")
+        self._gen.set_state(self._states[s.node])
+        whole = torch.empty(s.whole, dtype=s.dtype, device=self._gen.device).bernoulli_(
+            s.keep, generator=self._gen)
+        if s.batch_dim is not None:
+            whole = whole.narrow(s.batch_dim, self._micro * s.block, s.block).reshape(s.shape)
+        return whole.to(device=device, dtype=dtype)
+
+
+def stream_for(traced: fx.GraphModule, graph: Graph, dtype: str, microbatches: int,
+               batch: Any, recapture: Callable[[Any], tuple]) -> DropoutStream | None:
+    """The step's `DropoutStream` for a program traced at one micro-batch of the global
+    ``batch`` (``recapture(b)``: the (Traced, Graph) capture of a batch ``b``), or None when
+    it draws no mask."""
+    from meshplan.capture.batch import batch_size, split_microbatches
+    from meshplan.cost.precision import with_compute_dtype
+    size = batch_size(batch)
+    samples = min((d for d in range(2, size + 1) if size % d == 0), default=size)
+
+    def shown() -> tuple[fx.GraphModule, Graph, int]:
+        t, g = recapture(split_microbatches(batch, size // samples)[0])
+        return t.graph_module, with_compute_dtype(g, dtype), samples
+    # Micro-batches of one sample hide the batch; a few samples show it.
+    found = sites(with_compute_dtype(graph, dtype), traced, microbatches,
+                  shown if size == microbatches and size > 1 else None)
+    return DropoutStream(found, microbatches) if found else None
+
