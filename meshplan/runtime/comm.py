@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.runtime.devices import resolve_device
-from meshplan.runtime.failure import peer_errors, waited
+from meshplan.runtime.failure import peer_errors, retire, waited
 from meshplan.torch_api import all_gather_single, new_group, reduce_scatter_single
 
 KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "resplit")
@@ -505,6 +505,7 @@ class ProcessGroupComm(Comm):
     def rebuild(self) -> None:
         """This communicator's groups made anew in the world formed again after a failed
         step (`runtime/failure.py`). Collective, as the constructor."""
+        retire(self._groups)
         self._groups = self._make()
 
     @classmethod

@@ -113,6 +113,17 @@ class ThreadWaiter:
                 raise PeerLost("another rank failed its step (posted in the store)")
 
 
+# Process groups of an aborted world, kept: dropping the last reference runs gloo's destructor,
+# which joins the group's worker threads, and one still waiting in the failed step's
+# collective (a receive an abort does not wake) would hold the next step up to its timeout.
+_RETIRED: list[Any] = []
+
+
+def retire(*groups: Any) -> None:
+    """Keep what held ``groups`` (process groups of a world aborted after a failed step)."""
+    _RETIRED.extend(groups)
+
+
 @dataclass
 class _World:
     """The store every generation of the world is formed on, and how many times it was."""

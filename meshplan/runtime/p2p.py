@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshplan.runtime.failure import ThreadWaiter, peer_errors
+from meshplan.runtime.failure import ThreadWaiter, peer_errors, retire
 from meshplan.torch_api import new_group
 
 
@@ -164,6 +164,8 @@ class ProcessGroupP2P(P2P):
     def rebuild(self) -> None:
         """The two groups made (again, in the world formed again after a failed step:
         `runtime/failure.py`), nothing in flight. Collective."""
+        if hasattr(self, "_up"):
+            retire(self._up, self._down, self._pending)
         everyone = list(range(dist.get_world_size()))
         self._up, self._down = new_group(everyone), new_group(everyone)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
