@@ -69,33 +69,19 @@ def _hf_gpt2() -> tuple[Workload, list]:
     """GPT-2 as its authors wrote it: dropout on the embeddings, attention probabilities and
     residuals (0.1 each), -100 labels on padding, its own loss."""
     import test_hf_models as hf
-    return Workload(hf.build("gpt2"), None, hf.batch("gpt2", 0), "gpt2"), hf.data("gpt2")[:3]
-
-
-def _gpt2_single_device(w: Workload, data: list) -> tuple[list[float], dict]:
-    model = copy.deepcopy(w.model)
-    opt = make_optimizer(SGD, model.parameters())
-    losses = []
-    for seed, b in zip(SEEDS, data):
-        torch.manual_seed(seed)
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.named_parameters()}
+    return Workload(hf.build("gpt2"), None, hf.batch("gpt2", 0), "gpt2"), hf.data("gpt2")
 
 
 def _gpt2_rank(comm, plan, w: Workload, data) -> tuple[list[float], dict, list]:
     trainer = Trainer(plan, w.model, None, w.example_batch, comm)
-    return [trainer.step(b, seed=s) for s, b in zip(SEEDS, data)], \
+    return [trainer.step(b, seed=i) for i, b in enumerate(data)], \
         trainer.full_state_dict(), []
 
 
 def _gpt2_stage_rank(comm, p2p, plan, w: Workload, data) -> tuple:
     from meshplan.runtime.pipeline import PipelineTrainer
     trainer = PipelineTrainer(plan, w.model, None, w.example_batch, comm, p2p)
-    return [trainer.step(b, seed=s) for s, b in zip(SEEDS, data)], trainer.full_state_dict()
+    return [trainer.step(b, seed=i) for i, b in enumerate(data)], trainer.full_state_dict()
 
 
 @pytest.mark.parametrize("method,devices,microbatches,recompute", [
@@ -113,7 +99,8 @@ def test_micro_batches_and_stages_draw_the_masks_of_one_device(
     plan = meshplan.plan(w.model, None, SGD, w.example_batch, f"local:{devices}",
                          method=method, memory_budget_gb=0, microbatches=microbatches,
                          recompute=recompute, dtype="fp32", **mesh)
-    ref = _gpt2_single_device(w, data)
+    import test_hf_models as hf
+    ref = hf.reference("gpt2", SGD)   # step i after torch.manual_seed(i)
     if plan.num_stages == 1:
         for r in run_emulated(_gpt2_rank, plan.mesh_shape, plan, w, data):
             assert_matches(r, ref, plan, SGD)
