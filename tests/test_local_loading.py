@@ -295,3 +295,28 @@ def test_random_plans_with_local_batches_equal_one_device(shape, monkeypatch) ->
                            abstract=seed % 2 == 1, microbatches=2)
         for r in run_emulated(_local_rank, shape, plan, w, data, captured):
             assert_matches(r, ref, plan, R.SGD)
+
+
+def test_uneven_shares_each_rank_loads_its_own() -> None:
+    # HAP's uneven shares: rank 0 computes on 3 of every 4 rows, rank 1 on one; each loads
+    # exactly those, the -100-padded token mean over 2 micro-batches counted whole.
+    from meshplan.runtime.emulated import run_emulated
+    from oracle import assert_matches, reference
+    plan = make_plan(GPT, (1, 2), "data", SGD, microbatches=2,
+                     axis_weights=((1.0,), (3.0, 1.0)))
+    batches = _global_batches(True)
+    w = build_workload(GPT, device="cpu", seed=0)
+    rows = [rank_rows(plan, r, 8) for r in (0, 1)]
+    assert rows == [[0, 1, 2, 4, 5, 6], [3, 7]]
+
+    def body(comm) -> tuple:
+        from meshplan.runtime.trainer import Trainer
+        tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, local_batches=True)
+        mine = rows[comm.rank]
+        losses = [tr.step(((ids[mine],), t[mine]), seed=i) for i, ((ids,), t) in
+                  enumerate(batches)]
+        return losses, tr.full_state_dict(), []
+
+    ref = reference(w, SGD, batches)
+    for r in run_emulated(body, (1, 2)):
+        assert_matches(r, ref, plan, SGD)
