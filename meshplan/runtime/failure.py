@@ -12,7 +12,8 @@ waiting on it fails at once. `StepGuard` runs the protocol, on every rank, aroun
    posts that it lost a peer and aborts its own groups: the aborts spread along the
    collectives until every rank has stopped;
 3. every rank waits until all have posted, forms the world again (a fresh default group on
-   the same store, under a new prefix) and rebuilds its communicators' groups;
+   the same store, under a new prefix) and rebuilds its communicators' groups (every process
+   group of the process is aborted with the world: groups a user made must be made again);
 4. every rank raises the same `StepFailed`: the lowest rank that raised on its own, its
    exception and traceback. If no rank had begun its update, the step is undone (gradients
    dropped, the step count restored) and the next step can run; if one had, the ranks'
