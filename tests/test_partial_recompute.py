@@ -80,6 +80,29 @@ def test_the_first_k_layers_of_a_stage_and_what_it_sends_with_its_last() -> None
         layer_of[x] for x in sink.inputs)
 
 
+def test_a_later_stage_replays_its_own_first_layers() -> None:
+    # A stage receives values of earlier layers (the previous stage's output; in Hugging Face
+    # models the mask and rotary tables made in layer 0): its first layers are the first its
+    # ops compute, not those.
+    from meshplan.capture.batch import split_microbatches
+    from meshplan.lower.pipeline_program import recompute_layers, stage_graphs
+    import test_hf_models as hf
+    gpt = build_workload(GPT, device="meta")
+    for model, loss_fn, example in [(gpt.model, gpt.loss_fn, gpt.example_batch),
+                                    (hf.build("llama"), None, hf.batch("llama", 0))]:
+        plan = api.plan(model, loss_fn, SGD, example, "local:2",
+                        method="megatron:dp=1,tp=1,pp=2", memory_budget_gb=0,
+                        recompute="layers:1", dtype="fp32")
+        graph = capture(model, loss_fn, split_microbatches(example, plan.microbatches)[0])[1]
+        layer_of = recompute_layers(graph, plan)
+        for stage, g in zip(plan.stages, stage_graphs(graph, plan)):
+            ops = [n.name for n in g.nodes if n.role == "op" and n.name in layer_of]
+            first = min(layer_of[n] for n in ops)
+            replayed = Replay("layers", 1).segments(g, layer_of)
+            assert set(replayed) & set(ops) == {n for n in ops if layer_of[n] == first}, \
+                stage.index
+
+
 def test_the_recompute_argument() -> None:
     assert parse_recompute("selective") == ("full", Replay("attention"))
     assert parse_recompute("layers:3") == ("full", Replay("layers", 3))

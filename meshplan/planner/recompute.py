@@ -152,7 +152,9 @@ def recomputed_segments(graph: Graph, layer_of: Mapping[str, int], scope: str = 
     check_scope(scope)
     if scope == "attention":
         return {name: k for k, core in enumerate(attention_cores(graph)) for name in core}
-    layers = [layer_of[n.name] for n in graph.nodes if n.name in layer_of]
+    # The first layer the graph computes: its ops' (a stage's received values and the
+    # parameters it reads may belong to earlier layers, where nothing is replayed).
+    layers = [layer_of[n.name] for n in graph.nodes if n.role == "op" and n.name in layer_of]
     first = min(layers, default=0) if start is None else start
     # A node the clustering does not know (a stage's received value, what it sends on) is in
     # its latest input's layer, or the first.
