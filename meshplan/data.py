@@ -151,10 +151,10 @@ def local_positions(plan: Plan, rank: int, batch_size: int, stage: Plan | None =
     """Per batch tensor, which of the rows ``rank`` reads of one micro-batch (`rank_rows`'s
     order) it computes on: a tensor the plan does not split along its rows takes them all.
     ``stage``: one of a pipeline's stage plans the rank runs (its tensors only)."""
-    rows = sorted({r for rs in micro_rows(plan, rank, batch_size).values() for r in rs})
-    where = {r: k for k, r in enumerate(rows)}
+    every = micro_rows(plan, rank, batch_size)
+    where = {r: k for k, r in enumerate(sorted({r for rs in every.values() for r in rs}))}
     if stage is None:
-        per_tensor = micro_rows(plan, rank, batch_size)
+        per_tensor = every
     else:
         mine = [i for p, i in stages_of(plan, rank) if p is stage]
         per_tensor = _stage_rows(stage, mine[0], _per_micro(plan, batch_size)) if mine else {}

@@ -125,14 +125,11 @@ def _shaped_like(draw: fx.Node, batched: dict[str, frozenset[int]]) -> frozenset
 
 
 class DropoutStream:
-    """The step's dropout masks as one device draws them for the whole batch of
-    ``microbatches`` micro-batches (module docstring); passed to the local programs in place
-    of a generator."""
+    """The step's dropout masks at ``sites`` as one device draws them for the whole batch
+    (module docstring); passed to the local programs in place of a generator."""
 
-    def __init__(self, sites: list[DropoutSite], microbatches: int) -> None:
-        self._sites = {s.node: s for s in sites}
-        self._order = list(sites)
-        self.microbatches = microbatches
+    def __init__(self, sites: list[DropoutSite]) -> None:
+        self._sites = {s.node: s for s in sites}   # in program order
         self._states: dict[str, torch.Tensor] = {}
         self._gen: torch.Generator | None = None
         self._micro = 0
@@ -141,7 +138,7 @@ class DropoutStream:
         """A step starting from ``generator`` (seeded as one device's): every dropout's
         state noted, the generator advanced through the whole batch's masks."""
         self._gen, self._states = generator, {}
-        for s in self._order:
+        for s in self._sites.values():
             self._states[s.node] = generator.get_state()
             torch.empty(s.whole, dtype=s.dtype, device=generator.device).bernoulli_(
                 s.keep, generator=generator)
@@ -186,5 +183,5 @@ def stream_for(traced: fx.GraphModule, graph: Graph, dtype: str, microbatches: i
     # Micro-batches of one sample hide the batch; a few samples show it.
     found = sites(with_compute_dtype(graph, dtype), traced, microbatches,
                   shown if size == microbatches and size > 1 else None)
-    return DropoutStream(found, microbatches) if found else None
+    return DropoutStream(found) if found else None
 

@@ -176,6 +176,10 @@ class Trainer:
             positions = local_positions(whole, rank, rows, stage=plan if pipeline else None)
             self._local = {k: torch.tensor(v, dtype=torch.long) for k, v in positions.items()}
             self._local_total = len(rank_rows(whole, rank, rows))
+            # The batch tensors this program reads, by batch name (local batches keep the
+            # planned shape, so this program).
+            self._batch_nodes = {n.state_name: n.name for n in graph.nodes
+                                 if n.role in ("input", "target") and n.state_name}
         self._zero3 = Rematerializer() if self._units is not None else None
         for p in self.params:
             if p.mode == "zero2":
@@ -239,8 +243,7 @@ class Trainer:
         """Raise ValueError unless ``batch`` is this rank's rows of a planned global batch,
         holding at least the tensors this stage reads."""
         flat = present_tensors(batch, self._layout)
-        need = {n.state_name for n in self.graph.nodes
-                if n.role in ("input", "target") and n.state_name}
+        need = set(self._batch_nodes)
         if need - set(flat):
             raise ValueError(f"this rank reads the batch tensors {sorted(need)} "
                              "(meshplan.data.rank_tensors); the batch given lacks "
@@ -442,8 +445,7 @@ class Trainer:
     def _whole_counted(self, piece: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With local batches: the global micro-batch's tensors the loss's scales are counted
         from (targets, masks), gathered from the ranks' rows over the axes that split them."""
-        by_batch_name = {n.state_name: n.name for n in self.graph.nodes
-                         if n.role in ("input", "target") and n.state_name}
+        by_batch_name = self._batch_nodes
         out = {}
         n = len(self.comm.records)
         for name in self.scales.inputs_of(self.program.scaled):
