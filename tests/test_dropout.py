@@ -65,47 +65,50 @@ def test_dropout_matches_single_device_with_the_same_seed(method: str, shape) ->
 
 
 # ---------------------------------------------------------------- micro-batches and stages
-def _hf_gpt2() -> tuple[Workload, list]:
-    """GPT-2 as its authors wrote it: dropout on the embeddings, attention probabilities and
-    residuals (0.1 each), -100 labels on padding, its own loss."""
+def _hf(name: str) -> tuple[Workload, list]:
+    """A Hugging Face model as its authors wrote it: dropout on the embeddings (BERT's after
+    their layer norm), attention probabilities and residuals (0.1 each), -100 labels on
+    padding, its own loss."""
     import test_hf_models as hf
-    return Workload(hf.build("gpt2"), None, hf.batch("gpt2", 0), "gpt2"), hf.data("gpt2")
+    return Workload(hf.build(name), None, hf.batch(name, 0), name), hf.data(name)
 
 
-def _gpt2_rank(comm, plan, w: Workload, data) -> tuple[list[float], dict, list]:
+def _hf_rank(comm, plan, w: Workload, data) -> tuple[list[float], dict, list]:
     trainer = Trainer(plan, w.model, None, w.example_batch, comm)
     return [trainer.step(b, seed=i) for i, b in enumerate(data)], \
         trainer.full_state_dict(), []
 
 
-def _gpt2_stage_rank(comm, p2p, plan, w: Workload, data) -> tuple:
+def _hf_stage_rank(comm, p2p, plan, w: Workload, data) -> tuple:
     from meshplan.runtime.pipeline import PipelineTrainer
     trainer = PipelineTrainer(plan, w.model, None, w.example_batch, comm, p2p)
     return [trainer.step(b, seed=i) for i, b in enumerate(data)], trainer.full_state_dict()
 
 
-@pytest.mark.parametrize("method,devices,microbatches,recompute", [
-    ("data", 2, 2, "none"), ("megatron", 2, 2, "full"), ("zero3", 2, 4, "none"),
-    ("megatron:dp=1,tp=1,pp=2", 2, 1, "none"), ("megatron:dp=1,tp=2,pp=2", 4, 2, "none"),
-    ("megatron:dp=2,tp=1,pp=2", 4, 2, "full")])
+@pytest.mark.parametrize("name,method,devices,microbatches,recompute", [
+    ("gpt2", "data", 2, 2, "none"), ("gpt2", "megatron", 2, 2, "full"),
+    ("gpt2", "zero3", 2, 4, "none"), ("gpt2", "megatron:dp=1,tp=1,pp=2", 2, 1, "none"),
+    ("gpt2", "megatron:dp=1,tp=2,pp=2", 4, 2, "none"),
+    ("gpt2", "megatron:dp=2,tp=1,pp=2", 4, 2, "full"), ("bert", "data", 2, 2, "none"),
+    ("bert", "megatron:dp=1,tp=1,pp=2", 2, 2, "none")])
 def test_micro_batches_and_stages_draw_the_masks_of_one_device(
-        method: str, devices: int, microbatches: int, recompute: str) -> None:
+        name: str, method: str, devices: int, microbatches: int, recompute: str) -> None:
     # Each micro-batch (each pipeline stage) draws its rows of the whole batch's masks, from
     # the generator state one device reaches at that dropout.
     from meshplan.runtime.emulated import run_emulated_stages
     from oracle import assert_matches
-    w, data = _hf_gpt2()
+    w, data = _hf(name)
     mesh = {} if ":" in method else {"mesh_shape": (1, devices)}
     plan = meshplan.plan(w.model, None, SGD, w.example_batch, f"local:{devices}",
                          method=method, memory_budget_gb=0, microbatches=microbatches,
                          recompute=recompute, dtype="fp32", **mesh)
     import test_hf_models as hf
-    ref = hf.reference("gpt2", SGD)   # step i after torch.manual_seed(i)
+    ref = hf.reference(name, SGD)   # step i after torch.manual_seed(i)
     if plan.num_stages == 1:
-        for r in run_emulated(_gpt2_rank, plan.mesh_shape, plan, w, data):
+        for r in run_emulated(_hf_rank, plan.mesh_shape, plan, w, data):
             assert_matches(r, ref, plan, SGD)
         return
-    results = run_emulated_stages(_gpt2_stage_rank, plan.stage_meshes(), plan, w, data)
+    results = run_emulated_stages(_hf_stage_rank, plan.stage_meshes(), plan, w, data)
     params: dict = {}
     for _, state in results:
         params.update(state)

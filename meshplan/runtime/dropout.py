@@ -120,6 +120,10 @@ def _shaped_like(draw: fx.Node, batched: dict[str, frozenset[int]]) -> frozenset
     source = draw.args[0] if draw.args else None
     if isinstance(source, fx.Node) and "_like" in str(source.target) and source.args:
         source = source.args[0]
+    # Through what the IR folds into its producer (a tuple output's getitem: layer norm's).
+    while isinstance(source, fx.Node) and source.name not in batched and source.args \
+            and isinstance(source.args[0], fx.Node):
+        source = source.args[0]
     return batched.get(source.name, frozenset()) if isinstance(source, fx.Node) \
         else frozenset()
 
