@@ -113,3 +113,11 @@ def test_micro_batches_and_stages_draw_the_masks_of_one_device(
     for _, state in results:
         params.update(state)
     assert_matches((results[0][0], params, []), ref, plan, SGD)
+
+
+def test_a_mask_whose_batch_the_ir_misses_is_found_at_another_batch_size(monkeypatch) -> None:
+    # Should the IR's batch dims miss where a mask carries the batch, its shape at another
+    # batch size shows it: the masks stay one device's, never one shared by every micro-batch.
+    import meshplan.runtime.dropout as dropout
+    monkeypatch.setattr(dropout, "_shaped_like", lambda draw, batched: frozenset())
+    test_micro_batches_and_stages_draw_the_masks_of_one_device("bert", "data", 2, 2, "none")

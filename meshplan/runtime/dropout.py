@@ -47,17 +47,25 @@ class DropoutSite:
 
 
 def sites(graph: Graph, traced: fx.GraphModule, microbatches: int,
-          shown: Callable[[], tuple[fx.GraphModule, Graph, int]] | None = None
+          shown: Callable[[], tuple[fx.GraphModule, Graph, int]] | None = None,
+          other: Callable[[], tuple[fx.GraphModule, Graph, int]] | None = None
           ) -> list[DropoutSite]:
     """The random masks ``graph`` (traced at one micro-batch, at its compute dtype) draws, in
     program order. A micro-batch of one sample hides its batch (a size-1 dim folds away):
     ``shown`` then gives a trace of a few samples (module, graph, samples) whose masks show
-    where it runs. Raises NotImplementedError for a mask whose batch runs along two dims (its
-    micro-batch's mask is no block of the whole batch's) or a ``bernoulli`` of a tensor of
-    probabilities (the other micro-batches' probabilities are not at hand)."""
+    where it runs. A mask the IR finds no batch in is checked on ``other``, a trace at
+    another count of samples: a dim whose size changes carries the batch after all. Raises
+    NotImplementedError for a mask whose batch runs along two dims (its micro-batch's mask is
+    no block of the whole batch's) or a ``bernoulli`` of a tensor of probabilities (the other
+    micro-batches' probabilities are not at hand)."""
     found = _draws(graph, traced)
     if not found:
         return []
+    if shown is None and other is not None and any(f[4] is None for f in found):
+        o_traced, o_graph, _ = other()
+        seen = _draws(o_graph, o_traced)
+        if len(seen) == len(found):
+            found = [_seen_batch(f, o[1]) if f[4] is None else f for f, o in zip(found, seen)]
     if shown is not None:
         s_traced, s_graph, samples = shown()
         seen = _draws(s_graph, s_traced)
@@ -79,6 +87,17 @@ def sites(graph: Graph, traced: fx.GraphModule, microbatches: int,
                                                         for d, n in enumerate(shape)),
                         0 if dim is None else shape[dim])
             for node, shape, dtype, keep, dim in found]
+
+
+def _seen_batch(draw: tuple, other_shape: tuple[int, ...]) -> tuple:
+    """A mask the IR found no batch in, its batch dim from its shape at another batch size."""
+    node, shape, dtype, keep, _ = draw
+    changed = [d for d, (a, b) in enumerate(zip(shape, other_shape)) if a != b]
+    if len(changed) > 1 or len(shape) != len(other_shape):
+        raise NotImplementedError(
+            f"dropout {node} changes shape with the batch along dims {changed}: its "
+            "micro-batch's mask is not a block of the whole batch's; train with one micro-batch")
+    return (node, shape, dtype, keep, changed[0] if changed else None)
 
 
 def _draws(graph: Graph, traced: fx.GraphModule) -> list[tuple]:
@@ -178,14 +197,18 @@ def stream_for(traced: fx.GraphModule, graph: Graph, dtype: str, microbatches: i
     it draws no mask."""
     from meshplan.capture.batch import batch_size, split_microbatches
     from meshplan.cost.precision import with_compute_dtype
-    size = batch_size(batch)
-    samples = min((d for d in range(2, size + 1) if size % d == 0), default=size)
+    size, rows = batch_size(batch), batch_size(batch) // microbatches
 
-    def shown() -> tuple[fx.GraphModule, Graph, int]:
-        t, g = recapture(split_microbatches(batch, size // samples)[0])
-        return t.graph_module, with_compute_dtype(g, dtype), samples
-    # Micro-batches of one sample hide the batch; a few samples show it.
-    found = sites(with_compute_dtype(graph, dtype), traced, microbatches,
-                  shown if size == microbatches and size > 1 else None)
+    def at(samples: int) -> Callable[[], tuple[fx.GraphModule, Graph, int]]:
+        def trace() -> tuple[fx.GraphModule, Graph, int]:
+            t, g = recapture(split_microbatches(batch, size // samples)[0])
+            return t.graph_module, with_compute_dtype(g, dtype), samples
+        return trace
+    counts = [d for d in range(2, size + 1) if size % d == 0]
+    # Micro-batches of one sample hide the batch; a few samples show it. Another count of
+    # samples than the micro-batch's checks a mask where the IR sees no batch.
+    few = at(counts[0]) if rows == 1 and counts else None
+    other = next((at(d) for d in counts if d != rows), None)
+    found = sites(with_compute_dtype(graph, dtype), traced, microbatches, few, other)
     return DropoutStream(found) if found else None
 
