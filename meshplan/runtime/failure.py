@@ -30,10 +30,10 @@ learns of the abort only at its next host synchronization.
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,28 +90,46 @@ class ThreadWaiter:
     """Waits on point-to-point works (gloo's receives and sends): in a helper thread, while
     this one looks for a failure posted elsewhere every slice. A gloo receive cannot be waited
     on in slices (a wait that times out closes its connection) and is not woken when its peer
-    aborts; a waiter that gave up is abandoned to its timeout, with its thread."""
+    aborts; a waiter that gave up is abandoned to its timeout, with its thread. The thread is a
+    daemon: one left waiting never holds the process's exit."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshplan-p2p-wait")
+        self._jobs: queue.Queue = self._start()
+
+    @staticmethod
+    def _start() -> queue.Queue:
+        jobs: queue.Queue = queue.Queue()
+
+        def serve() -> None:
+            while True:
+                work, done = jobs.get()
+                try:
+                    work.wait()
+                    done.put(None)
+                except BaseException as exc:   # noqa: BLE001 — handed to the waiting caller
+                    done.put(exc)
+        threading.Thread(target=serve, name="meshplan-p2p-wait", daemon=True).start()
+        return jobs
 
     def wait(self, work: dist.Work, host: bool = True) -> None:
         if not host or _WORLD is None:
             with peer_errors():
                 work.wait()
             return
-        done = self._pool.submit(work.wait)
+        done: queue.Queue = queue.Queue(1)
+        self._jobs.put((work, done))
         while True:
             try:
+                failed = done.get(timeout=_SLICE.total_seconds())
+            except queue.Empty:
+                if _WORLD.store.check([_WORLD.flag]):
+                    self._jobs = self._start()   # the old thread stays with its wait
+                    raise PeerLost("another rank failed its step (posted in the store)")
+                continue
+            if failed is not None:
                 with peer_errors():
-                    done.result(timeout=_SLICE.total_seconds())
-                return
-            except FutureTimeout:
-                pass
-            if _WORLD.store.check([_WORLD.flag]):
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshplan-p2p-wait")
-                raise PeerLost("another rank failed its step (posted in the store)")
+                    raise failed
+            return
 
 
 # Process groups of an aborted world, kept: dropping the last reference runs gloo's destructor,
