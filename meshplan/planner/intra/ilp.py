@@ -11,7 +11,8 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
           sum_p e_uv[p,q] = s_v[q]                  for every q          build_edge_rows
           sum_{v in L} sum_p mem_v[p] s_v[p] + W <= budget   per live set L  build_memory_rows
           W >= sum_p work_v[p] s_v[p]               per node v with a working set
-          y_k >= sum_{c in b} [c] - (|b| - 1)     per block b of shared cost k  build_shared_rows
+          y_k >= sum_{P x Q_i} f_ab_i               per block b = [a in P] and [some b_i in Q_i]
+          y_k >= sum_{c in b} [c] - (|b| - 1)     per other block b of cost k  build_shared_rows
           z_c >= sum_{p in P} s_v[p]                per condition (v, P) of a clause c
           objective <= max_cost                     (when given)         build_max_cost_row
           s_u = s_v                                 per alias (u, v)     merge_aliases
@@ -23,7 +24,11 @@ branched on. A shared cost ``k`` (one collective serving several edges: a value 
 for all its consumers) is paid once when any of its blocks holds; a block is a conjunction of
 clauses, a clause a disjunction of conditions "node v picks a strategy in P" (``[c]`` is
 ``sum_{p in P} s_v[p]`` for one condition, ``z_c`` for several); ``y`` and ``z`` are continuous
-for the same reason as ``e``. The marginal
+for the same reason as ``e``. Most blocks are "the producer a keeps layout P and some consumer
+b_i wants Q_i": those use pair indicators ``f_ab`` (marginal rows like an edge's, over the
+classes of strategies the blocks' sets tell apart), whose LP relaxation charges a half-chosen
+pair half, where ``[P] + [Q] - 1`` charges it nothing: the same optimum, found ~3x faster on a
+transformer layer (`benchmarks/stage_ilps.py`). The marginal
 form is tighter than McCormick's ``e >= s_u + s_v - 1`` (see
 ``benchmarks/ilp_solvers.py``). Forbidden entries (``inf``) get no variable at all. Strategies
 whose rows (columns) of ``R_uv`` are identical -- they emit (expect) the same sharding spec --
@@ -55,10 +60,11 @@ from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "evaluate", "min_memory", "peak_memory",
            "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
-# Measured by benchmarks/ilp_solvers.py (median of 3, 500-3000 nodes, binding memory budget):
-# scipy.optimize.milp (bundled HiGHS 1.12) beat highspy (HiGHS 1.15.1) 1.04x-1.42x on all six
-# problems and tied without a budget. scipy must then be installed; "highs" needs only highspy.
-DEFAULT_SOLVER = "scipy"
+# highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
+# (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)
+# 1.9x faster than scipy.optimize.milp (bundled HiGHS 1.12), which cannot turn restarts off;
+# on the large random problems scipy is 1.0-1.3x faster.
+DEFAULT_SOLVER = "highs"
 
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
