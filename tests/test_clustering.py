@@ -8,12 +8,15 @@ import re
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from meshplan.capture.to_ir import capture
 from meshplan.ir.graph import Graph, Node, TensorInfo
+from meshplan.planner.inter import clustering
 from meshplan.planner.inter.clustering import (
     DEFAULT_DELTA, MIN_RELAXED_DELTA, Layering, cluster_layers, default_num_layers,
+    repeated_unit,
 )
 from meshplan.planner.inter.layer_signature import layer_signature
 from meshplan.zoo.spec import build_workload
@@ -109,9 +112,15 @@ def _random_graph(rng: random.Random, num_ops: int) -> Graph:
 
 def _splits(graph: Graph, num_layers: int, delta: float) -> list[tuple[int, int, float]]:
     """(max C, Σ C, Σ weight²) of every split meeting the FLOP bound, by the definition."""
+    return [f for f, _ in _splits_with_bounds(graph, num_layers, (1 + delta) / num_layers)]
+
+
+def _splits_with_bounds(graph: Graph, num_layers: int, limit: float
+                        ) -> list[tuple[tuple[int, int, float], tuple[int, ...]]]:
+    """`_splits` with each split's layer starts: at most ``limit`` of the weight per layer."""
     ops = [n for n in graph.nodes if n.role == "op"]
     weight = [n.flops for n in ops] if sum(n.flops for n in ops) > 0 else [1.0] * len(ops)
-    limit = (1 + delta) * sum(weight) / num_layers + 1e-9 * sum(weight)
+    limit = limit * sum(weight) + 1e-9 * sum(weight)
     out = []
     for cuts in itertools.combinations(range(1, len(ops)), num_layers - 1):
         bounds = (0, *cuts, len(ops))
@@ -122,8 +131,8 @@ def _splits(graph: Graph, num_layers: int, delta: float) -> list[tuple[int, int,
         inbound = [sum(graph.by_name[x].out.nbytes for x in
                        {x for k in s for x in ops[k].inputs} & before)
                    for s, before in zip(spans, produced_before)]
-        out.append((max(inbound), sum(inbound),
-                    sum(sum(weight[k] for k in s) ** 2 for s in spans)))
+        out.append(((max(inbound), sum(inbound),
+                     sum(sum(weight[k] for k in s) ** 2 for s in spans)), bounds[:-1]))
     return out
 
 
@@ -155,6 +164,48 @@ def test_matches_brute_force_on_random_graphs() -> None:
         assert sum(w * w for w in _layer_weights(graph, lay)) == pytest.approx(least)
         names = [name for layer in lay.layers for name in layer]
         assert sorted(names) == sorted(n.name for n in graph.nodes)
+
+
+def test_cuts_restricted_match_brute_force_on_random_graphs() -> None:
+    # Layers allowed to start only where a mask says (one phase of a repeated unit): the
+    # fewest layers needed, G and the tie-breaks agree with enumerating the allowed splits.
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(300):
+        num_ops = rng.randint(2, 10)
+        graph = _random_graph(rng, num_ops)
+        num_layers = rng.randint(1, min(4, num_ops))
+        cuts = np.array([True] + [rng.random() < 0.5 for _ in range(num_ops - 1)] + [True])
+        ops = clustering._op_table(graph)
+        prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
+        delta = rng.choice([0.1, 0.5, 1.0])
+        starts = clustering._window_starts(prefix, (1 + delta) / num_layers + 1e-9)
+        if clustering._num_parts_needed(starts) is None:
+            continue   # an op alone over the bound: δ would be relaxed first
+        limit = (1 + delta) / num_layers
+        found = [f for f, bounds in _splits_with_bounds(graph, num_layers, limit)
+                 if all(cuts[b] for b in bounds)]
+        fewest = clustering._num_parts_needed(starts, cuts)
+        fits = [k for k in range(1, num_ops + 1)
+                if any(all(cuts[b] for b in bounds)
+                       for _, bounds in _splits_with_bounds(graph, k, limit))]
+        assert fewest == (min(fits) if fits else None)
+        best = clustering._min_max_inbound(ops, starts, num_layers, cuts)
+        if not found:
+            assert best == np.inf
+            continue
+        checked += 1
+        assert best == min(c for c, _, _ in found)
+        split, (total, square) = clustering._least_square_split(ops, starts, prefix, num_layers,
+                                                                best, cuts)
+        assert all(cuts[b] for b in split)
+        fewest_bytes = min(t for c, t, _ in found if c == best)
+        assert total == fewest_bytes
+        total_weight = sum(n.flops for n in graph.nodes if n.role == "op") or \
+            sum(n.role == "op" for n in graph.nodes)
+        assert square * total_weight ** 2 == pytest.approx(
+            min(sq for c, t, sq in found if c == best and t == fewest_bytes))
+    assert checked > 100
 
 
 # ---- GPTs: a captured 8-block one, and 96 blocks tiled from a captured 2-block one ----------
@@ -208,11 +259,11 @@ def _num_blocks(graph: Graph) -> int:
     return sum(p.state_name.endswith("ln_1.weight") for p in graph.params())
 
 
-def _block_of_matmuls(graph: Graph) -> dict[str, int]:
-    """mm node -> transformer block, through its transposed ``blocks.<j>.`` weight."""
+def _block_of_matmuls(graph: Graph, prefix: str = r"blocks\.") -> dict[str, int]:
+    """mm node -> transformer block, through its transposed ``<prefix><j>.`` weight."""
     out = {}
     for p in graph.params():
-        m = re.match(r"blocks\.(\d+)\.", p.state_name or "")
+        m = re.match(prefix + r"(\d+)\.", p.state_name or "")
         for t in graph.users[p.name] if m else ():
             for u in graph.users[t]:
                 if graph.by_name[u].op == "mm":
@@ -287,3 +338,48 @@ def test_default_num_layers_sees_blocks_past_a_look_alike_head() -> None:
     assert default_num_layers(graph, 1) == 2
     num_ops = sum(n.role == "op" for n in graph.nodes)
     assert all(1 <= default_num_layers(graph, d) <= num_ops for d in range(1, 65))
+
+
+def test_repeated_unit_is_a_block(gpt8: Graph) -> None:
+    rep = repeated_unit(gpt8)
+    assert rep is not None
+    ops = [n for n in gpt8.nodes if n.role == "op"]
+    blocks = _block_of_matmuls(gpt8)
+    # The period is one block's ops; the LM head (tied, vocab 128) is not a ninth block.
+    assert rep.copies == 8
+    first_mm = {b: min(k for k, n in enumerate(ops) if blocks.get(n.name) == b) for b in range(8)}
+    assert {first_mm[b + 1] - first_mm[b] for b in range(7)} == {rep.period}
+    assert rep.units >= 7
+
+
+# A Llama whose LM head weighs more than a block (Llama 3's vocab against its hidden size),
+# as many layers asked for as blocks.
+HEAVY_HEAD_LLAMA = ("hf:llama-3-8b,batch=2,seq=16,layers=6,hidden=64,heads=4,kv=2,ffn=224,"
+                    "vocab=1024")
+
+
+def test_layers_hold_whole_blocks_past_a_heavy_head() -> None:
+    graph = _capture(HEAVY_HEAD_LLAMA)
+    # One layer more than the blocks: the head too heavy to share a layer with a block.
+    assert default_num_layers(graph, 64) == 7
+    lay = cluster_layers(graph, 7)
+    sigs = [layer_signature(graph, lay, j) for j in range(lay.num_layers)]
+    assert len(set(sigs[1:-1])) == 1 and len(set(sigs)) == 3
+    # Every layer's attention with its MLP: the middle layers are the blocks 1..5.
+    blocks = _block_of_matmuls(graph, r"model\.layers\.")
+    for j in range(1, 6):
+        assert {blocks[x] for x in lay.layers[j] if x in blocks} == {j}
+    # The cuts at one phase of the block cost nothing in eq. 6's objective: the unrestricted
+    # split reaches the same largest inbound bytes, with layers of several kinds.
+    free = _without_uniform(lambda: cluster_layers(graph, 7))
+    assert free.objective == lay.objective
+    assert len({layer_signature(graph, free, j) for j in range(7)}) > 3
+
+
+def _without_uniform(run):
+    saved = clustering._uniform_split
+    clustering._uniform_split = lambda *a, **k: None
+    try:
+        return run()
+    finally:
+        clustering._uniform_split = saved

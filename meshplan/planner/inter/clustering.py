@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -70,6 +70,8 @@ HEAVY_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa"})
 MIN_HEAVY_PER_LAYER = 3
 BALANCES = ("flops", "ops")
 LAYERS_PER_DEVICE = 2
+# Layers `default_num_layers` may add so that layers hold whole repeated units.
+MAX_EXTRA_LAYERS = 2
 # Slack on the FLOP bound so rounding in prefix sums never excludes a split that meets it.
 _REL_TOL = 1e-9
 
@@ -132,14 +134,22 @@ def _window_starts(prefix: np.ndarray, limit: float) -> np.ndarray:
     return np.searchsorted(prefix, prefix[1:] - limit, side="left")
 
 
-def _num_parts_needed(starts: np.ndarray) -> int | None:
-    """Fewest layers meeting the limit (greedy from the end is optimal); None if an op alone
-    exceeds it."""
-    if np.any(starts > np.arange(len(starts))):
-        return None
+def _num_parts_needed(starts: np.ndarray, cuts: np.ndarray | None = None) -> int | None:
+    """Fewest layers meeting the limit, starting only where ``cuts`` allows (greedy from the
+    end, each layer starting as early as allowed, is optimal); None if none does."""
+    if cuts is None:
+        if np.any(starts > np.arange(len(starts))):
+            return None
+        first = starts
+    else:
+        # The first allowed start at or after each op index.
+        nxt = np.minimum.accumulate(np.where(cuts, np.arange(cuts.size), cuts.size)[::-1])[::-1]
+        first = nxt[starts]
     k, parts = len(starts) - 1, 0
     while k >= 0:
-        k, parts = int(starts[k]) - 1, parts + 1
+        if first[k] > k:
+            return None
+        k, parts = int(first[k]) - 1, parts + 1
     return parts
 
 
@@ -174,12 +184,29 @@ def _row_range(k: int, num_ops: int, num_layers: int) -> tuple[int, int]:
     return max(1, num_layers - (num_ops - 1 - k)), min(num_layers, k + 1)
 
 
-def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int) -> float:
-    """G(K, L): the smallest possible largest inbound bytes of a layer."""
+def _allowed_inbound(inbound: np.ndarray, lo: int, k: int, cuts: np.ndarray | None
+                     ) -> np.ndarray | None:
+    """``inbound`` (C(lo..k, k)) with the layers that may not start where they do at inf, or
+    None when no layer may end at op k (the next one may not start at k + 1); ``cuts``: None
+    (anywhere) or whether a layer may start at each op index 0..K."""
+    if cuts is None:
+        return inbound
+    if not cuts[k + 1]:
+        return None
+    return np.where(cuts[lo:k + 1], inbound, np.inf)
+
+
+def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int,
+                     cuts: np.ndarray | None = None) -> float:
+    """G(K, L): the smallest possible largest inbound bytes of a layer (inf when no split
+    has layers starting only where ``cuts`` allows)."""
     num_ops = len(ops.names)
     best = np.full((num_layers + 1, num_ops + 1), np.inf)
     best[0, 0] = 0.0
     for k, lo, inbound in _inbound_windows(ops, starts):
+        inbound = _allowed_inbound(inbound, lo, k, cuts)
+        if inbound is None:
+            continue
         r0, r1 = _row_range(k, num_ops, num_layers)
         prev = best[r0 - 1:r1, lo:k + 1]  # G(i-1, r-1) for prefix lengths i = lo..k
         best[r0:r1 + 1, k + 1] = np.maximum(prev, inbound).min(axis=1)
@@ -187,10 +214,12 @@ def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int) -> float:
 
 
 def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
-                        num_layers: int, max_inbound: float) -> list[int]:
+                        num_layers: int, max_inbound: float, cuts: np.ndarray | None = None
+                        ) -> tuple[list[int], tuple[float, float]]:
     """Start index of each layer for the split with every C ≤ max_inbound of least Σ C, and
-    among those of least Σ FLOP² (module docstring). Both sums are additive, so the pair
-    compared lexicographically is an exact DP; C are whole bytes, exact in floats."""
+    among those of least Σ FLOP² (module docstring), layers starting only where ``cuts``
+    allows; and (Σ C, Σ FLOP²). Both sums are additive, so the pair compared
+    lexicographically is an exact DP; C are whole bytes, exact in floats."""
     num_ops = len(ops.names)
     bytes_in = np.full((num_layers + 1, num_ops + 1), np.inf)
     bytes_in[0, 0] = 0.0
@@ -198,6 +227,9 @@ def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
     cost[0, 0] = 0.0
     choice = np.zeros((num_layers + 1, num_ops + 1), dtype=np.int32)
     for k, lo, inbound in _inbound_windows(ops, starts):
+        inbound = _allowed_inbound(inbound, lo, k, cuts)
+        if inbound is None:
+            continue
         r0, r1 = _row_range(k, num_ops, num_layers)
         square = (prefix[k + 1] - prefix[lo:k + 1]) ** 2
         received = np.where(inbound > max_inbound, np.inf, inbound)
@@ -209,12 +241,13 @@ def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
         bytes_in[r0:r1 + 1, k + 1] = total_in[rows, pick]
         cost[r0:r1 + 1, k + 1] = total[rows, pick]
         choice[r0:r1 + 1, k + 1] = lo + pick
-    cuts, end = [], num_ops
+    starts_of, end = [], num_ops
     for r in range(num_layers, 0, -1):
         end = int(choice[r, end])
-        cuts.append(end)
+        starts_of.append(end)
     assert end == 0 and np.isfinite(bytes_in[num_layers, num_ops])
-    return cuts[::-1]
+    return starts_of[::-1], (float(bytes_in[num_layers, num_ops]),
+                             float(cost[num_layers, num_ops]))
 
 
 def _check_args(num_ops: int, num_layers: int, delta: float) -> None:
@@ -248,10 +281,145 @@ def cluster_layers(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA,
     prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
     used, starts = _resolve_delta(prefix, num_layers, float(delta))
     max_inbound = _min_max_inbound(ops, starts, num_layers)
-    cuts = _least_square_split(ops, starts, prefix, num_layers, max_inbound)
+    cuts = _least_square_split(ops, starts, prefix, num_layers, max_inbound)[0]
+    cuts = _uniform_split(graph, ops, starts, prefix, num_layers, max_inbound) or cuts
     layering = _assemble(graph, ops, cuts, used, float(delta))
     assert layering.objective == max_inbound, (layering.objective, max_inbound)
     return layering
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """A stretch of the op sequence (graph order), ops ``start`` to ``end`` - 1, that repeats
+    with a period of ``period`` ops (every op matches the one ``period`` later or earlier): a
+    transformer's blocks. It may start and end inside a unit."""
+
+    start: int
+    end: int
+    period: int
+    copies: int = 0   # how many units the program holds (`repeated_unit`)
+
+    @property
+    def units(self) -> int:
+        """Whole units in the stretch."""
+        return (self.end - self.start) // self.period
+
+
+def _signatures(graph: Graph) -> np.ndarray:
+    """Per op node (graph order) an int naming its op, output shape and input shapes."""
+    kinds: dict[tuple, int] = {}
+    return np.array([kinds.setdefault((n.op, n.out.shape, tuple(graph.by_name[x].out.shape
+                                                                for x in n.inputs)), len(kinds))
+                     for n in graph.nodes if n.role == "op"], dtype=np.int64)
+
+
+def repeated_unit(graph: Graph) -> Repeats | None:
+    """The longest stretch of repeated units of the program's ops, or None (module
+    docstring). Two ops match when their op, output shape and input shapes do; the periods
+    tried are the distances between heavy ops of one kind (one or two apart, so a block with
+    two matmuls of one shape still shows its period)."""
+    ops = [n for n in graph.nodes if n.role == "op"]
+    sig = _signatures(graph)
+    where: dict[int, list[int]] = {}
+    for k, n in enumerate(ops):
+        if n.op in HEAVY_OPS:
+            where.setdefault(int(sig[k]), []).append(k)
+    periods = set()
+    for positions in where.values():
+        gaps = np.diff(positions)
+        periods.update(gaps.tolist())
+        periods.update((gaps[1:] + gaps[:-1]).tolist())
+    best: Repeats | None = None
+    for period in sorted(p for p in periods if 0 < p < len(ops)):
+        same = np.concatenate([[False], sig[period:] == sig[:-period], [False]])
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        if not edges.size:
+            continue
+        runs = edges[1::2] - edges[::2]
+        j = int(np.argmax(runs))
+        found = Repeats(int(edges[2 * j]), int(edges[2 * j]) + int(runs[j]) + period, period)
+        if found.units >= 2 and (best is None or found.end - found.start > best.end - best.start):
+            best = found
+    if best is None:
+        return None
+    # The copies: heavy ops of the unit's kinds anywhere (a first block that differs, an LM
+    # head shaped like one of its matmuls) over those in one unit, rounded down.
+    unit = [int(sig[k]) for k in range(best.start, best.start + best.period)
+            if ops[k].op in HEAVY_OPS]
+    total = sum(len(where[kind]) for kind in set(unit))
+    return replace(best, copies=total // len(unit)) if unit else None
+
+
+def _crossing_bytes(ops: _Ops) -> np.ndarray:
+    """``cross[p]``: bytes of op outputs made before op p and read at or after it (what a cut
+    before op p sends on)."""
+    diff = np.zeros(len(ops.names) + 2)
+    last: dict[int, tuple[int, int]] = {}
+    for k, reads in enumerate(ops.reads):
+        for producer, nbytes in reads:
+            last[producer] = (k, nbytes)
+    for producer, (reader, nbytes) in last.items():
+        diff[producer + 1] += nbytes
+        diff[reader + 1] -= nbytes
+    return np.cumsum(diff)[:len(ops.names) + 1]
+
+
+# Phases of the repeated unit tried for uniform layers (those sending the fewest bytes).
+MAX_PHASES = 4
+
+
+def _unit_cuts(graph: Graph, ops: _Ops) -> list[np.ndarray]:
+    """Per phase of the program's repeated unit worth trying, where a layer may start: at
+    that phase of every unit inside the repeated stretch, anywhere outside it. Empty when
+    the program repeats nothing."""
+    rep = repeated_unit(graph)
+    if rep is None:
+        return []
+    cross = _crossing_bytes(ops)[rep.start:rep.start + rep.period]
+    phases = np.flatnonzero(cross == cross.min())[:MAX_PHASES] + rep.start
+    # The stretch may end a few ops into a unit (a final norm shaped like a block's first):
+    # within a unit either side of it too, layers start only at the phase.
+    lo, hi = max(rep.start - rep.period, 0), min(rep.end + rep.period, len(ops.names))
+    out = []
+    for phase in phases.tolist():
+        cuts = np.ones(len(ops.names) + 1, dtype=bool)
+        cuts[lo:hi + 1] = False
+        cuts[phase % rep.period + lo // rep.period * rep.period:hi + 1:rep.period] = True
+        cuts[0] = cuts[-1] = True
+        out.append(cuts)
+    return out
+
+
+def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
+                   num_layers: int, max_inbound: float) -> list[int] | None:
+    """The layers' starts when some split cut only at one phase of the repeated unit reaches
+    the same largest inbound bytes ``max_inbound`` under the same FLOP bound: of those, the
+    one of fewest distinct layers, then least Σ C, then Σ FLOP² (module docstring). None when
+    the program repeats nothing or no such split does as well."""
+    best: tuple[tuple[int, float, float], list[int]] | None = None
+    sig = _signatures(graph)
+    for cuts in _unit_cuts(graph, ops):
+        parts = _num_parts_needed(starts, cuts)
+        if parts is None or not parts <= num_layers <= int(cuts[:-1].sum()):
+            continue
+        if _min_max_inbound(ops, starts, num_layers, cuts) > max_inbound:
+            continue
+        split, sums = _least_square_split(ops, starts, prefix, num_layers, max_inbound, cuts)
+        bounds = [*split, len(ops.names)]
+        kinds = len({tuple(sig[a:b]) for a, b in zip(bounds, bounds[1:])})
+        if best is None or (kinds, *sums) < best[0]:
+            best = ((kinds, *sums), split)
+    return None if best is None else best[1]
+
+
+def _uniform_fits(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA) -> bool:
+    """Whether ``num_layers`` layers cut at one phase of the repeated unit meet the FLOP
+    bound of ``delta``."""
+    ops = _op_table(graph)
+    prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
+    starts = _window_starts(prefix, (1.0 + delta) / num_layers + _REL_TOL)
+    return any((p := _num_parts_needed(starts, cuts)) is not None
+               and p <= num_layers <= int(cuts[:-1].sum()) for cuts in _unit_cuts(graph, ops))
 
 
 def _assemble(graph: Graph, ops: _Ops, cuts: list[int], delta: float, requested: float
@@ -306,6 +474,14 @@ def default_num_layers(graph: Graph, num_devices: int) -> int:
     num_heavy = sum(n.role == "op" and n.op in HEAVY_OPS for n in graph.nodes)
     target = max(1, min(LAYERS_PER_DEVICE * num_devices, num_heavy // MIN_HEAVY_PER_LAYER,
                         num_ops))
-    repeats = repeat_count(graph)
+    rep = repeated_unit(graph)
+    repeats = rep.copies if rep is not None else repeat_count(graph)
     even = max(d for d in range(1, min(repeats, target) + 1) if repeats % d == 0)
-    return even if repeats > 1 and (even == repeats or 2 * even >= target) else target
+    if not (repeats > 1 and (even == repeats or 2 * even >= target)):
+        return target
+    # Whole units per layer may leave the head (or the embedding) too heavy to share a layer
+    # with a unit: then one or two layers more let every middle layer hold whole units.
+    for extra in range(MAX_EXTRA_LAYERS + 1):
+        if even + extra <= num_ops and _uniform_fits(graph, even + extra):
+            return even + extra
+    return even
