@@ -54,7 +54,8 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
-from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
+from meshplan.planner.inter.stage_costs import (StageLabel, StageProfiler,
+                                                 prefetch_whole_costs_of)
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
@@ -267,12 +268,16 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
     if not tried:
         return None
     top = min(t.estimate for t in tried)
+    near = [t for t in sorted(tried, key=lambda t: t.estimate)
+            if t.estimate <= (1 + REFINE_MARGIN) * top]
+    rounds = [_whole_round(t.found.profiler, list(t.candidates), req) for t in near]
+    # Every count's first whole solves in one pool: a count's longest solve runs beside the
+    # next count's instead of after it.
+    prefetch_whole_costs_of([(t.found.profiler, r.requests) for t, r in zip(near, rounds)])
     best: FoundPipeline | None = None
-    for t in sorted(tried, key=lambda t: t.estimate):
-        if t.estimate > (1 + REFINE_MARGIN) * top:
-            break
+    for t, r in zip(near, rounds):
         profiler = t.found.profiler
-        sol = _solved_whole(profiler, list(t.candidates), req)
+        sol = _solved_whole(profiler, r, req)
         if req.method in ONE_STAGE_METHODS:
             sol = _one_stage_if_faster(profiler, sol, req)
         if best is None or sol.total_latency < best.solution.total_latency:
@@ -433,24 +438,42 @@ def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSol
     return replace(solve_stage_dp(problem), hosts=hosts)
 
 
-def _solved_whole(profiler: StageProfiler, candidates: list[PipelineSolution],
-                  req: PipelineRequest) -> PipelineSolution:
-    """Of the pipelines the DPs found, those within `REFINE_MARGIN` of the best estimate (at
-    most `REFINE_MAX`) with their stages solved whole, the fastest that fits. The estimates
-    price long stages by parts (`StageProfiler._telescoped`), which misjudges them by several
-    per cent either way, often more than the candidates differ; solved whole, the stages'
-    latencies are the ones the plan reports. The DP's best is kept even if it does not fit
-    solved whole (the plan then says so)."""
+@dataclass(frozen=True)
+class _WholeRound:
+    """The pipelines of one count to solve whole (`_solved_whole`): the candidates within
+    `REFINE_MARGIN` of the best estimate, the most micro-batches each stage keeps in flight,
+    and the whole solves they ask for first."""
+
+    near: tuple[PipelineSolution, ...]
+    most: tuple[tuple[int, ...], ...]
+    requests: list[tuple]
+
+
+def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
+                 req: PipelineRequest) -> _WholeRound:
     ranked = sorted({c.stages: c for c in candidates}.values(), key=lambda c: c.total_latency)
     near = [c for c in ranked if c.total_latency <= (1 + REFINE_MARGIN) * ranked[0].total_latency]
     budget = req.budget if req.budget is not None else math.inf
     near = near[:REFINE_MAX]
-    most = [_most_in_flight(profiler, c) for c in near]
-    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, n)
-                                   for c, m in zip(near, most) for s, n in zip(c.stages, m)
-                                   for o in _relabels(profiler, s, budget, n)])
+    most = [tuple(_most_in_flight(profiler, c)) for c in near]
+    requests = [(s.start, s.end, s.submesh, o.label, n) for c, m in zip(near, most)
+                for s, n in zip(c.stages, m) for o in _relabels(profiler, s, budget, n)]
+    return _WholeRound(tuple(near), tuple(most), requests)
+
+
+def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineRequest
+                  ) -> PipelineSolution:
+    """Of the pipelines the DPs found, those within `REFINE_MARGIN` of the best estimate (at
+    most `REFINE_MAX`, `_whole_round`) with their stages solved whole, the fastest that fits.
+    The estimates price long stages by parts (`StageProfiler._telescoped`), which misjudges
+    them by several per cent either way, often more than the candidates differ; solved whole,
+    the stages' latencies are the ones the plan reports. The DP's best is kept even if it does
+    not fit solved whole (the plan then says so)."""
+    budget = req.budget if req.budget is not None else math.inf
+    profiler.prefetch_whole_costs(round_.requests)
     chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
-                                      for s, n in zip(c.stages, m))) for c, m in zip(near, most)]
+                                      for s, n in zip(c.stages, m)))
+              for c, m in zip(round_.near, round_.most)]
     # A stage relabelled may be priced at another count than its relabelling was (its own
     # label's most in flight): those solves too run side by side, not one by one.
     profiler.prefetch_whole_costs([r for c in chosen for r in _whole_requests(profiler, c)])

@@ -437,22 +437,7 @@ class StageProfiler:
         count), lazily and in order, on ``workers`` forked processes (default: the usable
         cores) when there are at least ``parallel_from`` tasks (default `PARALLEL_FROM_TASKS`):
         fork shares the program and the caches without pickling."""
-        workers = workers or _usable_cores()
-        if workers < 2 or len(tasks) < (parallel_from or PARALLEL_FROM_TASKS):
-            for t in tasks:
-                before = self.solves
-                out = getattr(self, method)(*t)
-                self.solves = before  # the tasks report their solves, as forked ones must
-                yield out
-            return
-        global _FORKED
-        _FORKED = self
-        try:
-            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-                yield from pool.map(_call_forked, [(method, t) for t in tasks],
-                                    chunksize=max(1, len(tasks) // (16 * workers)))
-        finally:
-            _FORKED = None
+        return _run_tasks((self,), [(0, method, t) for t in tasks], workers, parallel_from)
 
     def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
                    ) -> tuple[tuple[_Costed | None, ...], int]:
@@ -616,17 +601,18 @@ class StageProfiler:
     def prefetch_whole_costs(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
                              workers: int | None = None) -> None:
         """`whole_cost` of each ``(start, end, submesh, label, in_flight)`` ahead of time, the
-        distinct uncached ones on forked workers (`_map`)."""
+        distinct uncached ones on forked workers (`prefetch_whole_costs_of`)."""
+        prefetch_whole_costs_of([(self, stages)], workers)
+
+    def _whole_tasks(self, stages: list[tuple[int, int, Submesh, StageLabel, int]]
+                     ) -> dict[tuple, tuple]:
+        """The distinct uncached whole solves of ``stages``, by `whole_key`."""
         tasks: dict[tuple, tuple] = {}
         for stage in stages:
             key = self.whole_key(*stage)
             if key not in self._whole_costs:
                 tasks.setdefault(key, stage)
-        done = self._map("_whole_cost_task", list(tasks.values()), workers,
-                         parallel_from=WHOLE_PARALLEL_FROM)
-        for key, (sol, cost, solves) in zip(tasks, done):
-            self._wholes[key], self._whole_costs[key] = sol, cost
-            self.solves += solves
+        return tasks
 
     def _whole_cost_task(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                          in_flight: int) -> tuple[IlpSolution, tuple[float, float], int]:
@@ -725,13 +711,54 @@ class StageProfiler:
 PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.
 WHOLE_PARALLEL_FROM = 2
-_FORKED: StageProfiler | None = None   # the profiler forked workers price for
+_FORKED: tuple[StageProfiler, ...] = ()   # the profilers forked workers price for
 
 
-def _call_forked(job: tuple[str, tuple]) -> object:
-    assert _FORKED is not None, "StageProfiler._map sets the profiler before forking"
-    method, args = job
-    return getattr(_FORKED, method)(*args)
+def prefetch_whole_costs_of(jobs: list[tuple[StageProfiler, list[tuple]]],
+                            workers: int | None = None) -> None:
+    """`StageProfiler.prefetch_whole_costs` of several profilers (one per micro-batch count)
+    in one pool: the longest solves of one count then run beside another's instead of after
+    them."""
+    tasks = [(i, key, stage) for i, (prof, stages) in enumerate(jobs)
+             for key, stage in prof._whole_tasks(stages).items()]
+    done = _run_tasks(tuple(prof for prof, _ in jobs),
+                      [(i, "_whole_cost_task", stage) for i, _, stage in tasks], workers,
+                      WHOLE_PARALLEL_FROM)
+    for (i, key, _), (sol, cost, solves) in zip(tasks, done):
+        prof = jobs[i][0]
+        prof._wholes[key], prof._whole_costs[key] = sol, cost
+        prof.solves += solves
+
+
+def _run_tasks(profilers: tuple[StageProfiler, ...], jobs: list[tuple[int, str, tuple]],
+               workers: int | None, parallel_from: int | None = None) -> Iterator:
+    """``profilers[i].<method>(*args)`` for each job ``(i, method, args)`` (returning its
+    result and its solve count), lazily and in order; on ``workers`` forked processes (default:
+    the usable cores) when there are at least ``parallel_from`` jobs (default
+    `PARALLEL_FROM_TASKS`): fork shares the programs and the caches without pickling."""
+    workers = workers or _usable_cores()
+    if workers < 2 or len(jobs) < (parallel_from or PARALLEL_FROM_TASKS):
+        for i, method, args in jobs:
+            prof = profilers[i]
+            before = prof.solves
+            out = getattr(prof, method)(*args)
+            prof.solves = before  # the tasks report their solves, as forked ones must
+            yield out
+        return
+    global _FORKED
+    _FORKED = profilers
+    try:
+        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            yield from pool.map(_call_forked, jobs,
+                                chunksize=max(1, len(jobs) // (16 * workers)))
+    finally:
+        _FORKED = ()
+
+
+def _call_forked(job: tuple[int, str, tuple]) -> object:
+    assert _FORKED, "_run_tasks sets the profilers before forking"
+    i, method, args = job
+    return getattr(_FORKED[i], method)(*args)
 
 
 def _usable_cores() -> int:
