@@ -721,6 +721,11 @@ def prefetch_whole_costs_of(jobs: list[tuple[StageProfiler, list[tuple]]],
     them."""
     tasks = [(i, key, stage) for i, (prof, stages) in enumerate(jobs)
              for key, stage in prof._whole_tasks(stages).items()]
+    # Likely longest first, so that two long ones do not end up one after the other on a
+    # worker: more layers, more micro-batches in flight (a tighter memory bound) and a 2-D
+    # logical mesh make a whole solve slower.
+    tasks.sort(key=lambda t: -(t[2][1] - t[2][0]) * t[2][4] *
+               sum(n > 1 for n in t[2][3].logical_shape))
     done = _run_tasks(tuple(prof for prof, _ in jobs),
                       [(i, "_whole_cost_task", stage) for i, _, stage in tasks], workers,
                       WHOLE_PARALLEL_FROM)
