@@ -35,6 +35,17 @@ in C(i, k) exactly for ``p < i ≤ q``, so adding o_k adds its size to C(·, k) 
 ``(q_before, k]``. Both DPs sweep ``k`` once with numpy over (layers × window): the work is
 about K² (1 + δ) cells whatever L is.
 
+Whole units. A program that repeats a unit (a transformer's blocks: `repeated_unit` finds the
+longest stretch of ops matching the ops one period later, the period taken from the distances
+between heavy ops of one kind) is also split with layers starting only at one phase of the unit
+inside that stretch and a unit either side of it (the phases whose cut sends the fewest bytes,
+`_unit_cuts`): both DPs above, restricted to those starts. When such a split reaches the same
+G(K, L) under the same FLOP bound it is kept, the one of fewest distinct layers first, then
+fewest bytes and least Σ FLOP² (`_uniform_split`). The stage DP then sees equal layers, which
+price once and balance into equal stages; the unrestricted tie-break could save a few bytes by
+alternating layers (on Llama, attention-free layers do not receive the mask and the rotary
+tables: attention+MLP+attention beside MLP alone, five kinds of layers instead of three).
+
 δ: `DEFAULT_DELTA` = 0.5, the default of Alpa's own implementation. A smaller δ forces cuts
 away from the cheap points of a transformer: GPT-3 39B's LM head adds about half a block's
 FLOPs to the last layer at L = number of blocks. When no split satisfies the bound, δ is doubled
@@ -50,7 +61,10 @@ device leave the stage DP room to balance, and Alpa keeps at least 3 heavy ops (
 attention) per layer. When the program repeats a unit n times (a GPT's n blocks), L snaps to
 the largest divisor of n not above the target (n itself when the target is larger), so each
 layer holds whole, equal units — unless that divisor is under half the target (n prime and
-above the target), when the target stands.
+above the target), when the target stands. n is the repeated unit's count where there is one
+(`Repeats.copies`), else `repeat_count`'s. When whole units per layer cannot meet the FLOP
+bound (an LM head heavier than a block needs a layer of its own), one or two layers are added
+(`MAX_EXTRA_LAYERS`).
 """
 
 from __future__ import annotations
