@@ -356,12 +356,17 @@ def repeated_unit(graph: Graph) -> Repeats | None:
             best = found
     if best is None:
         return None
-    # The copies: heavy ops of the unit's kinds anywhere (a first block that differs, an LM
-    # head shaped like one of its matmuls) over those in one unit, rounded down.
-    unit = [int(sig[k]) for k in range(best.start, best.start + best.period)
-            if ops[k].op in HEAVY_OPS]
-    total = sum(len(where[kind]) for kind in set(unit))
-    return replace(best, copies=total // len(unit)) if unit else None
+    # The copies: per heavy kind of the unit, its ops anywhere (a first block that differs
+    # counts, an LM head shaped like one of its matmuls adds one) over those in one unit,
+    # rounded down, the fewest over the kinds; at most the units the stretch spans, begun
+    # ones counted (an encoder's blocks may be shaped like its decoder's, matmul for matmul).
+    unit = Counter(int(sig[k]) for k in range(best.start, best.start + best.period)
+                   if ops[k].op in HEAVY_OPS)
+    if not unit:
+        return None
+    spanned = -(-(best.end - best.start) // best.period)
+    return replace(best, copies=min(spanned, *(len(where[kind]) // n
+                                               for kind, n in unit.items())))
 
 
 def _crossing_bytes(ops: _Ops) -> np.ndarray:
