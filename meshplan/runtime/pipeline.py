@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from meshplan.capture.batch import batch_shapes, split_microbatches
-from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
 from meshplan.lower.cross_mesh import Box
@@ -78,7 +77,7 @@ class PipelineTrainer:
         self.mesh = self.program.mesh_of(self.rank)
         self.stages = self.program.stages_on(self.mesh)
         micro = split_microbatches(example_batch, plan.microbatches)[0]
-        traced, graph = captured or capture(model, loss_fn, micro)
+        traced, graph = captured or locked_capture(model, loss_fn, micro)
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
@@ -86,7 +85,7 @@ class PipelineTrainer:
         self.planned_shapes = batch_shapes(example_batch)
         # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
         self._scales = StepScales(traced.graph_module, graph,
-                                  lambda: capture(model, loss_fn, example_batch)[1]) \
+                                  lambda: locked_capture(model, loss_fn, example_batch)[1]) \
             if plan.microbatches > 1 else None
         layers = recompute_layers(graph, plan) if any(
             plan.stages[s].recompute for s in self.stages) else None

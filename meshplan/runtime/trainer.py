@@ -118,7 +118,7 @@ class Trainer:
                              f"{comm.mesh_shape}")
         # The program is one micro-batch's: the plan was made on that size.
         micro = split_microbatches(example_batch, plan.microbatches)[0]
-        traced, graph = captured or capture(model, loss_fn, micro)
+        traced, graph = captured or locked_capture(model, loss_fn, micro)
         if graph.fingerprint() != plan.graph_fingerprint:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
@@ -135,7 +135,7 @@ class Trainer:
         # (One micro-batch is the whole batch: nothing to find.)
         if scales is None and plan.microbatches > 1:
             scales = StepScales(traced.graph_module, graph,
-                                lambda: capture(model, loss_fn, example_batch)[1])
+                                lambda: locked_capture(model, loss_fn, example_batch)[1])
         self.scales = scales
         scaled = tuple(r for r in scales.reductions if r.node in graph.by_name) \
             if scales is not None and plan.microbatches > 1 else ()
