@@ -190,42 +190,39 @@ def test_an_unseen_in_place_write_is_made_pure_without_a_retrace(monkeypatch) ->
     assert fast_traced.saved == slow_traced.saved
 
 
+class _LinearThen(nn.Module):
+    """A linear layer, then ``then`` on its output (in-place ops on it, in these tests)."""
+
+    def __init__(self, then) -> None:
+        super().__init__()
+        self.lin, self.then = nn.Linear(4, 4), then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(self.lin(x))
+
+
 def test_a_write_another_op_sees_is_left_to_functionalization(monkeypatch) -> None:
     import meshplan.capture.trace as trace_module
 
-    class Seen(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            before = y.sin()   # reads y before the write: the write is not unseen
-            y.add_(1.0)
-            return y * before
+    def seen(y: torch.Tensor) -> torch.Tensor:
+        before = y.sin()   # reads y before the write: the write is not unseen
+        y.add_(1.0)
+        return y * before
 
     retraces = []
     functionalize = trace_module.functionalize
     monkeypatch.setattr(trace_module, "functionalize",
                         lambda *a, **k: retraces.append(1) or functionalize(*a, **k))
-    traced = trace_module.trace(Seen(), F.mse_loss, (torch.randn(3, 4), torch.randn(3, 4)))
+    traced = trace_module.trace(_LinearThen(seen), F.mse_loss,
+                                (torch.randn(3, 4), torch.randn(3, 4)))
     assert retraces and not trace_module._mutates(traced.graph_module)
 
 
 def test_a_program_with_in_place_ops_is_functionalized() -> None:
     import meshplan.capture.trace as trace_module
 
-    class InPlace(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            y.mul_(2.0)
-            return y.relu_()
-
-    traced = trace_module.trace(InPlace(), F.mse_loss, (torch.randn(3, 4), torch.randn(3, 4)))
+    traced = trace_module.trace(_LinearThen(lambda y: y.mul_(2.0).relu_()), F.mse_loss,
+                                (torch.randn(3, 4), torch.randn(3, 4)))
     assert not trace_module._mutates(traced.graph_module)
     ops = {str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
     assert "aten.mul.Tensor" in ops and "aten.relu.default" in ops

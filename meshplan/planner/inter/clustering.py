@@ -332,8 +332,11 @@ def repeated_unit(graph: Graph) -> Repeats | None:
     docstring). Two ops match when their op, output shape and input shapes do; the periods
     tried are the distances between heavy ops of one kind (one or two apart, so a block with
     two matmuls of one shape still shows its period)."""
+    return _repeated_unit(graph, _signatures(graph))
+
+
+def _repeated_unit(graph: Graph, sig: np.ndarray) -> Repeats | None:
     ops = [n for n in graph.nodes if n.role == "op"]
-    sig = _signatures(graph)
     where: dict[int, list[int]] = {}
     for k, n in enumerate(ops):
         if n.op in HEAVY_OPS:
@@ -387,11 +390,10 @@ def _crossing_bytes(ops: _Ops) -> np.ndarray:
 MAX_PHASES = 4
 
 
-def _unit_cuts(graph: Graph, ops: _Ops) -> list[np.ndarray]:
-    """Per phase of the program's repeated unit worth trying, where a layer may start: at
-    that phase of every unit inside the repeated stretch, anywhere outside it. Empty when
-    the program repeats nothing."""
-    rep = repeated_unit(graph)
+def _unit_cuts(ops: _Ops, rep: Repeats | None) -> list[np.ndarray]:
+    """Per phase of the repeated unit ``rep`` worth trying, where a layer may start: at that
+    phase of every unit inside the repeated stretch, anywhere outside it. Empty when the
+    program repeats nothing."""
     if rep is None:
         return []
     cross = _crossing_bytes(ops)[rep.start:rep.start + rep.period]
@@ -403,10 +405,17 @@ def _unit_cuts(graph: Graph, ops: _Ops) -> list[np.ndarray]:
     for phase in phases.tolist():
         cuts = np.ones(len(ops.names) + 1, dtype=bool)
         cuts[lo:hi + 1] = False
-        cuts[phase % rep.period + lo // rep.period * rep.period:hi + 1:rep.period] = True
+        cuts[lo + (phase - lo) % rep.period:hi + 1:rep.period] = True
         cuts[0] = cuts[-1] = True
         out.append(cuts)
     return out
+
+
+def _cuts_fit(starts: np.ndarray, cuts: np.ndarray, num_layers: int) -> bool:
+    """Whether ``num_layers`` layers starting only where ``cuts`` allows meet the FLOP bound
+    of ``starts`` (between the fewest such layers and one per allowed start)."""
+    parts = _num_parts_needed(starts, cuts)
+    return parts is not None and parts <= num_layers <= int(cuts[:-1].sum())
 
 
 def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
@@ -417,11 +426,9 @@ def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarr
     the program repeats nothing or no such split does as well."""
     best: tuple[tuple[int, float, float], list[int]] | None = None
     sig = _signatures(graph)
-    for cuts in _unit_cuts(graph, ops):
-        parts = _num_parts_needed(starts, cuts)
-        if parts is None or not parts <= num_layers <= int(cuts[:-1].sum()):
-            continue
-        if _min_max_inbound(ops, starts, num_layers, cuts) > max_inbound:
+    for cuts in _unit_cuts(ops, _repeated_unit(graph, sig)):
+        if not _cuts_fit(starts, cuts, num_layers) or \
+                _min_max_inbound(ops, starts, num_layers, cuts) > max_inbound:
             continue
         split, sums = _least_square_split(ops, starts, prefix, num_layers, max_inbound, cuts)
         bounds = [*split, len(ops.names)]
@@ -429,16 +436,6 @@ def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarr
         if best is None or (kinds, *sums) < best[0]:
             best = ((kinds, *sums), split)
     return None if best is None else best[1]
-
-
-def _uniform_fits(graph: Graph, num_layers: int, delta: float = DEFAULT_DELTA) -> bool:
-    """Whether ``num_layers`` layers cut at one phase of the repeated unit meet the FLOP
-    bound of ``delta``."""
-    ops = _op_table(graph)
-    prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
-    starts = _window_starts(prefix, (1.0 + delta) / num_layers + _REL_TOL)
-    return any((p := _num_parts_needed(starts, cuts)) is not None
-               and p <= num_layers <= int(cuts[:-1].sum()) for cuts in _unit_cuts(graph, ops))
 
 
 def _assemble(graph: Graph, ops: _Ops, cuts: list[int], delta: float, requested: float
@@ -500,7 +497,11 @@ def default_num_layers(graph: Graph, num_devices: int) -> int:
         return target
     # Whole units per layer may leave the head (or the embedding) too heavy to share a layer
     # with a unit: then one or two layers more let every middle layer hold whole units.
-    for extra in range(MAX_EXTRA_LAYERS + 1):
-        if even + extra <= num_ops and _uniform_fits(graph, even + extra):
-            return even + extra
+    ops = _op_table(graph)
+    prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
+    unit_cuts = _unit_cuts(ops, rep)
+    for num_layers in range(even, min(even + MAX_EXTRA_LAYERS, num_ops) + 1):
+        starts = _window_starts(prefix, (1.0 + DEFAULT_DELTA) / num_layers + _REL_TOL)
+        if any(_cuts_fit(starts, cuts, num_layers) for cuts in unit_cuts):
+            return num_layers
     return even

@@ -209,17 +209,17 @@ def build_shared_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     """
     clause_cols: dict[tuple, int] = {}
     indicators = _PairIndicators(reduced, choice_cols)
-    for _, blocks in reduced.shared if pairs else ():
-        for block in blocks:
-            for a, b, p_set, q_set in _pair_terms(block, choice_cols):
-                indicators.want(a, b, p_set, q_set)
+    terms = [[_pair_terms(block, choice_cols) if pairs else [] for block in blocks]
+             for _, blocks in reduced.shared]
+    for block_terms in terms:
+        for a, b, p_set, q_set in (t for ts in block_terms for t in ts):
+            indicators.want(a, b, p_set, q_set)
     indicators.build(coo)
-    for cost, blocks in reduced.shared:
+    for (cost, blocks), block_terms in zip(reduced.shared, terms):
         y = coo.add_cols(np.array([cost]), 1.0, False)
-        for block in blocks:
-            terms = _pair_terms(block, choice_cols) if pairs else []
-            if terms:
-                for a, b, p_set, q_set in terms:
+        for block, pair_terms in zip(blocks, block_terms):
+            if pair_terms:
+                for a, b, p_set, q_set in pair_terms:
                     cells = indicators.cells(a, b, p_set, q_set)
                     row = coo.add_rows(-np.inf, 0.0, 1)
                     coo.add_entries(np.full(cells.size + 1, row), np.append(cells, y),
