@@ -383,3 +383,13 @@ def _without_uniform(run):
         return run()
     finally:
         clustering._uniform_split = saved
+
+
+@pytest.mark.parametrize("spec", [
+    "hf:qwen2.5-7b,batch=2,seq=64,layers=6,hidden=128,heads=4,kv=2,ffn=384,vocab=2048",
+    # Gemma 2 makes its masks at their first use: its first two blocks differ in light ops.
+    "hf:gemma-2-9b,batch=2,seq=64,layers=6,hidden=128,heads=4,kv=2,ffn=384,vocab=2048",
+    HEAVY_HEAD_LLAMA])
+def test_repeated_unit_counts_every_block(spec: str) -> None:
+    rep = repeated_unit(_capture(spec))
+    assert rep is not None and rep.copies == 6

@@ -337,7 +337,7 @@ def repeated_unit(graph: Graph) -> Repeats | None:
 
 def _repeated_unit(graph: Graph, sig: np.ndarray) -> Repeats | None:
     ops = [n for n in graph.nodes if n.role == "op"]
-    where: dict[int, list[int]] = {}
+    where: dict[int, list[int]] = {}   # heavy kind -> its op indices
     for k, n in enumerate(ops):
         if n.op in HEAVY_OPS:
             where.setdefault(int(sig[k]), []).append(k)
@@ -359,17 +359,24 @@ def _repeated_unit(graph: Graph, sig: np.ndarray) -> Repeats | None:
             best = found
     if best is None:
         return None
-    # The copies: per heavy kind of the unit, its ops anywhere (a first block that differs
-    # counts, an LM head shaped like one of its matmuls adds one) over those in one unit,
-    # rounded down, the fewest over the kinds; at most the units the stretch spans, begun
-    # ones counted (an encoder's blocks may be shaped like its decoder's, matmul for matmul).
-    unit = Counter(int(sig[k]) for k in range(best.start, best.start + best.period)
-                   if ops[k].op in HEAVY_OPS)
+    # The copies: the heavy ops around the stretch that follow the unit's heavy ops in order,
+    # cyclically, over those of one unit, rounded down. Heavy ops only: a first block may
+    # differ in light ones (Llama's, Gemma 2's masks made at first use). In order: an LM
+    # head shaped like a block's matmul, or an encoder's blocks shaped like its decoder's
+    # without their cross-attention, break the sequence.
+    heavy = [k for k, n in enumerate(ops) if n.op in HEAVY_OPS]
+    kinds = [int(sig[k]) for k in heavy]
+    first = next((i for i, k in enumerate(heavy) if k >= best.start), len(heavy))
+    unit = [x for x, k in zip(kinds, heavy) if best.start <= k < best.start + best.period]
     if not unit:
         return None
-    spanned = -(-(best.end - best.start) // best.period)
-    return replace(best, copies=min(spanned, *(len(where[kind]) // n
-                                               for kind, n in unit.items())))
+    end = first
+    while end < len(kinds) and kinds[end] == unit[(end - first) % len(unit)]:
+        end += 1
+    begin = first
+    while begin > 0 and kinds[begin - 1] == unit[(begin - 1 - first) % len(unit)]:
+        begin -= 1
+    return replace(best, copies=(end - begin) // len(unit))
 
 
 def _crossing_bytes(ops: _Ops) -> np.ndarray:
