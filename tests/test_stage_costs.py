@@ -22,6 +22,7 @@ from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
 from meshplan.planner.inter.stage_tables import _flatten, profile_all
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
+from meshplan.planner.intra.ilp import min_memory, peak_memory, solve
 from meshplan.zoo.spec import build_workload
 
 GPT = "gpt:hidden=64,layers=6,heads=4,seq=16,vocab=128,batch=8"
@@ -120,6 +121,32 @@ def test_a_whole_stage_problem_is_solved_once(program, monkeypatch: pytest.Monke
     chosen = prof.solutions([(1, 3, (1, 2), StageLabel((1, 2), "tp", False), 2)])[0]
     assert len(solves) == prof.solves == 1
     assert first == again == (chosen.latency, chosen.memory_bytes)
+
+
+def test_a_whole_solve_gives_each_block_its_own_plan(program) -> None:
+    """The stage formulation ties repeated blocks to one plan (its aliases, for the one-layer
+    pricing); a whole solve unties them: under a memory bound the fastest stage may mix plans
+    across its blocks, which is what the whole solve is there to find. Solved whole, a stage
+    of four blocks is the untied ILP's optimum under every bound, strictly faster than the tied
+    one under some."""
+    sub, shape, label = (1, 2), (1, 2), StageLabel((1, 2), "free", False)
+    prof = _profiler(program)
+    form = prof._form(1, 5, sub, shape)
+    assert form.problem.aliases
+    weighted = stage_costs._in_flight_problem(form, prof.stage(1, 5), None, 2)
+    low = min_memory(weighted)
+    high = peak_memory(weighted, solve(replace(weighted, live_sets=())).choices)
+    strictly = 0
+    for budget in np.linspace(low, high, 7)[1:-1]:
+        bounded = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
+                                IntraOptions(optimizer="adamw", memory_budget=budget),
+                                OptimizerState(), 2, budget)
+        whole = bounded._solve_whole(1, 5, sub, label, 2)[0]
+        untied = solve(replace(weighted, memory_budget=budget, aliases=()))
+        tied = solve(replace(weighted, memory_budget=budget))
+        assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
+        strictly += tied.objective > untied.objective * (1 + 1e-6)
+    assert strictly
 
 
 def test_mirror_logical_shapes_are_priced_once(program) -> None:
