@@ -52,3 +52,26 @@ def test_a_transformer_layer_is_found_from_structure() -> None:
     for g in groups:
         nodes = [graph.nodes[i] for i in g]
         assert len({(n.op, n.out.shape) for n in nodes}) == 1
+
+
+LLAMA = "hf:llama-3-8b,batch=2,seq=16,layers=4,hidden=64,heads=4,kv=2,ffn=128,vocab=128"
+
+
+def _covered_matmuls(graph) -> tuple[int, int]:
+    covered = {i for g in repeated_blocks(graph) for i in g}
+    mms = [i for i, n in enumerate(graph.nodes) if n.op == "mm"]
+    return sum(i in covered for i in mms), len(mms)
+
+
+def test_blocks_that_read_one_mask_and_rotary_table_repeat(monkeypatch) -> None:
+    """A Llama computes its attention mask and rotary tables once and every block reads them,
+    each from further back: named by themselves, not by their distance, the blocks repeat
+    (every block after the first, whose residual input is the embedding's, read across the
+    mask's ops); named by distance, most of them did not."""
+    import meshplan.planner.intra.blocks as blocks
+    w = build_workload(LLAMA, device="meta")
+    _, graph = capture(w.model, w.loss_fn, w.example_batch)
+    shared, total = _covered_matmuls(graph)
+    assert (shared, total) == (7 * 3, 7 * 4 + 1)   # 7 per block, the LM head's alone
+    monkeypatch.setattr(blocks, "HUB_READERS", 10**9)
+    assert _covered_matmuls(graph)[0] < shared
