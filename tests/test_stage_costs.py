@@ -120,10 +120,14 @@ def test_a_whole_stage_problem_is_solved_once(program, monkeypatch: pytest.Monke
     again = prof.whole_cost(3, 5, (1, 2), StageLabel((1, 2), "lean", False), 2)
     chosen = prof.solutions([(1, 3, (1, 2), StageLabel((1, 2), "tp", False), 2)])[0]
     assert len(solves) == prof.solves == 1
-    assert first == again == (chosen.latency, chosen.memory_bytes)
+    assert first == again
+    # The plan's stage reports the ILP's peak (the simulator adds the transients itself); the
+    # fit is judged with them.
+    assert first[0] == chosen.latency
+    assert first[1] == pytest.approx(chosen.memory_bytes + stage_costs.transient_bytes(chosen))
 
 
-def test_a_whole_solve_gives_each_block_its_own_plan(program) -> None:
+def test_a_whole_solve_gives_each_block_its_own_plan(program, monkeypatch) -> None:
     """The stage formulation ties repeated blocks to one plan (its aliases, for the one-layer
     pricing); a whole solve unties them: under a memory bound the fastest stage may mix plans
     across its blocks, which is what the whole solve is there to find. Solved whole, a stage
@@ -143,11 +147,41 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program) -> None:
         if tied.objective > untied.objective * (1 + 1e-6):
             break
     assert tied.objective > untied.objective * (1 + 1e-6)   # some bound makes blocks differ
+    # The ILP's bound alone (the transients' re-solve is tested on its own).
+    monkeypatch.setattr(stage_costs, "transient_bytes", lambda s: 0.0)
     bounded = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
                             IntraOptions(optimizer="adamw", memory_budget=budget),
                             OptimizerState(), 2, budget)
     whole = bounded._solve_whole(1, 5, sub, label, 2)[0]
     assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
+
+
+def test_a_whole_solve_fits_with_the_transients_the_simulator_holds(program,
+                                                                   monkeypatch) -> None:
+    """The simulator holds a plain stage's op-by-op transients (a backward's gradients in
+    flight next to those held) beyond the ILP's live sets: a whole solve whose plan fits the
+    ILP's bound but not with them is solved again under the bound less them."""
+    sub, shape, label = (1, 2), (1, 2), StageLabel((1, 2), "free", False)
+    prof = _profiler(program)
+    form = prof._form(1, 5, sub, shape)
+    weighted = stage_costs._in_flight_problem(form, prof.stage(1, 5), None, 2)
+    low = min_memory(weighted)
+    budget = low + 0.8 * (peak_memory(weighted, solve(replace(weighted, live_sets=())).choices)
+                          - low)
+    transients = stage_costs.transient_bytes
+
+    def as_run(sol) -> float:
+        s = stage_costs.StageSolution(form, sol, prof.stage(1, 5))
+        return peak_memory(weighted, sol.choices) + transients(s)
+
+    def whole():
+        return StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
+                             IntraOptions(optimizer="adamw", memory_budget=budget),
+                             OptimizerState(), 2, budget)._solve_whole(1, 5, sub, label, 2)[0]
+
+    assert as_run(whole()) <= budget
+    monkeypatch.setattr(stage_costs, "transient_bytes", lambda s: 0.0)
+    assert as_run(whole()) > budget   # the ILP's bound alone: over it as run
 
 
 def test_mirror_logical_shapes_are_priced_once(program) -> None:

@@ -51,7 +51,7 @@ from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Subm
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
 from meshplan.planner.intra.ilp import min_memory, solve
-from meshplan.planner.intra.extract import node_indices, recompute_extra_s
+from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
 from meshplan.planner.intra.ilp_problem import (IlpProblem, IlpSolution, peak_memory,
@@ -581,15 +581,19 @@ class StageProfiler:
         return out
 
     def _as_run(self, s: StageSolution, start: int, end: int, submesh: Submesh,
-                label: StageLabel, in_flight: int) -> tuple[float, float]:
+                label: StageLabel, in_flight: int, transients: bool = False
+                ) -> tuple[float, float]:
         """(seconds per micro-batch without the inbound transfer, peak bytes per device) of
         the solved stage ``s`` of ``[start, end)`` (the range its names are of) in the
-        pipeline, recomputed or not, ``in_flight`` micro-batches kept."""
+        pipeline, recomputed or not, ``in_flight`` micro-batches kept; with ``transients``
+        the peak as the simulator runs a plain stage (`transient_bytes` added), else the
+        ILP's (what a plan's stage reports: the simulator adds its transients itself)."""
         segments = self.segments(s.graph, end - start, label)
         weighted = _in_flight_problem(s.form, s.graph, segments, in_flight)
         latency = self._latency(s) if segments is None else self._recompute_latency(
             s, None if replay_of(label.kind, end - start) == FULL else frozenset(segments))
-        return latency, peak_memory(weighted, s.solution.choices)
+        extra = transient_bytes(s) if transients and segments is None else 0.0
+        return latency, peak_memory(weighted, s.solution.choices) + extra
 
     def segments(self, stage: Graph, num_layers: int, label: StageLabel
                  ) -> dict[str, int] | None:
@@ -644,7 +648,8 @@ class StageProfiler:
             first = self._form_range(start, end, submesh, label.logical_shape)
             s = StageSolution(self._form(start, end, submesh, label.logical_shape), sol,
                               self.stage(*first))
-            self._whole_costs[key] = self._as_run(s, *first, submesh, label, in_flight)
+            self._whole_costs[key] = self._as_run(s, *first, submesh, label, in_flight,
+                                                  transients=True)
         latency, memory = self._whole_costs[key]
         return latency + self.transfer_time(start), memory
 
@@ -680,10 +685,31 @@ class StageProfiler:
             if s is None:
                 s = self._solve(start, end, form, replace(
                     weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)))
+            elif segments is None:   # the structure's names: those of its first range
+                s = self._within_as_run(*first, form, weighted,
+                                        StageSolution(form, s.solution, self.stage(*first)))
         if s is None:
             raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on "
                                  f"{submesh} has no plan although the DP chose one")
         return s.solution, self.solves - before
+
+    def _within_as_run(self, start: int, end: int, form: Formulation, weighted: IlpProblem,
+                       s: StageSolution) -> StageSolution:
+        """``s``, or when its peak as run (`transient_bytes` beyond the ILP's) exceeds the
+        memory limit, the stage solved again under the limit less those bytes (a few rounds:
+        another plan has other transients), the last that fits or else ``s``."""
+        assert self.memory_limit is not None
+        for _ in range(AS_RUN_ROUNDS):
+            over = peak_memory(weighted, s.solution.choices) + transient_bytes(s) - \
+                self.memory_limit
+            if over <= 0:
+                return s
+            tighter = self._solve(start, end, form, replace(
+                weighted, memory_budget=peak_memory(weighted, s.solution.choices) - over))
+            if tighter is None:
+                return s
+            s = tighter
+        return s
 
     def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem
                ) -> StageSolution | None:
@@ -777,6 +803,22 @@ def _usable_cores() -> int:
         return max(1, int(env))
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
+
+
+# Rounds of `StageProfiler._within_as_run`.
+AS_RUN_ROUNDS = 3
+
+
+def transient_bytes(s: StageSolution) -> float:
+    """Bytes per device a plain stage's plan ``s`` holds beyond the ILP's peak as the
+    simulator runs it in a pipeline: the op-by-op peak of a forward, or of a backward into
+    gradients already held (the gradients in flight next to the ones summed into), beyond
+    one micro-batch's kept activations (`liveness.step_peaks`). The ILP's live sets hold the
+    kept activations and every gradient at once, and nothing in between."""
+    nc = s.form.choices
+    peaks = step_peaks_of(OpCosts(nc, s.form.ctx), nc, node_indices(s.form, s.solution.choices))
+    _, act, inputs = _memory_parts(s)
+    return max(peaks.forward_peak - act - inputs, peaks.backward_held_peak - act - inputs, 0.0)
 
 
 def _memory_parts(s: StageSolution, working: bool = True) -> tuple[float, float, float]:

@@ -161,7 +161,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
     # Recomputed segment by segment (`liveness.segmented_peaks`) where they are known.
-    peaks = _step_peaks(costs, nc, idx, layers if real.recompute else None)
+    peaks = step_peaks_of(costs, nc, idx, layers if real.recompute else None)
     figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
                "activation_bytes": memory - state, "working_bytes": working,
                "grad_bytes": peaks.grad_bytes, "forward_peak_bytes": peaks.forward_peak,
@@ -196,7 +196,7 @@ def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
     return tuple(CollectiveEntry(k, b, a, p, c) for (k, b, a, p), c in sorted(total.items()))
 
 
-def _step_peaks(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
+def step_peaks_of(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
                 layers: Mapping[str, int] | None = None) -> StepPeaks:
     """The op-by-op memory walk (`liveness`) on the chosen layouts; ``layers``: recomputed
     segment by segment (each replayed node's segment)."""
