@@ -23,8 +23,9 @@ Costs are cached by the stage's structure (`structure_key`), so repeated blocks 
 per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
 than ``exact_up_to`` layers are priced as sums of one-layer solves (`_slot_columns`), so the solves
 grow with the distinct layers, not with L². The stages the DP picks are then solved whole
-(`solution`) with memory counted as the pipeline holds it, in-flight micro-batches included,
-and their real latency and peak memory replace the estimates.
+(`solution`) with memory counted as the pipeline holds it, in-flight micro-batches included
+and, for a plain stage, the op-by-op transients the simulator holds beyond the ILP's live sets
+(`transient_bytes`), and their real latency and peak memory replace the estimates.
 """
 
 from __future__ import annotations
@@ -700,12 +701,12 @@ class StageProfiler:
         another plan has other transients), the last that fits or else ``s``."""
         assert self.memory_limit is not None
         for _ in range(AS_RUN_ROUNDS):
-            over = peak_memory(weighted, s.solution.choices) + transient_bytes(s) - \
-                self.memory_limit
+            peak = peak_memory(weighted, s.solution.choices)
+            over = peak + transient_bytes(s) - self.memory_limit
             if over <= 0:
                 return s
-            tighter = self._solve(start, end, form, replace(
-                weighted, memory_budget=peak_memory(weighted, s.solution.choices) - over))
+            tighter = self._solve(start, end, form, replace(weighted,
+                                                            memory_budget=peak - over))
             if tighter is None:
                 return s
             s = tighter

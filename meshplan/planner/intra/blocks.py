@@ -7,12 +7,12 @@ least `HUB_READERS` ops, the value itself (computed once and read by every block
 attention mask and rotary tables, which each block reads from further back). Ops ``i`` and
 ``i + P`` match when their keys are equal and each operand is named alike one way or the
 other. (Reading one value is not enough to match: q, k and v read one normalized input, and
-tying k to v inside a layer is not a repeated block.) A block
-is the period ``P`` whose matches run longest; the run holds the repeats ``start + r·P``.
-Alternating patterns inside a block (column- then row-parallel) survive, because the whole
-block, not each op, is the unit that repeats; with four or more repeats two consecutive blocks
-form the unit, so a pattern alternating from layer to layer survives too. Sharing is exact
-when the blocks' optimal strategies agree, which tests check against the unshared optimum.
+tying k to v inside a layer is not a repeated block.) A block is the period ``P`` whose
+matches run longest; the run holds the repeats ``start + r·P``. Alternating patterns inside a
+block (column- then row-parallel) survive, because the whole block, not each op, is the unit
+that repeats; with four or more repeats two consecutive blocks form the unit, so a pattern
+alternating from layer to layer survives too. Sharing is exact when the blocks' optimal
+strategies agree, which tests check against the unshared optimum.
 """
 
 from __future__ import annotations

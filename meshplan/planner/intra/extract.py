@@ -197,7 +197,7 @@ def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
 
 
 def step_peaks_of(costs: OpCosts, nc: NodeChoices, idx: dict[str, int],
-                layers: Mapping[str, int] | None = None) -> StepPeaks:
+                  layers: Mapping[str, int] | None = None) -> StepPeaks:
     """The op-by-op memory walk (`liveness`) on the chosen layouts; ``layers``: recomputed
     segment by segment (each replayed node's segment)."""
     values = []
