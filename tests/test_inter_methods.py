@@ -296,4 +296,4 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
     # own plan (the same request on p3.16xlarge:2x2, made once for this and the demo's test).
     from test_demo_pipeline import demo_plan
     kept = demo_plan(4)
-    assert kept.num_stages == 2 and "one_stage_s" not in kept.options["pipeline_check"]
+    assert kept.num_stages >= 2 and "one_stage_s" not in kept.options["pipeline_check"]

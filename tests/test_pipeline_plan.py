@@ -105,6 +105,9 @@ def test_identical_layer_ranges_share_a_structure_key(gpt_graph) -> None:
     ([(1, 2), (1, 2)], 1, 4, [(0, 1), (2, 3)]),
     ([(1, 1), (2, 4), (1, 2), (1, 1)], 3, 4, [(10,), (0, 1, 2, 3, 4, 5, 6, 7), (8, 9), (11,)]),
     ([(1, 4), (1, 4)], 2, 4, [(0, 1, 2, 3), (4, 5, 6, 7)]),
+    # In stage order when every submesh fits there: neighbours share a host.
+    ([(1, 2), (1, 4), (1, 2)], 1, 8, [(0, 1), (2, 3, 4, 5), (6, 7)]),
+    ([(1, 4), (1, 4), (2, 8)], 3, 8, [(0, 1, 2, 3), (4, 5, 6, 7), tuple(range(8, 24))]),
 ])
 def test_placement_tiles_the_cluster(submeshes, hosts: int, per_host: int, expected) -> None:
     assert place_submeshes(submeshes, hosts, per_host) == expected

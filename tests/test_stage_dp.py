@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import random
 import time
@@ -18,12 +19,15 @@ from meshplan.planner.inter.stage_dp_reference import brute_force
 from meshplan.planner.inter.stage_problem import (
     ClusterShape,
     InFlight,
+    Links,
     PipelineProblem,
     PipelineSolution,
     StageOption,
     gpipe,
+    inside_host,
     one_f_one_b,
     pipeline_latency,
+    placeable,
     profile_from_table,
     submesh_shapes,
 )
@@ -94,6 +98,72 @@ def test_dp_equals_brute_force_on_random_cases() -> None:
             None, problem.in_flight))
         memory_bound += unlimited.total_latency < got.total_latency
     assert infeasible >= 20 and memory_bound >= 20, (infeasible, memory_bound)
+
+
+def with_links(problem: PipelineProblem, seed: int) -> PipelineProblem:
+    """``problem`` with its boundaries priced by link (`Links`): a stage inside a host saves a
+    random part of its fastest option's latency (what a transfer priced across hosts would
+    save; never more than the latency)."""
+    rng = random.Random(seed)
+    shapes = submesh_shapes(problem.cluster)
+    share = {(k, m): rng.choice((0.0, rng.random(), 0.5)) for k in range(problem.num_layers)
+             for m in shapes}
+
+    def discount(start: int, mesh: tuple[int, ...]) -> float:
+        fastest = min((o.latency for end in range(start + 1, problem.num_layers + 1)
+                       for o in problem.profile(start, end, mesh)), default=0.0)
+        return share[(start, mesh)] * fastest
+    return dataclasses.replace(problem, links=Links(discount))
+
+
+def assert_linked(problem: PipelineProblem, solution: PipelineSolution) -> None:
+    """`assert_valid` for a problem with links: stages on contiguous positions in order, each
+    inside a host at its option's latency less its discount."""
+    per_host, offset = problem.cluster.devices_per_host, 0
+    plain = []
+    for index, stage in enumerate(solution.stages):
+        assert placeable(stage.submesh, offset, per_host), (stage, offset)
+        option = stage.option
+        if index and inside_host(offset, per_host):
+            option = dataclasses.replace(option, latency=option.latency + problem.links.discount(
+                stage.start, stage.submesh))
+            assert option.latency == pytest.approx(next(
+                o.latency for o in problem.profile(stage.start, stage.end, stage.submesh)
+                if o.label == option.label), rel=1e-12)
+            option = next(o for o in problem.profile(stage.start, stage.end, stage.submesh)
+                          if o.label == option.label)
+        plain.append(dataclasses.replace(stage, option=option))
+        offset += stage.num_devices
+    assert_valid(dataclasses.replace(problem, links=None),
+                 dataclasses.replace(solution, stages=tuple(plain),
+                                     total_latency=pipeline_latency(
+                                         tuple(s.option.latency for s in plain),
+                                         problem.num_microbatches),
+                                     t_max=max(s.option.latency for s in plain)))
+    latencies = tuple(s.option.latency for s in solution.stages)
+    assert solution.total_latency == pipeline_latency(latencies, problem.num_microbatches)
+
+
+def test_dp_with_links_equals_brute_force_on_random_cases() -> None:
+    """Stages laid on contiguous positions in order, a boundary inside a host cheaper than one
+    across hosts: the DP (placeable shapes only, discounted where the boundary is inside a
+    host) is exact, in every search order."""
+    discounted = 0
+    for seed in range(300):
+        problem = with_links(random_problem(seed), seed)
+        want = solve_or_none(brute_force, problem)
+        for search in ("bisect", "scan", "all"):
+            got = solve_or_none(solve_stage_dp, problem, search=search)
+            assert (want is None) == (got is None), (seed, search)
+            if want is None:
+                continue
+            assert_linked(problem, got)
+            assert got.total_latency == pytest.approx(want.total_latency, rel=1e-9,
+                                                      abs=1e-12), (seed, search)
+        if want is not None:
+            plain = solve_or_none(solve_stage_dp, dataclasses.replace(problem, links=None))
+            discounted += plain is not None and want.total_latency < plain.total_latency
+    assert discounted >= 30, discounted
 
 
 @pytest.mark.parametrize("max_layers", [6, 10])

@@ -57,13 +57,15 @@ from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interlea
 from meshplan.planner.inter.stage_costs import (StageLabel, StageProfiler,
                                                  prefetch_whole_costs_of)
 from meshplan.planner.inter.stage_dp import solve_stage_dp
-from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, PipelineProblem,
+from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
+                                                  PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
                                                   StagePlacement, Submesh,
-                                                  gpipe, make_solution, one_f_one_b,
+                                                  gpipe, linked, make_solution, one_f_one_b,
                                                   submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
-from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
+from meshplan.planner.inter.to_plan import (FoundPipeline, inbound_discounts, pipeline_plan,
+                                            stage_devices)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.op_costs import is_kept
 
@@ -405,16 +407,20 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
         dp_shapes = dp_shapes + layouts[0][1].shapes(dp_shapes)
     profiler.prefetch(tuple(dict.fromkeys(real(sub) for sub in dp_shapes)))
     whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
+    # Each boundary priced on its link, stages laid in order (`Links`): where the DP's
+    # devices are devices, untyped (typed stages and whole hosts cross hosts anyway).
+    links = None if by_hosts else \
+        Links(lambda start, sub: profiler.link_discount(start, real(sub)))
     # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
     # method: by parts their long stages may look slower than they solve.
     searches: list[Callable[[], PipelineSolution]] = [
-        partial(_equal_stages, whole, num_layers, n, shape, b, req)
+        partial(_equal_stages, whole, num_layers, n, shape, b, req, links)
         for n in _stage_counts(num_layers, shape)]
     if req.method != "equal-layer":
         for hosts, layout in layouts:
             problem = PipelineProblem(
                 shape, num_layers, whole, b, device_memory=req.budget,
-                in_flight=SCHEDULES[req.dp_schedule], kinds=layout,
+                in_flight=SCHEDULES[req.dp_schedule], kinds=layout, links=links,
                 table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))
             searches.insert(0, partial(_with_hosts, problem, hosts))
     found, errors = [], []
@@ -493,8 +499,12 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
     once, at the most micro-batches any of them keeps: priced so here (memory conservatively
     at that count), the figures are the plan's."""
     solved = [profiler.whole_cost(*r) for r in _whole_requests(profiler, pipeline)]
-    stages = tuple(replace(s, option=replace(s.option, latency=latency))
-                   for s, (latency, _) in zip(pipeline.stages, solved))
+    cl = profiler.cluster
+    cuts = inbound_discounts(profiler, pipeline,
+                             stage_devices(pipeline, cl.num_hosts, cl.devices_per_host),
+                             cl.devices_per_host)
+    stages = tuple(replace(s, option=replace(s.option, latency=latency - cut))
+                   for s, (latency, _), cut in zip(pipeline.stages, solved, cuts))
     return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks,
                           pipeline.hosts),
             fits_by_mesh([memory for _, memory in solved], pipeline.chunks, budget))
@@ -627,7 +637,7 @@ def equal_stages(profile: Profile, num_stages: int, per: int, submesh: Submesh, 
 
 
 def _equal_stages(profile: Profile, num_layers: int, num_stages: int, shape: ClusterShape,
-                  b: int, req: PipelineRequest) -> PipelineSolution:
+                  b: int, req: PipelineRequest, links: Links | None = None) -> PipelineSolution:
     """The best pipeline of S stages of L/S layers on N/S devices each (Alpa's "equal layer"
     ablation: no DP over uneven stages; each stage's intra plan still searched), over the
     submeshes of N/S devices (`equal_stages`). Raises NoPipelineError when none fits."""
@@ -638,7 +648,8 @@ def _equal_stages(profile: Profile, num_layers: int, num_stages: int, shape: Clu
         stages, needs = equal_stages(profile, num_stages, per, submesh, b, req)
         need = min(need, needs)
         if stages is not None:
-            sol = make_solution(stages, b, DpStats(0, num_stages, time.perf_counter() - t0))
+            sol = make_solution(linked(stages, links, shape.devices_per_host), b,
+                                DpStats(0, num_stages, time.perf_counter() - t0))
             if best is None or sol.total_latency < best.total_latency:
                 best = sol
     if best is None:

@@ -462,14 +462,30 @@ class StageProfiler:
         return self._transfers[start]
 
     def _transfer_time(self, start: int) -> float:
-        g = self.stage(start, start + 1)
-        received = [n for n in g.nodes if n.role == "input" and n.op == "input"
-                    and not n.state_name]
-        nbytes = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in received)
+        nbytes = self._boundary_bytes(start)
         if not nbytes:
             return 0.0
         link = self.cluster.inter_host if self.cluster.num_hosts > 1 else self.cluster.intra_host
         return link.latency + nbytes / link.effective_bandwidth
+
+    def _boundary_bytes(self, start: int) -> float:
+        """Bytes of one micro-batch's activations into layer ``start`` and their gradients."""
+        g = self.stage(start, start + 1)
+        received = [n for n in g.nodes if n.role == "input" and n.op == "input"
+                    and not n.state_name]
+        return float(sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in received))
+
+    def link_discount(self, start: int, submesh: Submesh) -> float:
+        """What a stage from layer ``start`` on ``submesh`` saves of `transfer_time` when the
+        stage before it is on its host (`stage_problem.Links`): each device then moves its
+        share of the boundary over its own link, as the simulator sends it, instead of the
+        whole over the hosts' network."""
+        nbytes = self._boundary_bytes(start)
+        if not nbytes:
+            return 0.0
+        link = self.cluster.intra_host
+        within = link.latency + nbytes / (submesh[0] * submesh[1]) / link.effective_bandwidth
+        return max(self.transfer_time(start) - within, 0.0)
 
     # ------------------------------------------------------------------ one logical shape
     def stage_cluster(self, name: str, submesh: Submesh) -> Cluster:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from meshplan.planner.inter.stage_problem import (
     StageOption,
     StagePlacement,
     gpipe,
+    inside_host,
     make_solution,
     one_f_one_b,
     pipeline_latency,
@@ -110,6 +111,10 @@ def solve_stage_dp(problem: PipelineProblem, *, epsilon: float = 0.0,
     finite = tables.latency[np.isfinite(tables.latency)]
     if finite.size == 0:
         raise _no_pipeline(problem, tables)
+    if tables.discount is not None:
+        # A stage inside a host may be the slowest at its discounted latency.
+        inside = tables.latency - tables.discount[None, :, None, :]
+        finite = np.concatenate([finite, inside[np.isfinite(inside)]])
     state = _Search(problem, tables, np.unique(finite))
     {"bisect": _search_bisect, "scan": _search_scan, "all": _search_all}[search](
         state, float(epsilon))
@@ -184,11 +189,20 @@ def _evaluate(state: _Search, t_max: float) -> tuple[float, int]:
     problem, tables = state.problem, state.tables
     state.num_tried += 1
     cost = np.where(tables.latency <= t_max, tables.latency, np.inf)
-    f, p = sweep(cost, tables.sizes, problem.cluster.num_devices, mask=tables.mask)
+    links = None
+    if tables.discount is not None:
+        assert tables.inside is not None
+        # Stages inside a host: within t_max at their discounted latency (the same float
+        # operation as the candidates and `_placements`).
+        inside = np.where(tables.latency - tables.discount[None, :, None, :] <= t_max,
+                          tables.latency, np.inf)
+        links = (inside, tables.discount, tables.inside)
+    f, p = sweep(cost, tables.sizes, problem.cluster.num_devices, mask=tables.mask,
+                 links=links)
     g = float(f[1:, 0, -1].min())
     if not math.isfinite(g):
         return g, -1
-    path = backtrack(cost, f, p, tables.sizes, mask=tables.mask)
+    path = backtrack(cost, f, p, tables.sizes, mask=tables.mask, links=links)
     assert path is not None
     stages = _placements(problem, tables, path)
     latencies = tuple(s.option.latency for s in stages)
@@ -202,9 +216,13 @@ def _placements(problem: PipelineProblem, tables: StageTables,
                 path: list[tuple[int, int, int, int]]) -> tuple[StagePlacement, ...]:
     """`StagePlacement`s of a DP path, with the schedule's in-flight count at each position."""
     num_stages = len(path)
-    placements = []
+    placements, offset = [], 0
     for index, (start, end, m, bucket) in enumerate(path):
         option = tables.options[(start, end, m)][int(tables.choice[bucket - 1, start, end, m])]
+        if tables.discount is not None and index and \
+                inside_host(offset, problem.cluster.devices_per_host):
+            option = replace(option, latency=float(option.latency - tables.discount[start, m]))
+        offset += int(tables.sizes[m])
         in_flight = problem.in_flight(index, num_stages, problem.num_microbatches)
         placements.append(StagePlacement(start, end, tables.shapes[m], option, in_flight))
     return tuple(placements)

@@ -20,8 +20,10 @@ from meshplan.planner.inter.stage_problem import (
     StageOption,
     StagePlacement,
     Submesh,
+    linked,
     make_solution,
     pipeline_latency,
+    placeable,
     submesh_shapes,
 )
 
@@ -64,12 +66,26 @@ def brute_force(problem: PipelineProblem) -> PipelineSolution:
             usable = [[o for o in profile(start, end, mesh) if problem.fits(o, count)]
                       for (start, end), mesh, count in zip(ranges, meshes, counts)]
             for chosen in itertools.product(*usable):
-                total = pipeline_latency(tuple(o.latency for o in chosen), b)
+                stages = tuple(StagePlacement(start, end, mesh, o, count) for (start, end), mesh,
+                               o, count in zip(ranges, meshes, chosen, counts))
+                if problem.links is not None:
+                    if not _placeable(stages, problem.cluster.devices_per_host):
+                        continue
+                    stages = linked(stages, problem.links, problem.cluster.devices_per_host)
+                total = pipeline_latency(tuple(s.option.latency for s in stages), b)
                 if total < best_total:
-                    best_total = total
-                    best = tuple(StagePlacement(start, end, mesh, o, count) for (start, end), mesh,
-                                 o, count in zip(ranges, meshes, chosen, counts))
+                    best_total, best = total, stages
     if best is None:
         raise NoPipelineError(f"brute force: no feasible pipeline for {problem.num_layers} layers",
                               problem.device_memory)
     return make_solution(best, b, DpStats(0, len(cache), time.perf_counter() - began))
+
+
+def _placeable(stages: tuple[StagePlacement, ...], devices_per_host: int) -> bool:
+    """Whether ``stages`` lie on contiguous positions in order (`Links`)."""
+    offset = 0
+    for s in stages:
+        if not placeable(s.submesh, offset, devices_per_host):
+            return False
+        offset += s.num_devices
+    return True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -162,6 +162,50 @@ class DeviceKinds:
         return out
 
 
+@dataclass(frozen=True)
+class Links:
+    """Which link each stage boundary runs on, for a DP that lays its stages on contiguous
+    device positions in pipeline order (`placement.place_submeshes` does so whenever the
+    shapes allow it, and the DP then only picks shapes that do): a stage of shape ``(1, w)``
+    starting at position ``o`` stays inside one host (``o % M + w <= M``), one of ``(h, M)``
+    starts at a host's first device. A boundary at a position inside a host joins two stages
+    of that host, whose transfer runs over the devices' own links; at a host's edge it crosses
+    the hosts' network. Options are priced across hosts; ``discount(start, submesh)`` is what a
+    stage starting at layer ``start`` on ``submesh`` saves when its inbound boundary is inside a
+    host (>= 0)."""
+
+    discount: Callable[[int, Submesh], float]
+
+
+def placeable(shape: Submesh, offset: int, devices_per_host: int) -> bool:
+    """Whether a stage of ``shape`` fits contiguous positions from ``offset`` (`Links`)."""
+    hosts, devices = shape[0], shape[1]
+    if hosts > 1:
+        return offset % devices_per_host == 0
+    return offset % devices_per_host + devices <= devices_per_host
+
+
+def inside_host(offset: int, devices_per_host: int) -> bool:
+    """Whether a boundary at position ``offset`` (> 0) of contiguous stages is inside a host."""
+    return offset % devices_per_host != 0
+
+
+def linked(stages: tuple["StagePlacement", ...], links: "Links | None", devices_per_host: int
+           ) -> tuple["StagePlacement", ...]:
+    """``stages`` laid contiguously in order (`Links`), each whose inbound boundary is inside a
+    host with its option's latency less its discount; unchanged without ``links`` or when the
+    shapes cannot be laid so."""
+    if links is None:
+        return stages
+    offsets = np.cumsum([0] + [s.num_devices for s in stages])
+    if not all(placeable(s.submesh, int(o), devices_per_host) for s, o in zip(stages, offsets)):
+        return stages
+    return tuple(replace(s, option=replace(s.option, latency=s.option.latency
+                                           - links.discount(s.start, s.submesh)))
+                 if i and inside_host(int(o), devices_per_host) else s
+                 for i, (s, o) in enumerate(zip(stages, offsets)))
+
+
 def pipeline_latency(latencies: tuple[float, ...], num_microbatches: int, chunks: int = 1
                      ) -> float:
     """Seconds of one iteration of B micro-batches through stages of ``latencies`` (forward +
@@ -206,6 +250,8 @@ class PipelineProblem:
     # A cluster of mixed devices: each stage's kind follows from its positions, and the
     # profile is asked for typed submeshes ``(hosts, devices, kind)`` (`DeviceKinds`).
     kinds: DeviceKinds | None = None
+    # Stages on contiguous positions in order, each boundary priced on its link (`Links`).
+    links: Links | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterShape):
@@ -221,6 +267,9 @@ class PipelineProblem:
         if self.kinds is not None and len(self.kinds.kinds) != self.cluster.num_devices:
             raise ValueError(f"PipelineProblem.kinds has {len(self.kinds.kinds)} positions; "
                              f"the cluster has {self.cluster.num_devices} devices")
+        if self.links is not None and self.kinds is not None:
+            raise ValueError("PipelineProblem.links and .kinds cannot both be set: typed "
+                             "stages are laid on their hosts, not on contiguous positions")
         if self.table is not None and not callable(self.table):
             raise TypeError(f"PipelineProblem.table must be callable or None, got "
                             f"{self.table!r}")

@@ -35,6 +35,8 @@ from meshplan.planner.inter.stage_problem import (
     PipelineProblem,
     StageOption,
     Submesh,
+    inside_host,
+    placeable,
     resolve_in_flight_counts,
     submesh_shapes,
     triple_index,
@@ -61,6 +63,11 @@ class StageTables:
     latency: np.ndarray
     choice: np.ndarray
     mask: np.ndarray | None = None
+    # With `Links`: ``discount[k, m]`` a stage from layer k on shapes[m] saves when its
+    # inbound boundary is inside a host, and ``inside[d]`` whether the boundary of a stage
+    # starting with d devices left is (`link_arrays`); ``mask`` then holds the placeable ones.
+    discount: np.ndarray | None = None
+    inside: np.ndarray | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -165,12 +172,36 @@ def build_tables(problem: PipelineProblem) -> StageTables:
     by_count = {c: _best_fitting(flat, order, c, problem.device_memory, shape)
                 for c in set(counts[1:])}
     rows = _bucket_rows([by_count[c] for c in counts[1:]])
+    mask, discount, inside = None if problem.kinds is None else problem.kinds.mask(shapes), \
+        None, None
+    if problem.links is not None:
+        mask, discount, inside = link_arrays(problem, shapes)
     return StageTables(
         shapes=shapes, sizes=np.array([s[0] * s[1] for s in shapes], dtype=np.int64),
         counts=counts, options=options, flat=flat,
         latency=np.stack([latency for latency, _ in rows]),
         choice=np.stack([choice for _, choice in rows]),
-        mask=None if problem.kinds is None else problem.kinds.mask(shapes))
+        mask=mask, discount=discount, inside=inside)
+
+
+def link_arrays(problem: PipelineProblem, shapes: tuple[Submesh, ...]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For `Links`: ``mask[m, d]`` 0 where a stage of ``shapes[m]`` is placeable starting with
+    ``d`` devices left (position N - d), inf elsewhere; ``discount[k, m]``; ``inside[d]``."""
+    assert problem.links is not None
+    total, per_host = problem.cluster.num_devices, problem.cluster.devices_per_host
+    mask = np.full((len(shapes), total + 1), np.inf)
+    for m, shape in enumerate(shapes):
+        for d in range(shape[0] * shape[1], total + 1):
+            if placeable(shape, total - d, per_host):
+                mask[m, d] = 0.0
+    discount = np.array([[problem.links.discount(k, shape) if k else 0.0 for shape in shapes]
+                         for k in range(problem.num_layers)], dtype=np.float64)
+    if np.any(discount < 0) or not np.all(np.isfinite(discount)):
+        raise ValueError("Links.discount must be finite and >= 0")
+    inside = np.array([d < total and inside_host(total - d, per_host)
+                       for d in range(total + 1)])
+    return mask, discount, inside
 
 
 def _bucket_rows(rows: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
@@ -197,11 +228,19 @@ def memory_need(tables: StageTables) -> np.ndarray:
     return np.stack([need for (need,) in _bucket_rows([by_count[c] for c in tables.counts[1:]])])
 
 
+# What a sweep with `Links` adds (`sweep`): ``(inside_cost, discount, inside)``, where
+# ``inside_cost`` is ``cost`` for stages whose inbound boundary is inside a host (filtered by
+# their discounted latency), ``discount[k, m]`` and ``inside[d]`` as `StageTables` has them.
+LinkCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
-          combine: np.ufunc = np.add, mask: np.ndarray | None = None
-          ) -> tuple[np.ndarray, np.ndarray]:
+          combine: np.ufunc = np.add, mask: np.ndarray | None = None,
+          links: LinkCosts | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One backward pass of the recurrence over buckets, layers and device counts (``mask``:
-    the typed submeshes' positions, module docstring).
+    the typed or placeable submeshes' positions, module docstring). With ``links`` a stage
+    starting with ``d`` devices left where ``inside[d]`` costs its ``inside_cost`` entry less
+    its discount instead of its ``cost`` entry (latencies only: ``combine`` is ``+``).
 
     ``cost``: ``(R, L, L + 1, num_shapes)``, inf where a stage is not allowed. Returns ``F`` of
     shape ``(R + 1, L + 1, D + 1)`` and ``P`` of shape ``(R, L + 1, pad + D + 1)`` (``P_r`` padded
@@ -214,12 +253,17 @@ def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
     f[0, num_layers, 0] = 0.0
     _fill_successor(f, p, num_layers, pad)
     allowed = np.isfinite(cost).any(axis=0)  # (k, i, m) some bucket may use
+    if links is not None:
+        assert combine is np.add, "links price latencies"
+        allowed |= np.isfinite(links[0]).any(axis=0)
     reachable = np.zeros(num_layers + 1, bool)  # layer i can still reach the end
     reachable[num_layers] = True
     for k in range(num_layers - 1, -1, -1):
         live = min(num_buckets, num_layers - k)  # r stages need r layers: higher buckets stay inf
         best = _best_next_stage(cost[:live, k, k + 1:], p[:live, k + 1:], sizes, pad, combine,
-                                allowed[k, k + 1:] & reachable[k + 1:, None], mask)
+                                allowed[k, k + 1:] & reachable[k + 1:, None], mask,
+                                None if links is None else
+                                (links[0][:live, k, k + 1:], links[1][k], links[2]))
         if best is not None:
             f[1:live + 1, k] = best
             _fill_successor(f, p, k, pad)
@@ -228,9 +272,11 @@ def sweep(cost: np.ndarray, sizes: np.ndarray, num_devices: int,
 
 
 def _best_next_stage(cost: np.ndarray, successor: np.ndarray, sizes: np.ndarray, pad: int,
-                     combine: np.ufunc, allowed: np.ndarray, mask: np.ndarray | None = None
-                     ) -> np.ndarray | None:
-    """``min_{i, m} cost[r, i, m] (+) successor[r, i, pad + d - n_m]`` for every ``(r, d)``.
+                     combine: np.ufunc, allowed: np.ndarray, mask: np.ndarray | None = None,
+                     links: LinkCosts | None = None) -> np.ndarray | None:
+    """``min_{i, m} cost[r, i, m] (+) successor[r, i, pad + d - n_m]`` for every ``(r, d)``
+    (with ``links``, one layer's: ``inside_cost[r, i, m]`` less ``discount[m]`` where
+    ``inside[d]``).
 
     One slice per submesh over the span of allowed ``i`` (entries outside ``allowed`` are inf in
     ``cost``, so the span is exact): views cost no copy, and spans are nearly contiguous because
@@ -248,6 +294,10 @@ def _best_next_stage(cost: np.ndarray, successor: np.ndarray, sizes: np.ndarray,
         if mask is not None:
             block = block + mask[m]
         vals = combine(cost[:, lo:hi, m, None], block).min(axis=1)
+        if links is not None:
+            inside_cost, discount, inside = links
+            within = (inside_cost[:, lo:hi, m, None] + block).min(axis=1) - discount[m]
+            vals = np.where(inside[None, :], within, vals)
         result = vals if result is None else np.minimum(result, vals, out=result)
     return result
 
@@ -260,8 +310,8 @@ def _fill_successor(f: np.ndarray, p: np.ndarray, k: int, pad: int) -> None:
 
 
 def backtrack(cost: np.ndarray, f: np.ndarray, p: np.ndarray, sizes: np.ndarray,
-              combine: np.ufunc = np.add, mask: np.ndarray | None = None
-              ) -> list[tuple[int, int, int, int]] | None:
+              combine: np.ufunc = np.add, mask: np.ndarray | None = None,
+              links: LinkCosts | None = None) -> list[tuple[int, int, int, int]] | None:
     """The stages ``(start, end, shape index, bucket)`` of an optimal ``F`` path, or None.
 
     Recomputes each step's candidates with the same float operations as `sweep`, so the argmin
@@ -278,7 +328,10 @@ def backtrack(cost: np.ndarray, f: np.ndarray, p: np.ndarray, sizes: np.ndarray,
         succ = p[r - 1][ends[:, None], pad + d - sizes[None, :]]
         if mask is not None:
             succ = succ + mask[:, d][None, :]
-        vals = combine(cost[r - 1, k, k + 1:, :], succ)
+        if links is not None and links[2][d]:
+            vals = (links[0][r - 1, k, k + 1:, :] + succ) - links[1][k][None, :]
+        else:
+            vals = combine(cost[r - 1, k, k + 1:, :], succ)
         i_off, m = np.unravel_index(int(np.argmin(vals)), vals.shape)
         i, m = k + 1 + int(i_off), int(m)
         stages.append((k, i, m, r))

@@ -40,23 +40,44 @@ class FoundPipeline:
     estimated_s: float | None = None
 
 
+def stage_devices(sol: PipelineSolution, num_hosts: int, devices_per_host: int
+                  ) -> list[tuple[int, ...]]:
+    """The global device ids of each stage of ``sol``: typed stages on the hosts the DP laid
+    them on, others by `place_submeshes`; under interleaving stage k runs on mesh k % S."""
+    meshes = len(sol.stages) // sol.chunks
+    if sol.hosts:
+        per = devices_per_host
+        placed = [tuple(h * per + j for h in hosts for j in range(per)) for hosts in
+                  stage_hosts(sol.hosts, [s.submesh[0] for s in sol.stages[:meshes]])]
+    else:
+        placed = place_submeshes([s.submesh[:2] for s in sol.stages[:meshes]], num_hosts,
+                                 devices_per_host)
+    return [placed[k % meshes] for k in range(len(sol.stages))]
+
+
+def inbound_discounts(prof: StageProfiler, sol: PipelineSolution,
+                      devices: list[tuple[int, ...]], devices_per_host: int) -> list[float]:
+    """Per stage, what its inbound transfer costs less than the profiler's price across hosts
+    (`StageProfiler.link_discount`) where it and the stage before it share one host."""
+    out = [0.0]
+    for (prev, here), s in zip(zip(devices, devices[1:]), sol.stages[1:]):
+        hosts = {d // devices_per_host for d in (*prev, *here)}
+        out.append(prof.link_discount(s.start, s.submesh) if len(hosts) == 1 else 0.0)
+    return out
+
+
 def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:
     """The `Plan` of ``found`` (``seconds``: the search's wall time). A pipeline of one stage
     is that stage's own intra-operator plan, listing itself as its one stage."""
     cl, sol, prof = req.cluster, found.solution, found.profiler
-    # Under interleaving stage k runs on mesh k % S: place the S meshes, repeat them.
     meshes = len(sol.stages) // sol.chunks
-    if sol.hosts:   # typed stages: on the hosts the DP laid them on, in order
-        per = cl.devices_per_host
-        placed = [tuple(h * per + j for h in hosts for j in range(per)) for hosts in
-                  stage_hosts(sol.hosts, [s.submesh[0] for s in sol.stages[:meshes]])]
-    else:
-        placed = place_submeshes([s.submesh[:2] for s in sol.stages[:meshes]], cl.num_hosts,
-                                 cl.devices_per_host)
-    devices = [placed[k % meshes] for k in range(len(sol.stages))]
+    devices = stage_devices(sol, cl.num_hosts, cl.devices_per_host)
+    discounts = inbound_discounts(prof, sol, devices, cl.devices_per_host)
     stages = []
     solved_all = prof.solutions([(s.start, s.end, s.submesh, s.option.label, s.in_flight)
                                  for s in sol.stages])
+    solved_all = [replace(solved, latency=solved.latency - cut)
+                  for solved, cut in zip(solved_all, discounts)]
     for i, (s, devs, solved) in enumerate(zip(sol.stages, devices, solved_all)):
         label = s.option.label
         replay = replay_of(label.kind, s.end - s.start)
