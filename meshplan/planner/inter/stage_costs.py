@@ -462,11 +462,7 @@ class StageProfiler:
         return self._transfers[start]
 
     def _transfer_time(self, start: int) -> float:
-        nbytes = self._boundary_bytes(start)
-        if not nbytes:
-            return 0.0
-        link = self.cluster.inter_host if self.cluster.num_hosts > 1 else self.cluster.intra_host
-        return link.latency + nbytes / link.effective_bandwidth
+        return inbound_s(self.cluster, self._boundary_bytes(start))
 
     def _boundary_bytes(self, start: int) -> float:
         """Bytes of one micro-batch's activations into layer ``start`` and their gradients."""
@@ -480,12 +476,8 @@ class StageProfiler:
         stage before it is on its host (`stage_problem.Links`): each device then moves its
         share of the boundary over its own link, as the simulator sends it, instead of the
         whole over the hosts' network."""
-        nbytes = self._boundary_bytes(start)
-        if not nbytes:
-            return 0.0
-        link = self.cluster.intra_host
-        within = link.latency + nbytes / (submesh[0] * submesh[1]) / link.effective_bandwidth
-        return max(self.transfer_time(start) - within, 0.0)
+        return self.transfer_time(start) - inbound_s(self.cluster, self._boundary_bytes(start),
+                                                     submesh[0] * submesh[1])
 
     # ------------------------------------------------------------------ one logical shape
     def stage_cluster(self, name: str, submesh: Submesh) -> Cluster:
@@ -753,6 +745,21 @@ class StageProfiler:
             self._extras[key] = (s.form, recompute_extra_s(s.form, s.solution.choices,
                                                            s.form.ctx, replayed))
         return self._latency(s) + self._extras[key][1] / self.microbatches
+
+
+def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> float:
+    """Seconds per micro-batch of a stage boundary's ``nbytes`` (activations in, gradients
+    back): across hosts the whole over the hosts' network (on one host, over a device's link);
+    with ``inside`` devices receiving, the stages on either side on one host, each device its
+    share over its own link, as the simulator sends it, if that is faster."""
+    if not nbytes:
+        return 0.0
+    link = cluster.inter_host if cluster.num_hosts > 1 else cluster.intra_host
+    across = link.latency + nbytes / link.effective_bandwidth
+    if inside is None:
+        return across
+    own = cluster.intra_host
+    return min(across, own.latency + nbytes / inside / own.effective_bandwidth)
 
 
 # Below this many one-layer pricings, forking workers costs more than it saves.

@@ -97,19 +97,18 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
     """A pipeline's stages priced at the shape ``graph`` was traced at, as the runtime serves
     it (`PipelineTrainer.serve`): each stage's program cut where its plan puts its ops, its
     decisions fixed; each stage's latency per micro-batch and its memory with its in-flight
-    micro-batches as the stage DP prices them, its inbound transfer over the cluster's slowest
-    link between stages; the step by Alpa's eq. 2 and the messages between stages anew."""
+    micro-batches as the stage DP prices them, its inbound transfer on its link
+    (`inbound_s`); the step by Alpa's eq. 2 and the messages between stages anew."""
     from meshplan.lower.pipeline_program import pipeline_program, recompute_layers, stage_graphs
     from meshplan.lower.stage_transfers import step_transfers
     from meshplan.planner.intra.ilp_problem import peak_memory
-    from meshplan.planner.inter.stage_costs import _in_flight_problem
+    from meshplan.planner.inter.stage_costs import _in_flight_problem, inbound_s
     from meshplan.planner.inter.stage_problem import pipeline_latency
     graphs = stage_graphs(graph, plan, check=False)
     layer_of = recompute_layers(graph, plan)
     cl = cluster_from_dict(plan.cluster)
-    link = cl.inter_host if cl.num_hosts > 1 else cl.intra_host
     stages = []
-    for s, g in zip(plan.stages, graphs):
+    for i, (s, g) in enumerate(zip(plan.stages, graphs)):
         sp = s.plan
         assert sp is not None
         form, sol, segments, replay, mesh, sub = _solved(sp, g, layer_of)
@@ -125,8 +124,10 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
         inbound = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in g.nodes
                       if n.role == "input" and n.op == "input" and not n.state_name
                       and any(u in first for u in users[n.name]))
+        within = i and len({d // cl.devices_per_host for d in (*plan.stages[i - 1].devices,
+                                                                *s.devices)}) == 1
         latency = priced.objective / plan.microbatches + \
-            (link.latency + inbound / link.effective_bandwidth if inbound else 0.0)
+            inbound_s(cl, inbound, len(s.devices) if within else None)
         memory = peak_memory(_in_flight_problem(form, g, segments, s.in_flight), sol.choices)
         stages.append(dataclasses.replace(s, latency_s=latency, memory_bytes=memory,
                                           plan=priced))
