@@ -341,3 +341,26 @@ def test_validation_type_errors_and_options() -> None:
     with pytest.raises(ValueError, match="time_limit_s"):
         solve(xla_toy(), time_limit_s=0.0)
     assert hash(xla_toy()) == hash(xla_toy())  # problems are hashable values for caching
+
+
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_a_relative_gap_stops_within_it_of_the_optimum(solver: str) -> None:
+    """``rel_gap`` stops the search once the plan is proved within that fraction of the
+    optimum (whole stage solves use it): every answer lies within it, the gap it reports
+    too, and the same problem gives the same answer."""
+    looser = 0
+    for seed in range(6):
+        problem = memory_bound_dag(40, seed)
+        exact = solve(problem, solver=solver)
+        got = solve(problem, solver=solver, rel_gap=0.05)
+        assert exact.objective <= got.objective * (1 + 1e-9)
+        assert got.objective <= exact.objective * 1.05 + 1e-9
+        assert got.gap <= 0.05 + 1e-9
+        assert peak_memory(problem, got.choices) <= problem.memory_budget * (1 + 1e-9)
+        assert solve(problem, solver=solver, rel_gap=0.05).choices == got.choices
+        looser += got.objective > exact.objective * (1 + 1e-9)
+    assert looser   # the gap stopped a search before its optimum
+    with pytest.raises(ValueError, match="rel_gap"):
+        solve(xla_toy(), rel_gap=1.0)
+    with pytest.raises(ValueError, match="rel_gap"):
+        solve(xla_toy(), rel_gap=-0.1)

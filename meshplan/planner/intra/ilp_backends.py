@@ -50,8 +50,8 @@ class RawSolution:
 
 
 def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
-              time_limit_s: float | None) -> RawSolution:
-    """Solve ``model`` to optimality with the named backend.
+              time_limit_s: float | None, rel_gap: float = 0.0) -> RawSolution:
+    """Solve ``model`` to optimality (within ``rel_gap`` of it) with the named backend.
 
     ``lp_first=None`` tries the LP relaxation first only when the model has no coupling rows.
 
@@ -71,7 +71,7 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         relaxed = run(model, relax=True, deadline=deadline)
         if relaxed.gap == 0.0 and _is_integral(relaxed.x, model.integral):
             return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
-    return run(model, relax=False, deadline=deadline)
+    return run(model, relax=False, deadline=deadline, rel_gap=rel_gap)
 
 
 def _normalize_costs(model: MilpModel) -> MilpModel:
@@ -138,11 +138,12 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
     return lp
 
 
-def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None) -> RawSolution:
+def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
+               rel_gap: float = 0.0) -> RawSolution:
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
-    for name, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+    for name, value in (("output_flag", False), ("mip_rel_gap", rel_gap), ("mip_abs_gap", 0.0),
                         ("mip_allow_restart", _ALLOW_RESTART),
                         ("mip_pscost_minreliable", _PSCOST_MIN_RELIABLE)):
         h.setOptionValue(name, value)
@@ -157,7 +158,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None) -> RawS
     status = h.getModelStatus()
     how = "highs:lp" if relax else "highs:mip"
     if status == highspy.HighsModelStatus.kOptimal:
-        return RawSolution(np.asarray(h.getSolution().col_value), 0.0, how)
+        gap = float(h.getInfo().mip_gap) if rel_gap and not relax else 0.0
+        return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
     if status in (highspy.HighsModelStatus.kInfeasible,
                   highspy.HighsModelStatus.kUnboundedOrInfeasible):
         raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS "
@@ -172,7 +174,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None) -> RawS
     raise RuntimeError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
 
 
-def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None) -> RawSolution:
+def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
+               rel_gap: float = 0.0) -> RawSolution:
     try:  # scipy is optional: only this backend needs it
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import csr_array
@@ -182,7 +185,7 @@ def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None) -> RawS
 
     matrix = csr_array((model.vals, (model.rows, model.cols)),
                        shape=(model.num_rows, model.num_cols))
-    options: dict[str, float | bool] = {"mip_rel_gap": 0.0, "presolve": True}
+    options: dict[str, float | bool] = {"mip_rel_gap": rel_gap, "presolve": True}
     left = _remaining(deadline)
     if left is not None:
         options["time_limit"] = left
