@@ -153,8 +153,7 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program, monkeypatch) -> No
                             IntraOptions(optimizer="adamw", memory_budget=budget),
                             OptimizerState(), 2, budget)
     whole = bounded._solve_whole(1, 5, sub, label, 2)[0]
-    assert untied.objective * (1 - 1e-9) <= whole.objective \
-        <= untied.objective * (1 + stage_costs.WHOLE_REL_GAP) < tied.objective
+    assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
 
 
 def test_a_whole_solve_fits_with_the_transients_the_simulator_holds(program,

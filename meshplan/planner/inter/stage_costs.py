@@ -686,17 +686,17 @@ class StageProfiler:
         # best stage mixes plans (Llama 3 70B's first stage: 4 blocks one way, 4 in three
         # others). Tied, it was 1-4 % slower than untied, and no faster to solve.
         weighted = replace(weighted, aliases=())
-        # Solved to within `WHOLE_REL_GAP` of the optimum, not under a wall-clock limit,
-        # which would make the plan depend on the load.
-        gap = WHOLE_REL_GAP
+        # Solved to optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which
+        # would make the plan depend on the load.
+        nodes = WHOLE_MAX_NODES
         if self.memory_limit is None:
-            s = self._solve(start, end, form, replace(weighted, live_sets=()), gap)
+            s = self._solve(start, end, form, replace(weighted, live_sets=()), nodes)
         else:
             s = self._solve(start, end, form,
-                            replace(weighted, memory_budget=self.memory_limit), gap)
+                            replace(weighted, memory_budget=self.memory_limit), nodes)
             if s is None:
                 s = self._solve(start, end, form, replace(
-                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)), gap)
+                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)), nodes)
             elif segments is None:   # the structure's names: those of its first range
                 s = self._within_as_run(*first, form, weighted,
                                         StageSolution(form, s.solution, self.stage(*first)))
@@ -717,18 +717,19 @@ class StageProfiler:
             if over <= 0:
                 return s
             tighter = self._solve(start, end, form,
-                                  replace(weighted, memory_budget=peak - over), WHOLE_REL_GAP)
+                                  replace(weighted, memory_budget=peak - over), WHOLE_MAX_NODES)
             if tighter is None:
                 return s
             s = tighter
         return s
 
     def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem,
-               rel_gap: float = 0.0) -> StageSolution | None:
-        """The ILP's answer (within ``rel_gap`` of the optimum), or None when nothing fits."""
+               max_nodes: int | None = None) -> StageSolution | None:
+        """The ILP's answer (the best within ``max_nodes`` nodes), or None when nothing
+        fits."""
         self.solves += 1
         try:
-            sol = solve(problem, rel_gap=rel_gap)
+            sol = solve(problem, max_nodes=max_nodes)
         except InfeasibleIlpError:
             return None
         return StageSolution(form, sol, self.stage(start, end))
@@ -832,11 +833,15 @@ def _usable_cores() -> int:
         (os.cpu_count() or 1)
 
 
-# Whole stage solves stop once proved within this fraction of the optimum. A memory-bound
-# stage's ILP often finds its plan at once and then spends minutes closing the last 0.05 %
-# (GPT-6.7B's grid, a 4-block stage on 2x2 with 4 in flight: the plan at 0.5 s, proved
-# optimal at 384 s); a gap, unlike a time limit, gives the same plan on any machine.
-WHOLE_REL_GAP = 1e-3
+# Whole stage solves stop after this many branch-and-bound nodes with the best plan found. A
+# memory-bound stage's ILP often finds its plan at once and then spends minutes closing the
+# last 0.05 % (GPT-6.7B's grid, a 4-block stage on 2x2 with 4 in flight: its plan at node 0,
+# 0.5 s, proved optimal after ~200,000 nodes, 384 s; stopped at 5000 nodes, 3.6 s, the same
+# plan); the slowest solves that end proved take under 5000 (Llama 3 70B's first stage 737,
+# GPT-6.7B auto's 3195 and 4600), so they are unchanged. A node count, unlike a time limit,
+# gives the same plan on any machine; and unlike a relative gap it leaves the search as it is
+# up to the limit (HiGHS with mip_rel_gap 1e-3 took 255 s on a stage it proves in 72 s).
+WHOLE_MAX_NODES = 5000
 
 # Rounds of `StageProfiler._within_as_run`.
 AS_RUN_ROUNDS = 3

@@ -69,10 +69,11 @@ DEFAULT_SOLVER = "highs"
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
           solver: str = DEFAULT_SOLVER, lp_first: bool | None = None,
-          rel_gap: float = 0.0) -> IlpSolution:
-    """Return a minimum-cost assignment of ``problem`` with zero optimality gap, or with
-    ``rel_gap`` > 0 one proved within that fraction of the minimum (deterministic, unlike a
-    time limit: the same problem gives the same answer on any machine).
+          max_nodes: int | None = None) -> IlpSolution:
+    """Return a minimum-cost assignment of ``problem`` with zero optimality gap, or, when the
+    search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
+    found, its ``gap`` > 0 (deterministic, unlike a time limit: the same problem gives the same
+    answer on any machine; up to the limit the search is the unlimited one).
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
@@ -84,14 +85,15 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     """
     start = time.perf_counter()
     _check_options(time_limit_s, solver)
-    if not (isinstance(rel_gap, (int, float)) and 0.0 <= rel_gap < 1.0):
-        raise ValueError(f"rel_gap must be a fraction in [0, 1), got {rel_gap!r}")
+    if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int)
+                                  or max_nodes < 1):
+        raise ValueError(f"max_nodes must be a positive int or None, got {max_nodes!r}")
     reduced = reduce_for_costs(problem)
     memory = _memory_spec(problem, problem.memory_budget) if problem.live_sets and (
         problem.memory_budget is not None) else None
     model = build_model(reduced, memory=memory, max_cost=problem.max_cost)
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
-                    rel_gap=float(rel_gap))
+                    max_nodes=max_nodes)
     choices = extract_choices(reduced, model, raw.x)
     node_cost, edge_cost = evaluate(problem, choices)
     return IlpSolution(choices=choices, objective=node_cost + edge_cost, node_cost=node_cost,

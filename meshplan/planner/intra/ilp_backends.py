@@ -50,8 +50,9 @@ class RawSolution:
 
 
 def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
-              time_limit_s: float | None, rel_gap: float = 0.0) -> RawSolution:
-    """Solve ``model`` to optimality (within ``rel_gap`` of it) with the named backend.
+              time_limit_s: float | None, max_nodes: int | None = None) -> RawSolution:
+    """Solve ``model`` to optimality with the named backend, or stop after ``max_nodes``
+    branch-and-bound nodes with the best point found (a run without one goes on unlimited).
 
     ``lp_first=None`` tries the LP relaxation first only when the model has no coupling rows.
 
@@ -71,7 +72,11 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         relaxed = run(model, relax=True, deadline=deadline)
         if relaxed.gap == 0.0 and _is_integral(relaxed.x, model.integral):
             return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
-    return run(model, relax=False, deadline=deadline, rel_gap=rel_gap)
+    raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes)
+    if raw is None:   # the node limit came before any feasible point
+        raw = run(model, relax=False, deadline=deadline)
+    assert raw is not None
+    return raw
 
 
 def _normalize_costs(model: MilpModel) -> MilpModel:
@@ -139,17 +144,19 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
 
 
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
-               rel_gap: float = 0.0) -> RawSolution:
+               max_nodes: int | None = None) -> RawSolution | None:
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
-    for name, value in (("output_flag", False), ("mip_rel_gap", rel_gap), ("mip_abs_gap", 0.0),
+    for name, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
                         ("mip_allow_restart", _ALLOW_RESTART),
                         ("mip_pscost_minreliable", _PSCOST_MIN_RELIABLE)):
         h.setOptionValue(name, value)
     left = _remaining(deadline)
     if left is not None:
         h.setOptionValue("time_limit", left)
+    if max_nodes is not None and not relax:
+        h.setOptionValue("mip_max_nodes", max_nodes)
     h.passModel(lp)
     if not relax:
         binaries = np.flatnonzero(model.integral).astype(np.int32)
@@ -158,8 +165,7 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
     status = h.getModelStatus()
     how = "highs:lp" if relax else "highs:mip"
     if status == highspy.HighsModelStatus.kOptimal:
-        gap = float(h.getInfo().mip_gap) if rel_gap and not relax else 0.0
-        return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
+        return RawSolution(np.asarray(h.getSolution().col_value), 0.0, how)
     if status in (highspy.HighsModelStatus.kInfeasible,
                   highspy.HighsModelStatus.kUnboundedOrInfeasible):
         raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS "
@@ -171,11 +177,15 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
     if status == highspy.HighsModelStatus.kTimeLimit:
         raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
+    if max_nodes is not None and status == highspy.HighsModelStatus.kSolutionLimit:
+        # The node limit: the best point so far and its gap, or None when there is none.
+        return RawSolution(np.asarray(h.getSolution().col_value), float(info.mip_gap), how) \
+            if found else None
     raise RuntimeError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
 
 
 def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
-               rel_gap: float = 0.0) -> RawSolution:
+               max_nodes: int | None = None) -> RawSolution | None:
     try:  # scipy is optional: only this backend needs it
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import csr_array
@@ -185,7 +195,9 @@ def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
 
     matrix = csr_array((model.vals, (model.rows, model.cols)),
                        shape=(model.num_rows, model.num_cols))
-    options: dict[str, float | bool] = {"mip_rel_gap": rel_gap, "presolve": True}
+    options: dict[str, float | bool] = {"mip_rel_gap": 0.0, "presolve": True}
+    if max_nodes is not None:
+        options["node_limit"] = max_nodes
     left = _remaining(deadline)
     if left is not None:
         options["time_limit"] = left
@@ -202,6 +214,13 @@ def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
                                  "scipy proved the model infeasible)")
     if result.status == 1 and result.x is not None:
         gap = None if relax else getattr(result, "mip_gap", None)
+        return RawSolution(np.asarray(result.x), np.inf if gap is None else float(gap), how)
+    if max_nodes is not None and result.status == 4 and "Solution limit" in result.message:
+        # The node limit (scipy names HiGHS's status only by its message): the best point so
+        # far, or None when there is none.
+        if getattr(result, "x", None) is None:
+            return None
+        gap = getattr(result, "mip_gap", None)
         return RawSolution(np.asarray(result.x), np.inf if gap is None else float(gap), how)
     if result.status == 1:
         raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
