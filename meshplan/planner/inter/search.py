@@ -30,6 +30,12 @@ space; Megatron-LM finds tensor parallelism across hosts slow). A stage of 1536 
 logical shapes and a cluster of 192 hosts 191 (k, M) shapes; pricing each is what would not
 scale, while a pipeline over hundreds of GPUs gains nothing from stages of a few.
 
+Links. Stages are laid on contiguous devices in pipeline order, so the DP knows which
+boundaries lie inside a host (the two stages share it: the transfer runs over the devices' own
+links) and which cross hosts, and prices each on its link (`stage_problem.Links`); it only
+picks shapes that can be laid so. Host-granular and typed searches cross hosts at every
+boundary and keep the price across hosts.
+
 Alpa's ablations: "inter-only" plans each stage data parallel only (pipeline + data
 parallelism); "equal-layer" cuts the layers into S equal stages on N/S devices each, for the
 best S, instead of the DP's uneven stages; "equal-operator" clusters layers of equal op counts

@@ -456,7 +456,9 @@ class StageProfiler:
 
     def transfer_time(self, start: int) -> float:
         """Receiving a stage's activations and sending their gradients back, per micro-batch,
-        over the slowest link between stages (another host's when the cluster has several)."""
+        over the slowest link between stages (another host's when the cluster has several):
+        every option's price; the DP takes `link_discount` off where the stage before shares
+        the host (`stage_problem.Links`)."""
         if start not in self._transfers:
             self._transfers[start] = self._transfer_time(start)
         return self._transfers[start]

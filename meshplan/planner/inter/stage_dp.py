@@ -30,6 +30,11 @@ backtracks its pipeline, whose true T updates the best. All three are exact at `
   thousands.
 - "all": every candidate, no pruning (a check of the other two).
 
+Links (`Links`). Stages on contiguous positions in order: a shape is allowed only where it
+can be laid from position N - d (``d`` devices left), and a stage whose inbound boundary is
+inside a host costs its latency less its discount; the discounted latencies are candidates
+too, so the enumeration stays exact.
+
 Restriction. The DP knows a stage's distance from the end, not its index, so ``in_flight(i, S,
 B)`` must depend on ``S - i`` and ``B`` only (1F1B and GPipe do; checked on entry).
 """
