@@ -59,3 +59,9 @@ def place_submeshes(submeshes: Sequence[Submesh], num_hosts: int, devices_per_ho
         out[i] = tuple(range(start, start + d))
         free[k] -= d
     return [o for o in out if o is not None]
+
+
+def share_a_host(devices: Sequence[int], others: Sequence[int], devices_per_host: int) -> bool:
+    """Whether two stages' global device ids all lie in one host (their boundary then runs
+    over the devices' own links, `stage_costs.inbound_s`)."""
+    return len({d // devices_per_host for d in (*devices, *others)}) == 1

@@ -193,6 +193,7 @@ class StageProfiler:
         self._keys: dict[tuple[int, int], str] = {}
         self._sums: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._transfers: dict[int, float] = {}
+        self._boundaries: dict[int, float] = {}   # `_boundary_bytes`
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
         self._whole_costs: dict[tuple, tuple[float, float]] = {}   # `whole_cost`
         self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
@@ -467,11 +468,14 @@ class StageProfiler:
         return inbound_s(self.cluster, self._boundary_bytes(start))
 
     def _boundary_bytes(self, start: int) -> float:
-        """Bytes of one micro-batch's activations into layer ``start`` and their gradients."""
-        g = self.stage(start, start + 1)
-        received = [n for n in g.nodes if n.role == "input" and n.op == "input"
-                    and not n.state_name]
-        return float(sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in received))
+        """Bytes of one micro-batch's activations into layer ``start`` and their gradients
+        (asked per layer and submesh by the DP's `Links`: kept)."""
+        if start not in self._boundaries:
+            g = self.stage(start, start + 1)
+            self._boundaries[start] = float(sum(
+                n.out.nbytes * (2 if n.requires_grad else 1) for n in g.nodes
+                if n.role == "input" and n.op == "input" and not n.state_name))
+        return self._boundaries[start]
 
     def link_discount(self, start: int, submesh: Submesh) -> float:
         """What a stage from layer ``start`` on ``submesh`` saves of `transfer_time` when the

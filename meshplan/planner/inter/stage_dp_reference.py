@@ -20,10 +20,10 @@ from meshplan.planner.inter.stage_problem import (
     StageOption,
     StagePlacement,
     Submesh,
+    laid_in_order,
     linked,
     make_solution,
     pipeline_latency,
-    placeable,
     submesh_shapes,
 )
 
@@ -69,7 +69,7 @@ def brute_force(problem: PipelineProblem) -> PipelineSolution:
                 stages = tuple(StagePlacement(start, end, mesh, o, count) for (start, end), mesh,
                                o, count in zip(ranges, meshes, chosen, counts))
                 if problem.links is not None:
-                    if not _placeable(stages, problem.cluster.devices_per_host):
+                    if not laid_in_order(stages, problem.cluster.devices_per_host):
                         continue
                     stages = linked(stages, problem.links, problem.cluster.devices_per_host)
                 total = pipeline_latency(tuple(s.option.latency for s in stages), b)
@@ -80,12 +80,3 @@ def brute_force(problem: PipelineProblem) -> PipelineSolution:
                               problem.device_memory)
     return make_solution(best, b, DpStats(0, len(cache), time.perf_counter() - began))
 
-
-def _placeable(stages: tuple[StagePlacement, ...], devices_per_host: int) -> bool:
-    """Whether ``stages`` lie on contiguous positions in order (`Links`)."""
-    offset = 0
-    for s in stages:
-        if not placeable(s.submesh, offset, devices_per_host):
-            return False
-        offset += s.num_devices
-    return True

@@ -190,16 +190,24 @@ def inside_host(offset: int, devices_per_host: int) -> bool:
     return offset % devices_per_host != 0
 
 
+def laid_in_order(stages: tuple["StagePlacement", ...], devices_per_host: int) -> bool:
+    """Whether ``stages`` fit contiguous positions in pipeline order (`Links`)."""
+    offset = 0
+    for s in stages:
+        if not placeable(s.submesh, offset, devices_per_host):
+            return False
+        offset += s.num_devices
+    return True
+
+
 def linked(stages: tuple["StagePlacement", ...], links: "Links | None", devices_per_host: int
            ) -> tuple["StagePlacement", ...]:
     """``stages`` laid contiguously in order (`Links`), each whose inbound boundary is inside a
     host with its option's latency less its discount; unchanged without ``links`` or when the
     shapes cannot be laid so."""
-    if links is None:
+    if links is None or not laid_in_order(stages, devices_per_host):
         return stages
     offsets = np.cumsum([0] + [s.num_devices for s in stages])
-    if not all(placeable(s.submesh, int(o), devices_per_host) for s, o in zip(stages, offsets)):
-        return stages
     return tuple(replace(s, option=replace(s.option, latency=s.option.latency
                                            - links.discount(s.start, s.submesh)))
                  if i and inside_host(int(o), devices_per_host) else s

@@ -17,7 +17,7 @@ from meshplan.lower.pipeline_program import pipeline_program
 from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import stage_hosts
-from meshplan.planner.inter.placement import place_submeshes
+from meshplan.planner.inter.placement import place_submeshes, share_a_host
 from meshplan.planner.inter.stage_costs import StageProfiler, replay_of
 from meshplan.planner.inter.stage_problem import PipelineSolution, pipeline_latency
 from meshplan.planner.intra.to_plan import intra_plan
@@ -59,11 +59,9 @@ def inbound_discounts(prof: StageProfiler, sol: PipelineSolution,
                       devices: list[tuple[int, ...]], devices_per_host: int) -> list[float]:
     """Per stage, what its inbound transfer costs less than the profiler's price across hosts
     (`StageProfiler.link_discount`) where it and the stage before it share one host."""
-    out = [0.0]
-    for (prev, here), s in zip(zip(devices, devices[1:]), sol.stages[1:]):
-        hosts = {d // devices_per_host for d in (*prev, *here)}
-        out.append(prof.link_discount(s.start, s.submesh) if len(hosts) == 1 else 0.0)
-    return out
+    return [0.0] + [prof.link_discount(s.start, s.submesh)
+                    if share_a_host(prev, here, devices_per_host) else 0.0
+                    for prev, here, s in zip(devices, devices[1:], sol.stages[1:])]
 
 
 def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:

@@ -102,6 +102,7 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
     from meshplan.lower.pipeline_program import pipeline_program, recompute_layers, stage_graphs
     from meshplan.lower.stage_transfers import step_transfers
     from meshplan.planner.intra.ilp_problem import peak_memory
+    from meshplan.planner.inter.placement import share_a_host
     from meshplan.planner.inter.stage_costs import _in_flight_problem, inbound_s
     from meshplan.planner.inter.stage_problem import pipeline_latency
     graphs = stage_graphs(graph, plan, check=False)
@@ -124,8 +125,8 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
         inbound = sum(n.out.nbytes * (2 if n.requires_grad else 1) for n in g.nodes
                       if n.role == "input" and n.op == "input" and not n.state_name
                       and any(u in first for u in users[n.name]))
-        within = i and len({d // cl.devices_per_host for d in (*plan.stages[i - 1].devices,
-                                                                *s.devices)}) == 1
+        within = i and share_a_host(plan.stages[i - 1].devices, s.devices,
+                                    cl.devices_per_host)
         latency = priced.objective / plan.microbatches + \
             inbound_s(cl, inbound, len(s.devices) if within else None)
         memory = peak_memory(_in_flight_problem(form, g, segments, s.in_flight), sol.choices)
