@@ -20,6 +20,7 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path, capsys) -> None:
     for name in gpu_check.CASES:
         assert f"{name}, fp32" in text and f"{name}, bf16" in text
     assert "| b |" in text and "measured" in text and "| info |" in text
+    assert "| b | calibrated | info |" in text and "simulated on them" in text
     assert "| c | meshplan run --nproc 1 (gloo) | pass |" in text
     assert "those of one device" in text
     assert "torch 2." in text and "device: CPU" in text

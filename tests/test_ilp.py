@@ -364,3 +364,26 @@ def test_a_node_limit_gives_the_best_plan_found(solver: str) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_nodes"):
             solve(xla_toy(), max_nodes=bad)
+
+
+def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> None:
+    """HiGHS keeps its worker threads in a process-wide scheduler that a forked child inherits
+    without the threads: after a multi-threaded solve in the parent, a solve in a forked
+    stage-costing worker waits forever (seen on a 16-core GPU machine, where HiGHS's default
+    is 8 threads). Every solve asks for one thread, and a forked child's solve then ends."""
+    import multiprocessing
+    import highspy
+    asked: list[tuple[str, object]] = []
+
+    class Recording(highspy.Highs):
+        def setOptionValue(self, name, value):   # noqa: N802 (HiGHS's name)
+            asked.append((name, value))
+            return super().setOptionValue(name, value)
+
+    monkeypatch.setattr(highspy, "Highs", Recording)
+    problem = memory_bound_dag(12, 0)
+    expected = solve(problem, solver="highs").choices
+    assert ("threads", 1) in asked
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(solve, (problem,), {"solver": "highs"}).get(timeout=60)
+    assert got.choices == expected

@@ -119,13 +119,13 @@ def _to_csc(model: MilpModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _highspy():
-    """highspy, imported when its backend is asked for (the default, scipy, needs only scipy:
-    a machine without highspy still plans)."""
+    """highspy, imported when its backend is asked for: it is the default (``ilp.DEFAULT_SOLVER``)
+    and a dependency of meshplan, but an environment assembled by hand may lack it."""
     try:
         import highspy
     except ImportError as e:
-        raise ImportError("the 'highs' ILP backend needs highspy (pip install highspy); "
-                          "the default backend 'scipy' does not") from e
+        raise ImportError("the 'highs' ILP backend (the default) needs highspy, a dependency of "
+                          "meshplan: pip install 'highspy>=1.7'") from e
     return highspy
 
 
@@ -148,7 +148,13 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
-    for name, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+    # One thread: HiGHS's worker threads live in a process-wide scheduler that a forked child
+    # inherits without its threads, so a solve in the planner's forked workers
+    # (`stage_costs._run_tasks`) after a multi-threaded solve in the parent waits forever. Its
+    # default is half the cores: 1 on a 2-core machine, which hid this; 8 on the first GPU
+    # machine tried, where the 2-stage pipeline's planning hung. Our MIPs are solved serially.
+    for name, value in (("output_flag", False), ("threads", 1),
+                        ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
                         ("mip_allow_restart", _ALLOW_RESTART),
                         ("mip_pscost_minreliable", _PSCOST_MIN_RELIABLE)):
         h.setOptionValue(name, value)
