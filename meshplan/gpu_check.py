@@ -10,8 +10,10 @@ What a GPU machine lent for a few minutes can show, and a CPU machine cannot (DE
 (b) **Prediction.** A single-GPU bf16 GPT (1.3B, or the largest preset that fits) trained
     with a one-device plan: the measured step time and ``torch.cuda.max_memory_allocated``
     against ``simulate`` of the same plan on the GPU's preset (goals: ±15 % time, ±10 %
-    memory). The GPU is then measured (`cost/calibrate.device_figures`: matmul TFLOP/s per
-    dtype, HBM bandwidth) and the plan simulated again on those figures.
+    memory), and beside the same model in a plain PyTorch loop, with one step profiled (its
+    kernels' time by kind against its wall time: launch-bound or slow kernels). The GPU is
+    then measured (`cost/calibrate.device_figures`: matmul TFLOP/s per dtype, HBM
+    bandwidth) and the plan simulated again on those figures.
 (c) **Launch.** ``meshplan run --nproc 1 examples/train.py`` end to end on the GPU's world
     (NCCL beside gloo): two steps saved in a DCP checkpoint, resumed for two more, the four
     losses those of the same loop on one device without meshplan.
@@ -223,35 +225,105 @@ def _cluster_for(device: torch.device) -> Any:
     raise ValueError(f"no device preset for {name!r}")
 
 
-def _measure(plan: Any, spec: str, device: torch.device, steps: int) -> tuple[float, int]:
-    """Median step seconds and peak bytes allocated of ``plan`` trained on ``device``."""
+def _timed_steps(step: Callable[[int], Any], device: torch.device, steps: int
+                 ) -> tuple[float, int]:
+    """Median seconds of ``step(i)`` after two warm-up steps (kernels chosen, optimizer state
+    made), and the peak bytes allocated while timed (0 on the CPU)."""
+    cuda = device.type == "cuda"
+    for i in range(2):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(i)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), (torch.cuda.max_memory_allocated(device) if cuda else 0)
+
+
+# Where a step's device time goes, by the names of its kernels (GPU) or ops (CPU).
+KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm",
+                     "aten::bmm", "aten::baddbmm")),
+         ("attention", ("flash", "fmha", "attention", "softmax")),
+         ("optimizer", ("adam", "multi_tensor", "foreach")))
+
+
+def profile_step(step: Callable[[], Any], device: torch.device) -> str:
+    """One ``step()`` under torch.profiler: its wall time, the time its kernels (on a GPU) or
+    ops (on the CPU) ran, by kind, and the costliest three of the rest. Says whether a step
+    is launch-bound (kernels busy for a small part of the wall) or slow in its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    by_kind: dict[str, float] = {}
+    rest: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or (not cuda and not e.key.startswith("aten::")):
+            continue
+        name = e.key.lower()
+        kind = next((k for k, marks in KINDS if any(m in name for m in marks)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+        if kind == "other":
+            rest[e.key] = rest.get(e.key, 0.0) + us / 1e3
+    busy = sum(by_kind.values())
+    top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
+    return (f"one step profiled: {'kernels' if cuda else 'ops'} {busy:.1f} ms of {wall * 1e3:.1f} "
+            f"ms wall ({busy / (wall * 1e3):.0%}): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+            + "; costliest other: " + ", ".join(f"{k[:60]} {v:.1f}" for k, v in top))
+
+
+def _eager_step_s(spec: str, device: torch.device, steps: int) -> float:
+    """The same model in a plain PyTorch loop on ``device`` (autocast bf16, AdamW): what
+    meshplan's one-device step is measured against, as the simulator is."""
+    from meshplan.capture.batch import flatten_batch, step_loss
+    from meshplan.runtime.step_modes import autocast_for
+    from meshplan.zoo.spec import build_workload
+    w = build_workload(spec, device="cpu", seed=0)
+    model = w.model.to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    layout, tensors = flatten_batch(w.example_batch)
+    args, kwargs, target = layout.call([t.to(device) for t in tensors.values()])
+
+    def step(_: int) -> None:
+        with autocast_for("bf16", device.type):
+            loss = step_loss(w.loss_fn, model(*args, **kwargs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed_steps(step, device, steps)[0]
+
+
+def _measure(plan: Any, spec: str, device: torch.device, steps: int
+             ) -> tuple[float, int, str]:
+    """Median step seconds, peak bytes allocated and a one-step profile of ``plan`` trained
+    on ``device``."""
     from meshplan.runtime.emulated import run_emulated
     from meshplan.runtime.trainer import Trainer
     from meshplan.zoo.spec import build_workload
 
-    def one(comm: Any) -> tuple[float, int]:
+    def one(comm: Any) -> tuple[float, int, str]:
         # Built on the CPU (the zoo builds on "cpu" or "meta"): the trainer copies its shards
         # to the rank's device, so the GPU holds only what training does.
         w = build_workload(spec, device="cpu", seed=0)
         tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm)
         batch = w.example_batch
         del w   # the trainer holds its own copy of the state
-        cuda = device.type == "cuda"
-        for i in range(2):   # warm up: kernels chosen, optimizer state made
-            tr.step(batch, seed=i)
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            tr.step(batch, seed=i)
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-        return statistics.median(times), peak
+        step_s, peak = _timed_steps(lambda i: tr.step(batch, seed=i), device, steps)
+        return step_s, peak, profile_step(lambda: tr.step(batch, seed=steps), device)
 
     return run_emulated(one, (1, 1), device=device, timeout_s=600)[0]
 
@@ -266,17 +338,26 @@ def check_prediction(device: torch.device) -> list[Check]:
         plan = _one_device_plan(spec, cluster)
         sim = simulate(plan)
         try:
-            step_s, peak = _measure(plan, spec, device, 5 if cuda else 2)
+            step_s, peak, profiled = _measure(plan, spec, device, 5 if cuda else 2)
         except torch.cuda.OutOfMemoryError:
             out.append(Check("b", spec, "skip", "does not fit this GPU's memory"))
             torch.cuda.empty_cache()
             continue
+        if cuda:
+            torch.cuda.empty_cache()
+        eager_s = _eager_step_s(spec, device, 5 if cuda else 2)
         t_ratio = step_s / sim.step_time_s
         line = (f"measured {step_s * 1e3:.1f} ms/step, simulated {sim.step_time_s * 1e3:.1f} "
                 f"on {cluster.device.name} (x{t_ratio:.2f})")
+        found = [Check("b", "plain PyTorch", "info",
+                       f"the same model in a plain loop (autocast bf16, AdamW): "
+                       f"{eager_s * 1e3:.1f} ms/step; meshplan's step x{step_s / eager_s:.2f} "
+                       "of it"),
+                 Check("b", "profile", "info", profiled)]
         if not cuda:
             out.append(Check("b", spec, "info", line + "; the CPU preset is not this "
                              "machine, so no goal applies"))
+            out += found
             out.append(_recalibrated(spec, cluster, device, step_s))
             break
         m_ratio = peak / sim.peak_memory_bytes[0]
@@ -284,6 +365,7 @@ def check_prediction(device: torch.device) -> list[Check]:
                  f"{sim.peak_memory_bytes[0] / 2**30:.2f} GiB (x{m_ratio:.2f})")
         ok = abs(t_ratio - 1) <= 0.15 and abs(m_ratio - 1) <= 0.10
         out.append(Check("b", spec, "pass" if ok else "fail", line))
+        out += found
         # Always: the GPU's own figures are what docs/calibration.md and the presets are
         # checked against, and they cost seconds.
         out.append(_recalibrated(spec, cluster, device, step_s))

@@ -21,6 +21,8 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path, capsys) -> None:
         assert f"{name}, fp32" in text and f"{name}, bf16" in text
     assert "| b |" in text and "measured" in text and "| info |" in text
     assert "| b | calibrated | info |" in text and "simulated on them" in text
+    assert "| b | plain PyTorch | info |" in text and "meshplan's step x" in text
+    assert "| b | profile | info | one step profiled: ops " in text and "matmul" in text
     assert "| c | meshplan run --nproc 1 (gloo) | pass |" in text
     assert "those of one device" in text
     assert "torch 2." in text and "device: CPU" in text
