@@ -278,10 +278,11 @@ def test_inter_only_skips_submeshes_its_restriction_cannot_plan() -> None:
 
 
 def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
-    """Eq. 2 leaves out the activations a pipeline sends between stages and the tied
-    embedding's gradient the stages exchange; on two hosts of four GPUs joined by 25 Gb/s
-    those make the DP's 2-stage GPT slower than one stage over all eight, as the simulator
-    runs it — so auto answers one stage, and says why."""
+    """On two hosts of four GPUs joined by 25 Gb/s, the activations a pipeline sends between
+    stages and the tied embedding's gradient the stages exchange make the DP's pipeline slower
+    than one stage over all eight, as the simulator runs it — so auto answers one stage, and
+    says why. The pipeline's estimate prices both as the simulator does (it once left them
+    out and was 1.3x under)."""
     from meshplan.demo_pipeline import OPT, SPEC
     from meshplan.sim.simulate import simulate
     w = build_workload(SPEC, device="meta")
@@ -289,7 +290,8 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
                     memory_budget_gb=0)
     check = plan.options["pipeline_check"]
     assert plan.num_stages == 1
-    assert check["pipeline_simulated_s"] > 1.3 * check["pipeline_estimated_s"]
+    assert check["pipeline_estimated_s"] == pytest.approx(check["pipeline_simulated_s"],
+                                                          rel=0.05)
     assert simulate(plan).step_time_s == pytest.approx(check["one_stage_s"])
     assert check["one_stage_s"] < check["pipeline_simulated_s"]
     # Where the pipeline stays the faster, as simulated, it is kept (hosts of two): the demo's

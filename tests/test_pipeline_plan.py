@@ -13,6 +13,7 @@ from meshplan.planner.inter.placement import place_submeshes
 from meshplan.planner.inter.stage_graph import SINK_OP, renamed, stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import pipeline_latency
 from meshplan.runtime.emulated import run_emulated
+from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
 from oracle import meta_workload   # one meta model per spec: its capture is made once
 
@@ -26,8 +27,11 @@ WIDE = "gpt:hidden=1024,layers=4,heads=8,seq=128,vocab=1024,batch=16"
 @pytest.fixture(scope="module")
 def two_stage_plan() -> api.Plan:
     w = meta_workload(WIDE)
+    # 1F1B: under schedule "auto" the same two meshes interleave two chunks each (faster,
+    # as simulated); that choice is `test_inter_methods`'s.
     return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
-                    memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, name="wide-gpt")
+                    memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4,
+                    name="wide-gpt", schedule="1f1b")
 
 
 def test_a_stage_per_host_wins_over_slow_ethernet(two_stage_plan: api.Plan) -> None:
@@ -37,8 +41,12 @@ def test_a_stage_per_host_wins_over_slow_ethernet(two_stage_plan: api.Plan) -> N
                                            (p.stages[0].layers[1], 4)]
     assert sorted(d for s in p.stages for d in s.devices) == [0, 1, 2, 3]
     assert [s.in_flight for s in p.stages] == [2, 1]   # 1F1B: S - i
+    # The step as the runtime runs it: sends overlapping compute, the tied embedding's
+    # gradients exchanged before the update; within 3 % of the simulator, and below eq. 2,
+    # which charges every transfer in the pace.
     latencies = tuple(s.latency_s for s in p.stages)
-    assert p.predicted["step_time_s"] == pytest.approx(pipeline_latency(latencies, 8))
+    assert p.predicted["step_time_s"] == pytest.approx(simulate(p).step_time_s, rel=0.03)
+    assert p.predicted["step_time_s"] < pipeline_latency(latencies, 8)
     for s in p.stages:
         assert s.plan is not None and s.plan.mesh_shape == s.mesh_shape
         assert s.plan.ops and s.plan.params
@@ -123,7 +131,8 @@ def test_alpa_ablations_plan_pipelines_no_faster_than_auto(method: str,
                                                            two_stage_plan: api.Plan) -> None:
     w = meta_workload(WIDE)
     p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
-                 memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, method=method)
+                 memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4, method=method,
+                 schedule="1f1b")
     assert p.method == method
     assert p.predicted["step_time_s"] >= two_stage_plan.predicted["step_time_s"] * (1 - 1e-9)
     stages = p.stages if p.num_stages > 1 else ()
@@ -161,8 +170,9 @@ def test_gpipe_keeps_every_micro_batch_in_flight() -> None:
 
 def test_interleaved_is_planned_on_the_best_pipelines_meshes(two_stage_plan: api.Plan) -> None:
     """Schedule "interleaved": 2 chunks per mesh (4 layers), chunk k on mesh k % 2, each
-    chunk's in-flight count from the clock table, the step from the interleaved eq. 2, and
-    "auto" (the fixture) no slower, since it may choose it."""
+    chunk's in-flight count from the clock table, the step as the schedule runs (the
+    simulator's within 3 %, below the interleaved eq. 2), faster than 1F1B (the fixture) on
+    this model, and schedule "auto" no slower, since it may choose it."""
     from meshplan.lower.schedules import make_schedule
     from meshplan.planner.inter.stage_problem import pipeline_latency
     w = meta_workload(WIDE)
@@ -173,9 +183,13 @@ def test_interleaved_is_planned_on_the_best_pipelines_meshes(two_stage_plan: api
     assert [s.devices for s in p.stages[2:]] == [s.devices for s in p.stages[:2]]
     table = make_schedule("interleaved", 2, 8, 2)
     assert [s.in_flight for s in p.stages] == [table.in_flight_of(k) for k in range(4)]
-    assert p.predicted["step_time_s"] == pytest.approx(
-        pipeline_latency(tuple(s.latency_s for s in p.stages), 8, 2), rel=1e-12)
-    assert two_stage_plan.predicted["step_time_s"] <= p.predicted["step_time_s"]
+    assert p.predicted["step_time_s"] == pytest.approx(simulate(p).step_time_s, rel=0.03)
+    assert p.predicted["step_time_s"] < pipeline_latency(tuple(s.latency_s for s in p.stages),
+                                                         8, 2)
+    assert p.predicted["step_time_s"] < two_stage_plan.predicted["step_time_s"]
+    auto = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
+                    memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=4)
+    assert auto.predicted["step_time_s"] <= p.predicted["step_time_s"] * (1 + 1e-9)
     with pytest.raises(ValueError, match="at least 2 stages, the micro-batches a multiple"):
         api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:2x2",
                  memory_budget_gb=0, microbatches=8, dtype="fp32", num_layers=3, schedule="interleaved")

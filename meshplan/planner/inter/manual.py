@@ -130,7 +130,7 @@ def _solved_best(priced: list[tuple[FoundPipeline, MegatronSpec]], req: Pipeline
     for k, (found, spec) in enumerate(ranked[:REFINE_MAX]):
         if found.solution.total_latency > (1 + REFINE_MARGIN) * top:
             break
-        whole, fits = solved_as_whole(found.profiler, found.solution, budget)
+        whole, fits = solved_as_whole(found.profiler, found.solution, budget, req.dp_schedule)
         if (fits or not k) and (best is None or whole.total_latency
                                 < best[0].solution.total_latency):
             best = (replace(found, solution=whole,

@@ -71,7 +71,7 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
                                                   submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
 from meshplan.planner.inter.to_plan import (FoundPipeline, inbound_discounts, pipeline_plan,
-                                            stage_devices)
+                                            scheduled_step, stage_devices)
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.planner.intra.op_costs import is_kept
 
@@ -238,7 +238,7 @@ def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
         if isinstance(found, NoPipelineError):
             errors.append(found)
             continue
-        whole, fits = solved_as_whole(prof, found, budget)
+        whole, fits = solved_as_whole(prof, found, budget, req.dp_schedule)
         if fits and (chosen is None or whole.total_latency < chosen[0].total_latency):
             chosen = (whole, found.total_latency)
     if chosen is None:
@@ -491,19 +491,20 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     profiler.prefetch_whole_costs([r for c in chosen for r in _whole_requests(profiler, c)])
     best = None
     for k, c in enumerate(chosen):
-        whole, fits = solved_as_whole(profiler, c, budget)
+        whole, fits = solved_as_whole(profiler, c, budget, req.dp_schedule)
         if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
             best = whole
     assert best is not None
     return best
 
 
-def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget: float
-                    ) -> tuple[PipelineSolution, bool]:
-    """``pipeline`` with each stage's latency from its whole solve, and whether every stage
-    fits ``budget`` so. `StageProfiler.solutions` solves the stages of one structure and plan
-    once, at the most micro-batches any of them keeps: priced so here (memory conservatively
-    at that count), the figures are the plan's."""
+def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget: float,
+                    schedule: str) -> tuple[PipelineSolution, bool]:
+    """``pipeline`` with each stage's latency from its whole solve and its T run on
+    ``schedule`` (`to_plan.scheduled_step`, not eq. 2: the runtime's sends overlap), and
+    whether every stage fits ``budget`` so. `StageProfiler.solutions` solves the stages of one
+    structure and plan once, at the most micro-batches any of them keeps: priced so here
+    (memory conservatively at that count), the figures are the plan's."""
     solved = [profiler.whole_cost(*r) for r in _whole_requests(profiler, pipeline)]
     cl = profiler.cluster
     cuts = inbound_discounts(profiler, pipeline,
@@ -511,8 +512,11 @@ def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget:
                              cl.devices_per_host)
     stages = tuple(replace(s, option=replace(s.option, latency=latency - cut))
                    for s, (latency, _), cut in zip(pipeline.stages, solved, cuts))
-    return (make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks,
-                          pipeline.hosts),
+    by_eq2 = make_solution(stages, profiler.microbatches, pipeline.stats, pipeline.chunks,
+                           pipeline.hosts)
+    step = scheduled_step(profiler, stages, [s.option.latency for s in stages], cuts, schedule,
+                          pipeline.chunks)
+    return (replace(by_eq2, total_latency=step),
             fits_by_mesh([memory for _, memory in solved], pipeline.chunks, budget))
 
 

@@ -1,5 +1,6 @@
 """A chosen pipeline as a `Plan`: stages placed on the cluster, each stage's intra-operator plan
-from the solve the profiler kept, the whole step's prediction (Alpa eq. 2).
+from the solve the profiler kept, the whole step's prediction (its schedule run on the
+stages' compute and transfers, `schedule_time.py`).
 
 Shared by every method that ends in a `PipelineSolution` priced by a `StageProfiler`: the
 two-level search (`search.py`) and the hand-style pipelines (`manual.py`).
@@ -18,10 +19,12 @@ from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import stage_hosts
 from meshplan.planner.inter.placement import place_submeshes, share_a_host
+from meshplan.planner.inter.schedule_time import scheduled_latency
 from meshplan.planner.inter.stage_costs import StageProfiler, replay_of
-from meshplan.planner.inter.stage_problem import PipelineSolution, pipeline_latency
+from meshplan.planner.inter.stage_problem import PipelineSolution, StagePlacement
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.recompute import FULL
+from meshplan.sim.task_costs import TransferCosts
 
 if TYPE_CHECKING:  # search.py imports this module
     from meshplan.planner.inter.search import PipelineRequest
@@ -64,6 +67,19 @@ def inbound_discounts(prof: StageProfiler, sol: PipelineSolution,
                     for prev, here, s in zip(devices, devices[1:], sol.stages[1:])]
 
 
+def scheduled_step(prof: StageProfiler, stages: tuple[StagePlacement, ...],
+                   latencies: list[float], cuts: list[float], schedule: str, chunks: int
+                   ) -> float:
+    """The pipeline time of ``stages`` whose latencies (inbound transfers included, less the
+    ``cuts`` of `inbound_discounts`) are ``latencies``, under ``schedule`` (interleaved when
+    ``chunks`` > 1) as the runtime runs it (`schedule_time.scheduled_latency`). The first
+    stage's inbound price, its batch's inputs, is no transfer: they are loaded where read."""
+    transfers = [prof.transfer_time(s.start) - cut for s, cut in zip(stages, cuts)]
+    compute = [max(lat - x, 0.0) for lat, x in zip(latencies, transfers)]
+    return scheduled_latency(compute, [0.0] + transfers[1:], prof.microbatches,
+                             "interleaved" if chunks > 1 else schedule, chunks)
+
+
 def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:
     """The `Plan` of ``found`` (``seconds``: the search's wall time). A pipeline of one stage
     is that stage's own intra-operator plan, listing itself as its one stage."""
@@ -94,9 +110,10 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                                 solved.memory_bytes, plan,
                                 recompute_scope=(replay or FULL).scope,
                                 recompute_layers=(replay or FULL).layers))
-    # The stages solved whole: their own latencies give the step time (eq. 2), not the DP's
+    # The stages solved whole: their own latencies give the step time, not the DP's
     # estimates by parts.
-    step = pipeline_latency(tuple(s.latency_s for s in stages), prof.microbatches, sol.chunks)
+    step = scheduled_step(prof, sol.stages, [s.latency_s for s in stages], discounts,
+                          req.dp_schedule, sol.chunks)
     peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
     estimate = sol.total_latency if found.estimated_s is None else found.estimated_s
     stats = {"estimated_step_s": estimate, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
@@ -124,5 +141,10 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                 chunks=sol.chunks, num_layers=prof.layering.num_layers,
                 options={"memory_budget_bytes": req.budget,
                          "unsupported_ops": list(found.unsupported)})
-    # The messages between stages follow from the stage plans and the values' shapes.
-    return replace(plan, transfers=step_transfers(plan, pipeline_program(plan), prof.graph))
+    # The messages between stages follow from the stage plans and the values' shapes; the
+    # gradients of a parameter two stages hold (a tied embedding) cross once, before the
+    # update, priced on their links as the simulator prices them.
+    plan = replace(plan, transfers=step_transfers(plan, pipeline_program(plan), prof.graph))
+    tied = TransferCosts(cl, plan.microbatches, plan.transfers).tied_s()
+    return replace(plan, objective=step + tied,
+                   predicted={**plan.predicted, "step_time_s": step + tied})
