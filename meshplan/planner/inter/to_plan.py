@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from meshplan.cost.cluster import cluster_to_dict
+from meshplan.cost.cluster import cluster_from_dict, cluster_to_dict
 from meshplan.cost.mesh import logical_mesh
 from meshplan.lower.pipeline_program import pipeline_program
 from meshplan.lower.stage_transfers import step_transfers
@@ -67,17 +67,37 @@ def inbound_discounts(prof: StageProfiler, sol: PipelineSolution,
                     for prev, here, s in zip(devices, devices[1:], sol.stages[1:])]
 
 
+def _split(prof: StageProfiler, stages: tuple[StagePlacement, ...], latencies: list[float],
+           cuts: list[float]) -> tuple[list[float], list[float]]:
+    """(compute, inbound transfer) seconds per micro-batch of ``stages`` whose latencies
+    (inbound transfers included, less the ``cuts`` of `inbound_discounts`) are
+    ``latencies``."""
+    transfers = [prof.transfer_time(s.start) - cut for s, cut in zip(stages, cuts)]
+    return [max(lat - x, 0.0) for lat, x in zip(latencies, transfers)], transfers
+
+
 def scheduled_step(prof: StageProfiler, stages: tuple[StagePlacement, ...],
                    latencies: list[float], cuts: list[float], schedule: str, chunks: int
                    ) -> float:
-    """The pipeline time of ``stages`` whose latencies (inbound transfers included, less the
-    ``cuts`` of `inbound_discounts`) are ``latencies``, under ``schedule`` (interleaved when
+    """The pipeline time of ``stages`` (`_split`) under ``schedule`` (interleaved when
     ``chunks`` > 1) as the runtime runs it (`schedule_time.scheduled_latency`). The first
     stage's inbound price, its batch's inputs, is no transfer: they are loaded where read."""
-    transfers = [prof.transfer_time(s.start) - cut for s, cut in zip(stages, cuts)]
-    compute = [max(lat - x, 0.0) for lat, x in zip(latencies, transfers)]
+    compute, transfers = _split(prof, stages, latencies, cuts)
     return scheduled_latency(compute, [0.0] + transfers[1:], prof.microbatches,
                              "interleaved" if chunks > 1 else schedule, chunks)
+
+
+def with_step_time(plan: Plan, compute: list[float], transfers: list[float]) -> Plan:
+    """``plan``, a pipeline with its messages listed, with its step time: its schedule run on
+    its stages' ``compute`` and inbound ``transfers`` seconds per micro-batch
+    (`scheduled_latency`; the first stage's inputs are loaded, not sent), and the gradients of
+    a parameter two stages hold (a tied embedding) crossing once before the update, on their
+    links as the simulator prices them."""
+    step = scheduled_latency(compute, [0.0] + list(transfers[1:]), plan.microbatches,
+                             plan.schedule, plan.chunks)
+    step += TransferCosts(cluster_from_dict(plan.cluster), plan.microbatches,
+                          plan.transfers).tied_s()
+    return replace(plan, objective=step, predicted={**plan.predicted, "step_time_s": step})
 
 
 def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) -> Plan:
@@ -112,8 +132,7 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                                 recompute_layers=(replay or FULL).layers))
     # The stages solved whole: their own latencies give the step time, not the DP's
     # estimates by parts.
-    step = scheduled_step(prof, sol.stages, [s.latency_s for s in stages], discounts,
-                          req.dp_schedule, sol.chunks)
+    compute, transfers = _split(prof, sol.stages, [s.latency_s for s in stages], discounts)
     peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
     estimate = sol.total_latency if found.estimated_s is None else found.estimated_s
     stats = {"estimated_step_s": estimate, "stage_solves": prof.solves, "tmax_tried": sol.stats.num_tmax_tried,
@@ -131,20 +150,15 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                 mesh_shape=tuple(mesh.shape), alpha=tuple(mesh.alpha), beta=tuple(mesh.beta),
                 cluster=cluster_to_dict(cl), method=req.method, optimizer=req.optimizer,
                 ops=(), params=(), sources=(), collectives=(),
-                objective=step, objective_units="seconds",
+                objective=0.0, objective_units="seconds",
                 search_time_s=seconds, ilp=stats,
-                predicted={"step_time_s": step,
-                           "peak_memory_bytes": peak},
+                predicted={"peak_memory_bytes": peak},
                 dtype=req.dtype, microbatches=prof.microbatches,
                 recompute=any(s.recompute for s in stages), stages=tuple(stages),
                 schedule="interleaved" if sol.chunks > 1 else req.dp_schedule,
                 chunks=sol.chunks, num_layers=prof.layering.num_layers,
                 options={"memory_budget_bytes": req.budget,
                          "unsupported_ops": list(found.unsupported)})
-    # The messages between stages follow from the stage plans and the values' shapes; the
-    # gradients of a parameter two stages hold (a tied embedding) cross once, before the
-    # update, priced on their links as the simulator prices them.
+    # The messages between stages follow from the stage plans and the values' shapes.
     plan = replace(plan, transfers=step_transfers(plan, pipeline_program(plan), prof.graph))
-    tied = TransferCosts(cl, plan.microbatches, plan.transfers).tied_s()
-    return replace(plan, objective=step + tied,
-                   predicted={**plan.predicted, "step_time_s": step + tied})
+    return with_step_time(plan, compute, transfers)

@@ -98,17 +98,18 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
     it (`PipelineTrainer.serve`): each stage's program cut where its plan puts its ops, its
     decisions fixed; each stage's latency per micro-batch and its memory with its in-flight
     micro-batches as the stage DP prices them, its inbound transfer on its link
-    (`inbound_s`); the step by Alpa's eq. 2 and the messages between stages anew."""
+    (`inbound_s`); the messages between stages anew, and the step from them as the
+    search prices it (`to_plan.with_step_time`)."""
     from meshplan.lower.pipeline_program import pipeline_program, recompute_layers, stage_graphs
     from meshplan.lower.stage_transfers import step_transfers
     from meshplan.planner.intra.ilp_problem import peak_memory
     from meshplan.planner.inter.placement import share_a_host
     from meshplan.planner.inter.stage_costs import _in_flight_problem, inbound_s
-    from meshplan.planner.inter.stage_problem import pipeline_latency
+    from meshplan.planner.inter.to_plan import with_step_time
     graphs = stage_graphs(graph, plan, check=False)
     layer_of = recompute_layers(graph, plan)
     cl = cluster_from_dict(plan.cluster)
-    stages = []
+    stages, compute, transfers = [], [], []
     for i, (s, g) in enumerate(zip(plan.stages, graphs)):
         sp = s.plan
         assert sp is not None
@@ -127,18 +128,18 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
                       and any(u in first for u in users[n.name]))
         within = i and share_a_host(plan.stages[i - 1].devices, s.devices,
                                     cl.devices_per_host)
-        latency = priced.objective / plan.microbatches + \
-            inbound_s(cl, inbound, len(s.devices) if within else None)
+        compute.append(priced.objective / plan.microbatches)
+        transfers.append(inbound_s(cl, inbound, len(s.devices) if within else None))
+        latency = compute[-1] + transfers[-1]
         memory = peak_memory(_in_flight_problem(form, g, segments, s.in_flight), sol.choices)
         stages.append(dataclasses.replace(s, latency_s=latency, memory_bytes=memory,
                                           plan=priced))
     meshes = len(stages) // plan.chunks
-    step = pipeline_latency(tuple(s.latency_s for s in stages), plan.microbatches, plan.chunks)
     peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
     out = replace(plan, graph_fingerprint=graph.fingerprint(), stages=tuple(stages),
-                  objective=step, search_time_s=0.0,
-                  predicted={**plan.predicted, "step_time_s": step, "peak_memory_bytes": peak})
-    return replace(out, transfers=step_transfers(out, pipeline_program(out), graph))
+                  search_time_s=0.0, predicted={**plan.predicted, "peak_memory_bytes": peak})
+    out = replace(out, transfers=step_transfers(out, pipeline_program(out), graph))
+    return with_step_time(out, compute, transfers)
 
 
 def form_options(plan: Plan) -> IntraOptions:
