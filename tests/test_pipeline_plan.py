@@ -222,3 +222,19 @@ def test_show_program_prints_each_ranks_instructions(two_stage_plan: api.Plan, t
         assert all(ex.value in line for line in body if "SEND" in line or "RECV" in line)
     assert main(["show-program", str(path), "--rank", "4"]) == 2
     assert "not in this plan's 4 ranks" in capsys.readouterr().err
+
+
+def test_equal_stages_take_the_layers_left_over_at_either_end() -> None:
+    """33 layers (32 blocks and a head the clustering gives a layer of its own) in 8 stages:
+    4 layers each and the head's with the last stage, or the first stage's one more; a count
+    that divides the layers has one split."""
+    from meshplan.planner.inter.search import layer_splits
+    last, first = layer_splits(33, 8)
+    assert last == [(4 * i, 4 * i + 4) for i in range(7)] + [(28, 33)]
+    assert first == [(0, 5)] + [(4 * i + 1, 4 * i + 5) for i in range(1, 8)]
+    assert layer_splits(32, 8) == [[(4 * i, 4 * i + 4) for i in range(8)]]
+    for layers, stages in ((7, 3), (10, 4), (5, 5), (9, 1)):
+        for split in layer_splits(layers, stages):
+            assert split[0][0] == 0 and split[-1][1] == layers and len(split) == stages
+            assert all(a[1] == b[0] for a, b in zip(split, split[1:]))
+            assert max(e - s for s, e in split) - min(e - s for s, e in split) <= 1

@@ -25,7 +25,7 @@ from meshplan.lower.schedules import make_schedule
 from meshplan.sim.engine import TaskCost, simulate_programs
 
 # Micro-batches run one by one up to this many rounds of the meshes; past it, extrapolated.
-DIRECT_ROUNDS = 8
+DIRECT_ROUNDS = 4
 
 
 def scheduled_latency(compute: Sequence[float], transfer: Sequence[float],

@@ -421,7 +421,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     # method: by parts their long stages may look slower than they solve.
     searches: list[Callable[[], PipelineSolution]] = [
         partial(_equal_stages, whole, num_layers, n, shape, b, req, links)
-        for n in _stage_counts(num_layers, shape)]
+        for n in _stage_counts(num_layers, shape, req.method != "equal-layer")]
     if req.method != "equal-layer":
         for hosts, layout in layouts:
             problem = PipelineProblem(
@@ -440,9 +440,24 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
                                                for s in sol.stages)))
     if not found:
         raise min(errors, key=lambda e: e.min_memory_bytes)
+    # Each candidate's T as its schedule runs (the DP's and the equal stages' by eq. 2, which
+    # charges every transfer in the pace): the counts' walk and the whole solves compare these.
+    found = [_as_scheduled(profiler, sol, req) for sol in found]
     best = min(found, key=lambda s: s.total_latency)
     return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
                      tuple(found))
+
+
+def _as_scheduled(profiler: StageProfiler, sol: PipelineSolution, req: PipelineRequest
+                  ) -> PipelineSolution:
+    """``sol`` (its latencies by parts) with T as its schedule runs on its placed devices
+    (`to_plan.scheduled_step`)."""
+    cl = profiler.cluster
+    cuts = inbound_discounts(profiler, sol, stage_devices(sol, cl.num_hosts, cl.devices_per_host),
+                             cl.devices_per_host)
+    return replace(sol, total_latency=scheduled_step(
+        profiler, sol.stages, [s.option.latency for s in sol.stages], cuts, req.dp_schedule,
+        sol.chunks))
 
 
 def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:
@@ -618,46 +633,74 @@ def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,
     return best
 
 
-def _stage_counts(num_layers: int, shape: ClusterShape) -> list[int]:
-    """Stage counts S for Alpa's equal-layer ablation: S divides the layers, and N/S devices
-    form one of the submesh shapes."""
+def _stage_counts(num_layers: int, shape: ClusterShape, uneven: bool = False) -> list[int]:
+    """Stage counts S for equal stages: N/S devices form one of the submesh shapes, and S
+    divides the layers (Alpa's equal-layer ablation) or, ``uneven``, is at most L."""
     sizes = {h * d for h, d in submesh_shapes(shape)}
-    return [n for n in range(1, num_layers + 1) if num_layers % n == 0
+    return [n for n in range(1, num_layers + 1) if (uneven or num_layers % n == 0)
             and shape.num_devices % n == 0 and shape.num_devices // n in sizes]
+
+
+def layer_splits(num_layers: int, num_stages: int) -> list[list[tuple[int, int]]]:
+    """The ways to cut L layers into S stages as evenly as they go: L/S each, or where S
+    does not divide L, one layer more in each of the last (or the first) L mod S stages. The
+    clustering gives a model's head or embedding a layer of its own when it is too heavy to
+    share one with a block (`clustering.default_num_layers`): 32 blocks and a head make 33
+    layers, and 8 stages of 4 blocks then need the head's layer added to one end."""
+    per, extra = divmod(num_layers, num_stages)
+    ends = ("last", "first") if extra else ("last",)
+    out = []
+    for end in ends:
+        sizes = [per + (1 if (i >= num_stages - extra if end == "last" else i < extra) else 0)
+                 for i in range(num_stages)]
+        starts = [sum(sizes[:i]) for i in range(num_stages)]
+        out.append([(a, a + n) for a, n in zip(starts, sizes)])
+    return out
 
 
 def equal_stages(profile: Profile, num_stages: int, per: int, submesh: Submesh, b: int,
                  req: PipelineRequest, keep: Callable[[StageOption], bool] = lambda o: True
                  ) -> tuple[tuple[StagePlacement, ...] | None, float]:
-    """``num_stages`` stages of ``per`` layers each on ``submesh``, each taking its fastest
-    option (of those ``keep`` allows) that fits with its in-flight micro-batches: with the
-    stages fixed this minimizes eq. 2's sum and max at once, no DP needed. Returns the stages
-    (None when one has no fitting option) and the memory the leanest options need."""
+    """``num_stages`` stages of ``per`` layers each on ``submesh`` (`stages_on`)."""
+    return stages_on(profile, [(i * per, (i + 1) * per) for i in range(num_stages)], submesh,
+                     b, req, keep)
+
+
+def stages_on(profile: Profile, bounds: list[tuple[int, int]], submesh: Submesh, b: int,
+              req: PipelineRequest, keep: Callable[[StageOption], bool] = lambda o: True
+              ) -> tuple[tuple[StagePlacement, ...] | None, float]:
+    """Stages of the layer ranges ``bounds``, each on ``submesh`` with its fastest option (of
+    those ``keep`` allows) that fits with its in-flight micro-batches: with the stages fixed
+    this minimizes eq. 2's sum and max at once, no DP needed. Returns the stages (None when
+    one has no fitting option) and the memory the leanest options need."""
     stages, need = [], 0.0
-    for i in range(num_stages):
-        in_flight = SCHEDULES[req.dp_schedule](i, num_stages, b)
-        options = [o for o in profile(i * per, (i + 1) * per, submesh) if keep(o)]
+    for i, (start, end) in enumerate(bounds):
+        in_flight = SCHEDULES[req.dp_schedule](i, len(bounds), b)
+        options = [o for o in profile(start, end, submesh) if keep(o)]
         need = max(need, min((o.memory_bytes(in_flight) for o in options), default=math.inf))
         fitting = [o for o in options
                    if req.budget is None or o.memory_bytes(in_flight) <= req.budget]
         if fitting:
-            stages.append(StagePlacement(i * per, (i + 1) * per, submesh,
+            stages.append(StagePlacement(start, end, submesh,
                                          min(fitting, key=lambda o: o.latency), in_flight))
-    return (tuple(stages) if len(stages) == num_stages else None), need
+    return (tuple(stages) if len(stages) == len(bounds) else None), need
 
 
 def _equal_stages(profile: Profile, num_layers: int, num_stages: int, shape: ClusterShape,
                   b: int, req: PipelineRequest, links: Links | None = None) -> PipelineSolution:
     """The best pipeline of S stages of L/S layers on N/S devices each (Alpa's "equal layer"
     ablation: no DP over uneven stages; each stage's intra plan still searched), over the
-    submeshes of N/S devices (`equal_stages`). Raises NoPipelineError when none fits."""
+    submeshes of N/S devices (`stages_on`), and where S does not divide L over the two most
+    even splits (`layer_splits`). Raises NoPipelineError when none fits."""
     t0 = time.perf_counter()
-    per, devices = num_layers // num_stages, shape.num_devices // num_stages
+    devices = shape.num_devices // num_stages
     best, need = None, math.inf
     for submesh in (s for s in submesh_shapes(shape) if s[0] * s[1] == devices):
-        stages, needs = equal_stages(profile, num_stages, per, submesh, b, req)
-        need = min(need, needs)
-        if stages is not None:
+        for bounds in layer_splits(num_layers, num_stages):
+            stages, needs = stages_on(profile, bounds, submesh, b, req)
+            need = min(need, needs)
+            if stages is None:
+                continue
             sol = make_solution(linked(stages, links, shape.devices_per_host), b,
                                 DpStats(0, num_stages, time.perf_counter() - t0))
             if best is None or sol.total_latency < best.total_latency:
