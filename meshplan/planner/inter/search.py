@@ -440,24 +440,9 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
                                                for s in sol.stages)))
     if not found:
         raise min(errors, key=lambda e: e.min_memory_bytes)
-    # Each candidate's T as its schedule runs (the DP's and the equal stages' by eq. 2, which
-    # charges every transfer in the pace): the counts' walk and the whole solves compare these.
-    found = [_as_scheduled(profiler, sol, req) for sol in found]
     best = min(found, key=lambda s: s.total_latency)
     return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
                      tuple(found))
-
-
-def _as_scheduled(profiler: StageProfiler, sol: PipelineSolution, req: PipelineRequest
-                  ) -> PipelineSolution:
-    """``sol`` (its latencies by parts) with T as its schedule runs on its placed devices
-    (`to_plan.scheduled_step`)."""
-    cl = profiler.cluster
-    cuts = inbound_discounts(profiler, sol, stage_devices(sol, cl.num_hosts, cl.devices_per_host),
-                             cl.devices_per_host)
-    return replace(sol, total_latency=scheduled_step(
-        profiler, sol.stages, [s.option.latency for s in sol.stages], cuts, req.dp_schedule,
-        sol.chunks))
 
 
 def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:
