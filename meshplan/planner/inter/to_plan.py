@@ -82,8 +82,7 @@ def scheduled_step(prof: StageProfiler, stages: tuple[StagePlacement, ...],
     """The pipeline time of ``stages`` (`_split`) under ``schedule`` (interleaved when
     ``chunks`` > 1) as the runtime runs it (`schedule_time.scheduled_latency`). The first
     stage's inbound price, its batch's inputs, is no transfer: they are loaded where read."""
-    compute, transfers = _split(prof, stages, latencies, cuts)
-    return scheduled_latency(compute, [0.0] + transfers[1:], prof.microbatches,
+    return scheduled_latency(*_split(prof, stages, latencies, cuts), prof.microbatches,
                              "interleaved" if chunks > 1 else schedule, chunks)
 
 
@@ -93,8 +92,7 @@ def with_step_time(plan: Plan, compute: list[float], transfers: list[float]) -> 
     (`scheduled_latency`; the first stage's inputs are loaded, not sent), and the gradients of
     a parameter two stages hold (a tied embedding) crossing once before the update, on their
     links as the simulator prices them."""
-    step = scheduled_latency(compute, [0.0] + list(transfers[1:]), plan.microbatches,
-                             plan.schedule, plan.chunks)
+    step = scheduled_latency(compute, transfers, plan.microbatches, plan.schedule, plan.chunks)
     step += TransferCosts(cluster_from_dict(plan.cluster), plan.microbatches,
                           plan.transfers).tied_s()
     return replace(plan, objective=step, predicted={**plan.predicted, "step_time_s": step})
