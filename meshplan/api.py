@@ -108,19 +108,23 @@ def _budget(memory_budget_gb: float | None, cluster: Cluster) -> float | None:
 
 
 def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
-    """Shared blocks give a fast answer; the unshared problem, solved within a time limit
-    scaled to that answer, may be slightly better (a block at a stage boundary wants another
-    strategy). Keep the better, so sharing never costs plan quality when time allows."""
+    """Shared blocks give a fast answer; the unshared problem, searched from that answer for
+    `REFINE_MAX_NODES` nodes, may be slightly better (a block at a stage boundary wants another
+    strategy). Keep the better, so sharing never costs plan quality. A node count, not a time
+    limit: the same inputs give the same plan on any machine."""
     if not problem.aliases:
         return shared
-    try:
-        free = solve(replace(problem, aliases=()),
-                     time_limit_s=max(5.0, 10 * shared.solve_time_s))
-    except TimeoutError:
-        return shared
+    free = solve(replace(problem, aliases=()), max_nodes=REFINE_MAX_NODES, start=shared.choices)
     if free.objective < shared.objective:
         return replace(free, solve_time_s=free.solve_time_s + shared.solve_time_s)
     return replace(shared, solve_time_s=free.solve_time_s + shared.solve_time_s)
+
+
+# `_refine`'s search. Started from the shared answer, HiGHS's root heuristics find the unshared
+# improvement at once: MoE-10B on 16 V100 (40,853 columns), 156.6475 -> 156.6300 at the root in
+# 4.9 s, where the unstarted search had 156.6297 after its 194 s time limit (10x the shared
+# solve); 1000 nodes (34 s) found nothing better.
+REFINE_MAX_NODES = 50
 
 
 def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> InfeasiblePlanError:

@@ -52,7 +52,8 @@ import time
 import numpy as np
 
 from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
-from meshplan.planner.intra.ilp_model import MemorySpec, build_model, extract_choices
+from meshplan.planner.intra.ilp_model import (MemorySpec, build_model, choice_start,
+                                             extract_choices)
 from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, evaluate,
                                                 peak_memory)
 from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
@@ -69,11 +70,17 @@ DEFAULT_SOLVER = "highs"
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
           solver: str = DEFAULT_SOLVER, lp_first: bool | None = None,
-          max_nodes: int | None = None) -> IlpSolution:
+          max_nodes: int | None = None, accept: tuple[int, float] | None = None,
+          start: tuple[int, ...] | None = None) -> IlpSolution:
     """Return a minimum-cost assignment of ``problem`` with zero optimality gap, or, when the
     search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
     found, its ``gap`` > 0 (deterministic, unlike a time limit: the same problem gives the same
     answer on any machine; up to the limit the search is the unlimited one).
+    ``accept=(nodes, gap)`` stops after the first ``nodes`` nodes when the best assignment is
+    proved within the relative ``gap`` of the optimum, and otherwise searches again from it
+    (deterministic too: node counts, not time). ``start`` (a strategy index per node, say the
+    answer of a tied or less constrained problem) is the first assignment the search keeps
+    when it satisfies this problem, so the answer is never worse than it (highspy only).
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
@@ -83,7 +90,7 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     memory budget, ``max_cost``), TimeoutError when the limit passes before any feasible
     assignment, ImportError for ``"scipy"`` without scipy, ValueError for a bad option.
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
     _check_options(time_limit_s, solver)
     if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int)
                                   or max_nodes < 1):
@@ -93,12 +100,13 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
         problem.memory_budget is not None) else None
     model = build_model(reduced, memory=memory, max_cost=problem.max_cost)
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
-                    max_nodes=max_nodes)
+                    max_nodes=max_nodes, accept=accept,
+                    start=None if start is None else choice_start(reduced, model, start))
     choices = extract_choices(reduced, model, raw.x)
     node_cost, edge_cost = evaluate(problem, choices)
     return IlpSolution(choices=choices, objective=node_cost + edge_cost, node_cost=node_cost,
                        edge_cost=edge_cost, num_variables=model.num_cols,
-                       num_constraints=model.num_rows, solve_time_s=time.perf_counter() - start,
+                       num_constraints=model.num_rows, solve_time_s=time.perf_counter() - began,
                        solver=raw.how, gap=raw.gap)
 
 

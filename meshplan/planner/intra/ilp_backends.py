@@ -50,9 +50,19 @@ class RawSolution:
 
 
 def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
-              time_limit_s: float | None, max_nodes: int | None = None) -> RawSolution:
+              time_limit_s: float | None, max_nodes: int | None = None,
+              accept: tuple[int, float] | None = None,
+              start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution:
     """Solve ``model`` to optimality with the named backend, or stop after ``max_nodes``
     branch-and-bound nodes with the best point found (a run without one goes on unlimited).
+
+    ``accept=(nodes, gap)`` first searches ``nodes`` nodes and keeps the best point when it is
+    proved within the relative ``gap`` of the optimum; otherwise the search runs again, up to
+    ``max_nodes``, from that point (HiGHS takes it as its first incumbent). The planner's stage
+    problems mostly find their optimum at the root and then spend minutes proving the last
+    0.1 % (GPT-2.6B's 8-block stage: 4.4 s to the plan, 62 s to the proof). ``start``
+    (column indices and values, possibly of some columns only) is a known point the search
+    begins from (highspy; scipy takes none).
 
     ``lp_first=None`` tries the LP relaxation first only when the model has no coupling rows.
 
@@ -72,7 +82,16 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         relaxed = run(model, relax=True, deadline=deadline)
         if relaxed.gap == 0.0 and _is_integral(relaxed.x, model.integral):
             return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
-    raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes)
+    if accept is not None:
+        probe_nodes, gap = accept
+        if max_nodes is None or probe_nodes < max_nodes:
+            probe = run(model, relax=False, deadline=deadline, max_nodes=probe_nodes,
+                        start=start)
+            if probe is not None and probe.gap <= gap:
+                return probe
+            if probe is not None:
+                start = np.arange(probe.x.size, dtype=np.int32), probe.x
+    raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start)
     if raw is None:   # the node limit came before any feasible point
         raw = run(model, relax=False, deadline=deadline)
     assert raw is not None
@@ -144,7 +163,8 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
 
 
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
-               max_nodes: int | None = None) -> RawSolution | None:
+               max_nodes: int | None = None,
+               start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution | None:
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
@@ -167,6 +187,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
     if not relax:
         binaries = np.flatnonzero(model.integral).astype(np.int32)
         h.changeColsIntegrality(binaries.size, binaries, np.ones(binaries.size, dtype=np.uint8))
+        if start is not None:
+            h.setSolution(start[0].size, start[0], start[1])
     h.run()
     status = h.getModelStatus()
     how = "highs:lp" if relax else "highs:mip"
@@ -191,7 +213,9 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
 
 
 def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
-               max_nodes: int | None = None) -> RawSolution | None:
+               max_nodes: int | None = None,
+               start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution | None:
+    # scipy.optimize.milp takes no starting point: ``start`` is ignored.
     try:  # scipy is optional: only this backend needs it
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import csr_array

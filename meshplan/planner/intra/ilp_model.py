@@ -505,3 +505,31 @@ def extract_choices(reduced: ReducedIlp, model: MilpModel, x: np.ndarray) -> tup
         assert block.max() > 0.5, f"group {g} has no strategy selected: {block}"
         group_choice.append(int(allowed[int(np.argmax(block))]))
     return tuple(group_choice[g] for g in reduced.group_of_node)
+
+
+def choice_start(reduced: ReducedIlp, model: MilpModel, choices: tuple[int, ...]
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ``s`` columns (indices, 0/1 values) that select ``choices``, one strategy index per
+    original node: a partial starting point the solver completes (the other columns follow
+    from these). None when the choices are not a point of this model: a group's nodes choose
+    differently, or a choice the reductions forbade."""
+    group_choice = np.full(len(reduced.costs), -1, dtype=np.int64)
+    for node, g in enumerate(reduced.group_of_node):
+        if group_choice[g] not in (-1, choices[node]):
+            return None
+        group_choice[g] = choices[node]
+    index, value = [], []
+    for g, choice in enumerate(group_choice):
+        allowed = reduced.allowed(g)
+        at = np.flatnonzero(allowed == choice)
+        if at.size == 0:
+            return None
+        start = int(model.choice_cols[g])
+        if start < 0:
+            continue
+        cols = start + np.arange(allowed.size)
+        index.append(cols)
+        value.append((cols == start + at[0]).astype(np.float64))
+    if not index:
+        return np.zeros(0, np.int32), np.zeros(0)
+    return np.concatenate(index).astype(np.int32), np.concatenate(value)
