@@ -212,8 +212,10 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
-    which `PipelineTrainer` runs. "intra-only", or "auto" with a ``mesh_shape``, plans one
-    stage over the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
+    which `PipelineTrainer` runs. On one host it also weighs "intra-only"'s plan (one stage at
+    the fewest micro-batches that fit) and returns the faster (``options["one_host_check"]``
+    records both steps). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
+    the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
     parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
     of equal op counts instead of operator clustering).
 
@@ -317,18 +319,27 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     # explains it (once, at the most micro-batches).
     state_too_large = budget is not None and _state_floor(
         model, cl.num_devices, opt.state()) > budget
+    piped: Plan | None = None
     if state_too_large:
         counts = counts[-1:]
     elif is_pipeline_method(method) and mesh_shape is None and not abstract \
             and (cl.num_devices > 1 or _is_megatron(method)):
         try:
-            return _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
-                                  counts, num_layers, name, recompute, method, schedule,
-                                  microbatches, progress)
+            piped = _plan_pipeline(model, loss_fn, opt, example_batch, cl, opts, budget, step,
+                                   counts, num_layers, name, recompute, method, schedule,
+                                   microbatches, progress)
         except InfeasiblePlanError:
             if method != "auto":
                 raise
             # explained below by the single-stage search, which knows what would help
+        # On one host "auto" also weighs the single-stage plan at the fewest micro-batches
+        # that fit (what "intra-only" answers): one stage has no bubble to amortize, so its
+        # best count is the smallest, which the pipeline search's walk down from the most
+        # micro-batches does not reach (GPT-2.6B on 8 V100: 27.69 s at 64 micro-batches
+        # against the pipeline's 29.31 s at 512). Across hosts one stage's collectives run
+        # over the slow links and it lost every row of the weak-scaling suite by 4-100x.
+        if piped is not None and not (method == "auto" and cl.num_hosts == 1):
+            return piped
     last: InfeasiblePlanError | None = None
     # "auto" on one given mesh recomputes nothing: its ILP holds a recomputed program's
     # memory per segment without the replay's gradients in flight, short of the op-by-op
@@ -342,10 +353,14 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         except InfeasiblePlanError as e:
             last = e
         except ValueError:
+            if piped is not None:
+                return piped
             if last is None:
                 raise
             raise last from None  # a micro-batch too small for the model (batch norm of 1)
     else:
+        if piped is not None:
+            return piped
         assert last is not None
         raise last
     form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
@@ -359,7 +374,14 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     result.options["gather_impl"] = gather
     if num_layers_run > 1:
         result = replace(result, num_layers=num_layers_run)
-    return replace(result, stages=(_whole_mesh_stage(result, cl),))
+    result = replace(result, stages=(_whole_mesh_stage(result, cl),))
+    if piped is None:
+        return result
+    steps = {"pipeline": piped.predicted["step_time_s"],
+             "one stage": result.predicted["step_time_s"]}
+    chosen = result if steps["one stage"] < steps["pipeline"] else piped
+    return replace(chosen, search_time_s=time.perf_counter() - t0,
+                   options={**chosen.options, "one_host_check": steps})
 
 
 def recompute_layering(graph: Any, num_devices: int) -> Any:
