@@ -148,7 +148,7 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program, monkeypatch) -> No
             break
     assert tied.objective > untied.objective * (1 + 1e-6)   # some bound makes blocks differ
     # The ILP's bound alone (the transients' re-solve is tested on its own).
-    monkeypatch.setattr(stage_costs, "transient_bytes", lambda s: 0.0)
+    monkeypatch.setattr(stage_costs, "transient_bytes", lambda *a: 0.0)
     bounded = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
                             IntraOptions(optimizer="adamw", memory_budget=budget),
                             OptimizerState(), 2, budget)
@@ -156,32 +156,41 @@ def test_a_whole_solve_gives_each_block_its_own_plan(program, monkeypatch) -> No
     assert whole.objective == pytest.approx(untied.objective, rel=1e-9)
 
 
-def test_a_whole_solve_fits_with_the_transients_the_simulator_holds(program,
-                                                                   monkeypatch) -> None:
-    """The simulator holds a plain stage's op-by-op transients (a backward's gradients in
-    flight next to those held) beyond the ILP's live sets: a whole solve whose plan fits the
-    ILP's bound but not with them is solved again under the bound less them."""
-    sub, shape, label = (1, 2), (1, 2), StageLabel((1, 2), "free", False)
+def _whole_under(program, budget: float, label: StageLabel):
+    """Layers [1, 5) on a (1, 2) submesh, 2 in flight, solved whole under ``budget``."""
+    return StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
+                         IntraOptions(optimizer="adamw", memory_budget=budget),
+                         OptimizerState(), 2, budget)._solve_whole(1, 5, (1, 2), label, 2)[0]
+
+
+@pytest.mark.parametrize("recompute,fraction", [(False, 0.8), (True, 0.3)])
+def test_a_whole_solve_fits_with_the_transients_the_simulator_holds(
+        program, monkeypatch, recompute: bool, fraction: float) -> None:
+    """The simulator holds a stage's op-by-op transients beyond the ILP's live sets: plain, a
+    backward's gradients in flight next to those held; recomputed, the largest pass beyond
+    the layers' inputs kept per micro-batch (a layer's replayed activations with the
+    backward's gradients in flight), of which the in-flight ILP holds one segment's
+    activations. A whole solve whose plan fits the ILP's bound but not with them is solved
+    again under the bound less them; without them the plan is over the bound as run."""
+    label = StageLabel((1, 2), "free", recompute)
     prof = _profiler(program)
-    form = prof._form(1, 5, sub, shape)
-    weighted = stage_costs._in_flight_problem(form, prof.stage(1, 5), None, 2)
+    form = prof._form(1, 5, (1, 2), (1, 2))
+    segments = prof.segments(prof.stage(1, 5), 4, label)
+    assert (segments is not None) == recompute
+    weighted = stage_costs._in_flight_problem(form, prof.stage(1, 5), segments, 2)
     low = min_memory(weighted)
-    budget = low + 0.8 * (peak_memory(weighted, solve(replace(weighted, live_sets=())).choices)
-                          - low)
+    budget = low + fraction * (peak_memory(weighted, solve(replace(
+        weighted, live_sets=())).choices) - low)
     transients = stage_costs.transient_bytes
 
     def as_run(sol) -> float:
-        s = stage_costs.StageSolution(form, sol, prof.stage(1, 5))
-        return peak_memory(weighted, sol.choices) + transients(s)
+        peak = peak_memory(weighted, sol.choices)
+        return peak + transients(stage_costs.StageSolution(form, sol, prof.stage(1, 5)),
+                                 segments, peak, 2)
 
-    def whole():
-        return StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x4"),
-                             IntraOptions(optimizer="adamw", memory_budget=budget),
-                             OptimizerState(), 2, budget)._solve_whole(1, 5, sub, label, 2)[0]
-
-    assert as_run(whole()) <= budget
-    monkeypatch.setattr(stage_costs, "transient_bytes", lambda s: 0.0)
-    assert as_run(whole()) > budget   # the ILP's bound alone: over it as run
+    assert as_run(_whole_under(program, budget, label)) <= budget
+    monkeypatch.setattr(stage_costs, "transient_bytes", lambda *a: 0.0)
+    assert as_run(_whole_under(program, budget, label)) > budget   # the ILP's bound alone
 
 
 def test_mirror_logical_shapes_are_priced_once(program) -> None:
