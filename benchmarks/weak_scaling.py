@@ -221,16 +221,50 @@ def row_cells(r: dict) -> list[str]:
              "default" if layers is None else str(layers), _num(r.get("search_s"), ".1f")]
     if r["status"] != "ok":
         note = r.get("error", "").split("\n")[0][:80]
-        return cells + ["–"] * 6 + [note]
+        return cells + ["–"] * 7 + [note]
+    peak = _num(r.get("sim_peak_gib"), ".2f") + (" **over**" if over_memory(r) else "")
     return cells + [_num(r["planner_step_s"]), _num(r["step_s"]), _num(r["tflops"], ".2f"),
-                    _num(r["bound_s"]), _num(r["step_s"] / r["bound_s"], ".2f"),
+                    _num(r["bound_s"]), _num(r["step_s"] / r["bound_s"], ".2f"), peak,
                     stages_text(r)]
+
+
+def over_memory(r: dict) -> bool:
+    """Whether a plan's simulated peak exceeds the device's memory: it would not run, so it
+    is no baseline to beat (the planner fits by its own model, the simulator walks the step
+    op by op)."""
+    return r["status"] == "ok" and r.get("sim_peak_gib") is not None and \
+        r["sim_peak_gib"] > r["device_gib"]
+
+
+def auto_against_baselines(results: dict[str, dict], names: list[str]) -> None:
+    """Per row: auto's simulated step against the fastest baseline whose plan fits the device
+    as simulated, and on how many rows auto fits and is within 0.5 % of it or ahead (issue
+    27.3)."""
+    print("\n| row | auto s | auto fits | best baseline that fits | its s | auto / it |")
+    print("|---|---:|---|---|---:|---:|")
+    held = rows = 0
+    for name in names:
+        auto = results.get(f"{name}/auto")
+        others = [results.get(f"{name}/{m}") for m in METHODS[ROWS[name].suite] if m != "auto"]
+        fitting = [r for r in others if r and r["status"] == "ok" and not over_memory(r)]
+        if auto is None or auto["status"] != "ok":
+            continue
+        best = min(fitting, key=lambda r: r["step_s"], default=None)
+        ratio = auto["step_s"] / best["step_s"] if best else None
+        rows += 1
+        held += not over_memory(auto) and (ratio is None or ratio <= 1.005)
+        print(f"| {name} | {auto['step_s']:.4g} | {'no' if over_memory(auto) else 'yes'} | "
+              f"{best['method'] if best else '–'} | {_num(best and best['step_s'])} | "
+              f"{_num(ratio, '.3f')} |")
+    print(f"\nauto fits and is within 0.5 % of the fastest fitting baseline or ahead: {held} of "
+          f"{rows} rows")
 
 
 def print_table(results: dict[str, dict], names: list[str]) -> None:
     print("| row | GPUs | method | status | L arg | search s | planner step s | "
-          "simulated step s | sim TFLOP/s/GPU | bound s | sim / bound | stages |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "simulated step s | sim TFLOP/s/GPU | bound s | sim / bound | sim peak GiB | "
+          "stages |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name in names:
         for method in METHODS[ROWS[name].suite]:
             r = results.get(f"{name}/{method}")
@@ -379,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"total wall time {total:.0f} s ({total / 60:.1f} min)", file=sys.stderr,
               flush=True)
     print_table(results, names)
+    auto_against_baselines(results, names)
     if args.plot:
         plot(results, args.plot)
     return 0

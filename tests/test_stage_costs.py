@@ -254,6 +254,27 @@ def test_a_budget_that_only_recomputation_meets(program) -> None:
     assert all(s.memory_bytes <= lo for s in p.stages)
 
 
+def test_a_pipeline_that_fits_only_by_parts_is_searched_again(monkeypatch) -> None:
+    """Where every candidate solved whole is over the budget as the simulator runs it (the
+    transients beyond what the DP left), the DPs run again under the budget less the excess
+    and the plan fits as simulated; without that the DP's pick was kept, over the budget."""
+    from meshplan.planner.inter import search
+    from meshplan.sim.simulate import simulate
+    w = build_workload(GPT.replace("seq=16", "seq=64").replace("hidden=64", "hidden=32"),
+                       device="meta")
+    budget = 1268736   # 0.8 of the smallest budget a pipeline without recomputation meets
+
+    def peak() -> float:
+        p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
+                     microbatches=2, memory_budget_gb=budget / 2**30, num_layers=6,
+                     method="inter-only")
+        return max(simulate(p).peak_memory_bytes)
+
+    assert peak() <= budget
+    monkeypatch.setattr(search, "REFIT_ROUNDS", 0)
+    assert peak() > budget
+
+
 @pytest.mark.parametrize("recompute,cluster,exact_up_to",
                          [(rc, cl, 1) for rc in ("auto", "none", "full")
                           for cl in ("p3.16xlarge:1x4", "p3.16xlarge:2x2")]

@@ -262,6 +262,8 @@ class _Searched:
 
     found: FoundPipeline
     candidates: tuple[PipelineSolution, ...]
+    # The DPs again with another budget per device (`_refitted`).
+    redo: Callable[[float | None], tuple[PipelineSolution, ...]] | None = None
 
     @property
     def estimate(self) -> float:
@@ -283,14 +285,54 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
     # next count's instead of after it.
     prefetch_whole_costs_of([(t.found.profiler, r.requests) for t, r in zip(near, rounds)])
     best: FoundPipeline | None = None
+    best_fits = False
     for t, r in zip(near, rounds):
         profiler = t.found.profiler
-        sol = _solved_whole(profiler, r, req)
+        sol, fits = _solved_whole(profiler, r, req)
+        if not fits:
+            sol, fits = _refitted(t, req, sol)
         if req.method in ONE_STAGE_METHODS:
             sol = _one_stage_if_faster(profiler, sol, req)
-        if best is None or sol.total_latency < best.solution.total_latency:
-            best = replace(t.found, solution=sol, estimated_s=t.estimate)
+        if best is None or (fits, -sol.total_latency) > (best_fits,
+                                                         -best.solution.total_latency):
+            best, best_fits = replace(t.found, solution=sol, estimated_s=t.estimate), fits
     return best
+
+
+# Rounds of `_refitted`.
+REFIT_ROUNDS = 3
+
+
+def _refitted(searched: _Searched, req: PipelineRequest, solved: PipelineSolution
+              ) -> tuple[PipelineSolution, bool]:
+    """A pipeline of the count that fits as it runs, when none of its candidates solved whole
+    did. The DP fits stages by parts, the whole solves by the peak the simulator walks (the
+    op-by-op transients beyond the ILP's live sets); where those exceed what the DP left,
+    every candidate can be over. So the DPs run again with the budget less the excess found,
+    a few rounds, and their candidates are solved whole; else ``solved`` as it was (the plan
+    then reports its peak). GPT-39B on 64 V100: simulated 17.75 GiB on 16 GiB devices."""
+    if searched.redo is None or req.budget is None:
+        return solved, False
+    profiler, dp_budget = searched.found.profiler, req.budget
+    for _ in range(REFIT_ROUNDS):
+        excess = _peak_over_budget(profiler, solved, req.budget)
+        dp_budget = dp_budget / max(excess, 1.0 + 1e-3)
+        try:
+            again = searched.redo(dp_budget)
+        except NoPipelineError:
+            break
+        solved, fits = _solved_whole(profiler, _whole_round(profiler, list(again), req), req)
+        if fits:
+            return solved, True
+    return solved, False
+
+
+def _peak_over_budget(profiler: StageProfiler, pipeline: PipelineSolution, budget: float
+                      ) -> float:
+    """The largest mesh's peak as run (whole solves, transients included) over ``budget``."""
+    memory = [profiler.whole_cost(*r)[1] for r in _whole_requests(profiler, pipeline)]
+    meshes = len(memory) // pipeline.chunks
+    return max(math.fsum(memory[i::meshes]) for i in range(meshes)) / budget
 
 
 class _CountSearch:
@@ -417,32 +459,38 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     # devices are devices, untyped (typed stages and whole hosts cross hosts anyway).
     links = None if by_hosts else \
         Links(lambda start, sub: profiler.link_discount(start, real(sub)))
-    # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
-    # method: by parts their long stages may look slower than they solve.
-    searches: list[Callable[[], PipelineSolution]] = [
-        partial(_equal_stages, whole, num_layers, n, shape, b, req, links)
-        for n in _stage_counts(num_layers, shape, req.method != "equal-layer")]
-    if req.method != "equal-layer":
-        for hosts, layout in layouts:
-            problem = PipelineProblem(
-                shape, num_layers, whole, b, device_memory=req.budget,
-                in_flight=SCHEDULES[req.dp_schedule], kinds=layout, links=links,
-                table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))
-            searches.insert(0, partial(_with_hosts, problem, hosts))
-    found, errors = [], []
-    for search in searches:
-        try:
-            sol = search()
-        except NoPipelineError as e:
-            errors.append(e)
-            continue
-        found.append(replace(sol, stages=tuple(replace(s, submesh=real(s.submesh))
-                                               for s in sol.stages)))
-    if not found:
-        raise min(errors, key=lambda e: e.min_memory_bytes)
+    def candidates(budget: float | None) -> tuple[PipelineSolution, ...]:
+        """The DPs' pipelines with ``budget`` bytes per device (raises NoPipelineError)."""
+        req_at = replace(req, budget=budget)
+        # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
+        # method: by parts their long stages may look slower than they solve.
+        searches: list[Callable[[], PipelineSolution]] = [
+            partial(_equal_stages, whole, num_layers, n, shape, b, req_at, links)
+            for n in _stage_counts(num_layers, shape, req.method != "equal-layer")]
+        if req.method != "equal-layer":
+            for hosts, layout in layouts:
+                problem = PipelineProblem(
+                    shape, num_layers, whole, b, device_memory=budget,
+                    in_flight=SCHEDULES[req.dp_schedule], kinds=layout, links=links,
+                    table=lambda subs: profiler.option_table(tuple(real(sub) for sub in subs)))
+                searches.insert(0, partial(_with_hosts, problem, hosts))
+        found, errors = [], []
+        for search in searches:
+            try:
+                sol = search()
+            except NoPipelineError as e:
+                errors.append(e)
+                continue
+            found.append(replace(sol, stages=tuple(replace(s, submesh=real(s.submesh))
+                                                   for s in sol.stages)))
+        if not found:
+            raise min(errors, key=lambda e: e.min_memory_bytes)
+        return tuple(found)
+
+    found = candidates(req.budget)
     best = min(found, key=lambda s: s.total_latency)
     return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
-                     tuple(found))
+                     found, candidates)
 
 
 def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:
@@ -474,13 +522,14 @@ def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
 
 
 def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineRequest
-                  ) -> PipelineSolution:
+                  ) -> tuple[PipelineSolution, bool]:
     """Of the pipelines the DPs found, those within `REFINE_MARGIN` of the best estimate (at
     most `REFINE_MAX`, `_whole_round`) with their stages solved whole, the fastest that fits.
     The estimates price long stages by parts (`StageProfiler._telescoped`), which misjudges
     them by several per cent either way, often more than the candidates differ; solved whole,
     the stages' latencies are the ones the plan reports. The DP's best is kept even if it does
-    not fit solved whole (the plan then says so)."""
+    not fit solved whole (`_refitted` then looks further; the plan reports its peak); the
+    second value says whether the pipeline returned fits."""
     budget = req.budget if req.budget is not None else math.inf
     profiler.prefetch_whole_costs(round_.requests)
     chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
@@ -489,13 +538,13 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     # A stage relabelled may be priced at another count than its relabelling was (its own
     # label's most in flight): those solves too run side by side, not one by one.
     profiler.prefetch_whole_costs([r for c in chosen for r in _whole_requests(profiler, c)])
-    best = None
+    best, best_fits = None, False
     for k, c in enumerate(chosen):
         whole, fits = solved_as_whole(profiler, c, budget, req.dp_schedule)
         if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
-            best = whole
+            best, best_fits = whole, best_fits or fits
     assert best is not None
-    return best
+    return best, best_fits
 
 
 def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget: float,
