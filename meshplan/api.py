@@ -36,7 +36,7 @@ from meshplan.planner.recompute import FULL, NoReplayError, Replay, parse_recomp
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate, without_zero3
-from meshplan.planner.intra.ilp import min_memory, solve
+from meshplan.planner.intra.ilp import min_memory, peak_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
@@ -213,8 +213,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
     which `PipelineTrainer` runs. On one host it also weighs "intra-only"'s plan (one stage at
-    the fewest micro-batches that fit) and returns the faster (``options["one_host_check"]``
-    records both steps). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
+    the fewest micro-batches that fit) and returns the faster of those that fit as simulated
+    (``options["one_host_check"]`` records both steps and the choice). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
     the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
     parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
     of equal op counts instead of operator clustering).
@@ -365,23 +365,65 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         raise last
     form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
-    # Recomputed segment by segment, as the runtime replays it (`runtime/step_modes`).
-    result = intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
-                        method=method, optimizer=opt.to_dict(), options=opts, budget=budget,
-                        search_time_s=time.perf_counter() - t0, dtype=step.dtype,
-                        unsupported_ops=graph.unsupported_ops, axis_weights=weights,
-                        layers=segments, replay=used if ctx.recompute else None)
-    result.options["gather_impl"] = gather
-    if num_layers_run > 1:
-        result = replace(result, num_layers=num_layers_run)
-    result = replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+    def as_plan(sol: IlpSolution) -> Plan:
+        # Recomputed segment by segment, as the runtime replays it (`runtime/step_modes`).
+        result = intra_plan(form, sol, real_mesh, cl, name=name, fingerprint=fingerprint,
+                            method=method, optimizer=opt.to_dict(), options=opts,
+                            budget=budget, search_time_s=time.perf_counter() - t0,
+                            dtype=step.dtype, unsupported_ops=graph.unsupported_ops,
+                            axis_weights=weights, layers=segments,
+                            replay=used if ctx.recompute else None)
+        result.options["gather_impl"] = gather
+        if num_layers_run > 1:
+            result = replace(result, num_layers=num_layers_run)
+        return replace(result, stages=(_whole_mesh_stage(result, cl),))
+
+    result = as_plan(sol)
+    if budget is not None and not abstract:
+        result = _within_as_simulated(result, form.problem, sol, budget, as_plan)
     if piped is None:
         return result
     steps = {"pipeline": piped.predicted["step_time_s"],
              "one stage": result.predicted["step_time_s"]}
-    chosen = result if steps["one stage"] < steps["pipeline"] else piped
-    return replace(chosen, search_time_s=time.perf_counter() - t0,
-                   options={**chosen.options, "one_host_check": steps})
+    # Each as the simulator runs it, op by op: a single-stage ILP fits by its live sets, and
+    # the transients beyond them can take it over the budget (GPT-2.6B on 8 V100: 16.37 GiB
+    # simulated at 15.98 planned), where the pipeline's stages fit with theirs.
+    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
+    plans = {"pipeline": piped, "one stage": result}
+    over = [k for k, p in plans.items()
+            if budget is not None and max(simulate(p).peak_memory_bytes) > budget]
+    name = min(plans, key=lambda k: (k in over, steps[k]))
+    return replace(plans[name], search_time_s=time.perf_counter() - t0,
+                   options={**plans[name].options, "one_host_check": {
+                       "step_s": steps, "chosen": name, "over_budget_simulated": over}})
+
+
+# Rounds of `_within_as_simulated`.
+AS_SIMULATED_ROUNDS = 3
+
+
+def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budget: float,
+                         as_plan: Callable[[IlpSolution], Plan]) -> Plan:
+    """``plan`` (of ``sol``), or when its peak as the simulator walks the step op by op
+    exceeds ``budget``, the problem solved again under its bound less the excess (a few
+    rounds: another plan has other transients), the last that fits or else the last found.
+    The ILP's live sets hold the kept activations and every gradient at once and nothing in
+    between; the forward's temporaries and the backward's gradients in flight take a plan at
+    the budget over it (GPT-2.6B on 8 V100: 16.37 GiB simulated at 15.98 planned, 16 GiB
+    devices), as whole pipeline stages' solves already count (`stage_costs`)."""
+    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
+    for _ in range(AS_SIMULATED_ROUNDS):
+        over = max(simulate(plan).peak_memory_bytes) - budget
+        if over <= 0:
+            break
+        tight = replace(problem, memory_budget=peak_memory(problem, sol.choices) - over)
+        try:
+            sol = _refine(tight, solve(tight))
+        except InfeasibleIlpError:
+            break
+        plan = as_plan(sol)
+    return plan
 
 
 def recompute_layering(graph: Any, num_devices: int) -> Any:

@@ -304,13 +304,16 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
 def test_auto_on_one_host_takes_one_stage_at_its_own_count() -> None:
     """One stage has no bubble, so its best micro-batch count is the fewest that fit, which
     the pipeline search's walk down from the most does not reach. On one host auto also
-    weighs that plan (intra-only's) and takes the faster; explain says which and why."""
+    weighs that plan (intra-only's) and takes the faster of those that fit as simulated;
+    explain says which and why."""
     w = build_workload("gpt:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=64",
                        device="meta")
     p = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, dtype="fp16",
                  memory_budget_gb=0.3)
-    steps = p.options["one_host_check"]
+    check = p.options["one_host_check"]
+    steps = check["step_s"]
     assert steps["one stage"] < steps["pipeline"] * 0.99   # the walk's count is slower
+    assert check["chosen"] == "one stage" and not check["over_budget_simulated"]
     assert p.num_stages == 1 and p.microbatches < 64
     assert p.predicted["step_time_s"] == steps["one stage"]
     assert p.predicted["peak_memory_bytes"] <= 0.3 * 2**30

@@ -50,10 +50,11 @@ def summary(plan: Plan) -> str:
                      + ", ".join(f"{k} {v * 1e3:,.3f} ms" if v is not None else f"{k} none"
                                  for k, v in steps.items()))
     if "one_host_check" in plan.options:   # auto on one host: pipeline against one stage
-        steps = plan.options["one_host_check"]
-        chosen = "one stage" if steps["one stage"] < steps["pipeline"] else "pipeline"
-        lines.append(f"  one host         chose the {chosen}: " + ", ".join(
-            f"{k} {v * 1e3:,.3f} ms" for k, v in steps.items()))
+        check = plan.options["one_host_check"]
+        lines.append(f"  one host         chose the {check['chosen']}: " + ", ".join(
+            f"{k} {v * 1e3:,.3f} ms"
+            + (" (over the budget as simulated)" if k in check["over_budget_simulated"] else "")
+            for k, v in check["step_s"].items()))
     if "hetero" in plan.options or any(len(set(w)) > 1 for w in plan.axis_weights):
         lines.append(_ratios(plan))
     if plan.params:

@@ -149,13 +149,23 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
         raise _infeasible(search.errors, counts, req)
     found = interleaved_if_chosen(best, req)
     plan = pipeline_plan(found, req, time.perf_counter() - t0)
-    if plan.num_stages > 1 and req.method in ONE_STAGE_METHODS and not found.solution.hosts:
+    if plan.num_stages > 1 and _weighs_one_stage(req) and not found.solution.hosts:
         plan = _one_stage_if_simulated_faster(plan, found, req, t0)
     return plan
 
 
 # The methods whose search may answer one stage over every device.
 ONE_STAGE_METHODS = ("auto", "inter-only", "equal-operator")
+def _weighs_one_stage(req: PipelineRequest) -> bool:
+    """Whether the search itself weighs one stage over every device against its pipelines:
+    for `ONE_STAGE_METHODS`, but not "auto" on one host, where `api.plan` weighs intra-only's
+    plan, one stage at the fewest micro-batches that fit, which is at least as fast as one
+    stage at the pipeline's count and costs no whole solve of the model (a tiny GPT under a
+    tight budget spent 34 s in those)."""
+    return req.method in ONE_STAGE_METHODS and not (req.method == "auto"
+                                                    and req.cluster.num_hosts == 1)
+
+
 # Whole solves of the one stage `_one_stage_if_simulated_faster` tries at most.
 ONE_STAGE_TRIES = 3
 
@@ -291,7 +301,7 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
         sol, fits = _solved_whole(profiler, r, req)
         if not fits:
             sol, fits = _refitted(t, req, sol)
-        if req.method in ONE_STAGE_METHODS:
+        if _weighs_one_stage(req):
             sol = _one_stage_if_faster(profiler, sol, req)
         if best is None or (fits, -sol.total_latency) > (best_fits,
                                                          -best.solution.total_latency):
