@@ -338,7 +338,9 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         # micro-batches does not reach (GPT-2.6B on 8 V100: 27.69 s at 64 micro-batches
         # against the pipeline's 29.31 s at 512). Across hosts one stage's collectives run
         # over the slow links and it lost every row of the weak-scaling suite by 4-100x.
-        if piped is not None and not (method == "auto" and cl.num_hosts == 1):
+        # One stage already at the fewest micro-batches is intra-only's plan, solved whole.
+        if piped is not None and not (method == "auto" and cl.num_hosts == 1 and not (
+                piped.num_stages == 1 and piped.microbatches == counts[0])):
             return piped
     last: InfeasiblePlanError | None = None
     # "auto" on one given mesh recomputes nothing: its ILP holds a recomputed program's
