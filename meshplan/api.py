@@ -416,6 +416,8 @@ def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budg
     devices), as whole pipeline stages' solves already count (`stage_costs`)."""
     from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
     for _ in range(AS_SIMULATED_ROUNDS):
+        if _peak_bound(plan) <= budget:   # no walk can exceed it: nothing to simulate
+            break
         over = max(simulate(plan).peak_memory_bytes) - budget
         if over <= 0:
             break
@@ -426,6 +428,18 @@ def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budg
             break
         plan = as_plan(sol)
     return plan
+
+
+def _peak_bound(plan: Plan) -> float:
+    """An upper bound of a single-stage plan's simulated peak from its figures: the state
+    with its gradients and working set, one micro-batch's kept bytes and the largest pass
+    beyond them (`sim.task_costs` reads the same figures; the simulator holds the gradients
+    only after the first backward)."""
+    p = plan.predicted
+    kept = p.get("layered_kept_bytes", p["activation_bytes"])
+    passing = max(p.get(k, 0.0) for k in ("forward_peak_bytes", "backward_peak_bytes",
+                                           "backward_held_peak_bytes")) - kept
+    return p["state_bytes"] + p.get("working_bytes", 0.0) + kept + max(passing, 0.0)
 
 
 def recompute_layering(graph: Any, num_devices: int) -> Any:
