@@ -370,16 +370,12 @@ def test_accept_stops_early_only_within_its_gap() -> None:
     """``accept=(nodes, gap)``: the first ``nodes`` nodes' plan is kept when proved within
     ``gap`` of the optimum (whole stage solves: the proof, not the plan, is what costs), and
     otherwise the search goes on to the optimum (or ``max_nodes``)."""
-    early = 0
-    for seed in (0, 3):
-        problem = memory_bound_dag(30, seed)
-        exact = solve(problem)
-        loose = solve(problem, max_nodes=10**6, accept=(1, 0.5))
-        assert exact.objective <= loose.objective <= exact.objective * (1 + 0.5) + 1e-9
-        assert loose.gap <= 0.5
-        early += loose.objective > exact.objective
-        assert solve(problem, max_nodes=10**6, accept=(1, 0.0)).objective == exact.objective
-    assert early   # some search stopped at its probe, above the optimum
+    problem = memory_bound_dag(30, 0)
+    exact = solve(problem)
+    loose = solve(problem, max_nodes=10**6, accept=(1, 0.5))
+    assert exact.objective < loose.objective <= exact.objective * (1 + 0.5)   # stopped early
+    assert loose.gap <= 0.5
+    assert solve(problem, max_nodes=10**6, accept=(1, 0.0)).objective == exact.objective
 
 
 def test_a_start_is_kept_unless_the_search_finds_better() -> None:
