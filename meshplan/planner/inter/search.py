@@ -341,8 +341,7 @@ def _peak_over_budget(profiler: StageProfiler, pipeline: PipelineSolution, budge
                       ) -> float:
     """The largest mesh's peak as run (whole solves, transients included) over ``budget``."""
     memory = [profiler.whole_cost(*r)[1] for r in _whole_requests(profiler, pipeline)]
-    meshes = len(memory) // pipeline.chunks
-    return max(math.fsum(memory[i::meshes]) for i in range(meshes)) / budget
+    return max(mesh_memory(memory, pipeline.chunks)) / budget
 
 
 class _CountSearch:
@@ -597,8 +596,13 @@ def fits_by_mesh(memory: list[float], chunks: int, budget: float) -> bool:
     """Whether every mesh fits ``budget`` given each stage's ``memory`` (its state and its
     activations at its own in-flight peak): a mesh's is the sum over its ``chunks`` stages,
     an upper bound under interleaving (its stages' peaks need not coincide)."""
+    return all(m <= budget for m in mesh_memory(memory, chunks))
+
+
+def mesh_memory(memory: list[float], chunks: int) -> list[float]:
+    """Each mesh's memory: the sum of its ``chunks`` stages' (stage k on mesh k % meshes)."""
     meshes = len(memory) // chunks
-    return all(math.fsum(memory[i::meshes]) <= budget for i in range(meshes))
+    return [math.fsum(memory[i::meshes]) for i in range(meshes)]
 
 
 def _most_in_flight(profiler: StageProfiler, pipeline: PipelineSolution) -> list[int]:
