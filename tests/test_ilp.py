@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from meshplan.errors import InfeasibleIlpError
-from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, evaluate, min_memory, peak_memory,
-                                        reduce_for_costs, solve)
+from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, OverlapTerm, evaluate, min_memory,
+                                        peak_memory, reduce_for_costs, solve)
 from meshplan.planner.intra.ilp_backends import run_model
 from meshplan.planner.intra.ilp_model import build_model, extract_choices
 
@@ -193,8 +193,13 @@ def random_problem(rng: random.Random) -> IlpProblem:
     # to every live set), on some nodes' strategies.
     working = tuple(tuple(float(rng.choice((0, 0, rng.randint(1, 8)))) for _ in range(k))
                     for k in counts) if rng.random() < 0.5 else None
+    # Some have overlap terms: a saving of weight * min(hidden, window) over the choices.
+    def seconds(top: int) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(float(rng.randint(0, top)) for _ in range(k)) for k in counts)
+    overlap = tuple(OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)))
+                    for _ in range(rng.choice((0, 0, 1, 2))))
     return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost,
-                      node_working=working)
+                      node_working=working, overlap=overlap)
 
 
 @pytest.mark.parametrize("solver,lp_first", SOLVER_CONFIGS)
@@ -216,6 +221,24 @@ def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -
         if expected is not None and problem.live_sets:
             assert min_memory(problem, solver=solver) == pytest.approx(expected[1])
     assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
+
+
+def test_an_overlap_term_saves_the_smaller_of_what_it_hides_and_its_window() -> None:
+    """Node 0 picks between a cheap strategy and one that costs 3 more but whose 5 seconds
+    of communication can hide behind node 1's compute window: hidden beside a window of 4,
+    it saves 4 and wins; beside a window of 2, it saves 2 and loses."""
+    def problem(window: float) -> IlpProblem:
+        return IlpProblem(node_costs=((10.0, 13.0), (1.0,)), overlap=(OverlapTerm(
+            hidden=((0.0, 5.0), (0.0,)), window=((0.0, 0.0), (window,)), weight=1.0),))
+    wins = solve(problem(4.0))
+    assert wins.choices == (1, 0) and wins.objective == pytest.approx(13 + 1 - 4)
+    loses = solve(problem(2.0))
+    assert loses.choices == (0, 0) and loses.objective == pytest.approx(11)
+    assert sum(evaluate(problem(2.0), (1, 0))) == pytest.approx(12)
+    with pytest.raises(ValueError, match="negative"):
+        OverlapTerm(hidden=((-1.0,),), window=((0.0,),))
+    with pytest.raises(ValueError, match="one row per node"):
+        IlpProblem(node_costs=((1.0, 2.0),), overlap=(OverlapTerm(((0.0,),), ((0.0,),)),))
 
 
 def test_mccormick_form_matches_marginal_form() -> None:

@@ -269,3 +269,23 @@ def test_gradients_accumulated_over_the_callers_own_calls(method: str, shape) ->
         for name, r in ref.named_parameters():
             err = (params[name] - r.detach()).abs().max().item()
             assert err <= 1e-5 * max(r.abs().max().item(), 1e-3), (name, err)
+
+
+# ---------------------------------------------------------------- priced by the ILP
+def test_the_ilp_prices_the_all_reduce_it_overlaps() -> None:
+    """Eq. 1 charged the replicated gradients' all-reduce in full, where the runtime hides it
+    behind the last backward: on 8 V100 a Wide-ResNet's pure data parallelism priced 0.518 s
+    a step ran in 0.457 s, and intra-only's ILP took a ZeRO plan that ran in 0.469 s. With
+    the overlap terms (`planner/intra/overlap_terms.py`) the ILP's objective is the plan's
+    own prediction within a few percent, and intra-only is no slower than data parallelism."""
+    import meshplan.api as api
+    from meshplan.runtime.optim import OptimizerSpec
+    w = build_workload("wresnet:preset=2b,layers=26,batch=32", device="meta")
+    sgd = OptimizerSpec.from_dict({"kind": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True})
+    plans = {m: api.plan(w.model, w.loss_fn, sgd, w.example_batch, "p3.16xlarge:1",
+                         method=m, microbatches=1, dtype="fp32")
+             for m in ("intra-only", "data")}
+    for p in plans.values():
+        assert p.objective == pytest.approx(p.predicted["step_time_s"], rel=0.02)
+    assert plans["intra-only"].predicted["step_time_s"] <= \
+        plans["data"].predicted["step_time_s"] * 1.001

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from meshplan.errors import InfeasibleIlpError
@@ -49,7 +49,9 @@ class SearchStats:
     expanded: int
     generated: int
     widest_state: int
-    solver: str = "astar"   # "ilp" when memory bound and the states ran out (`_within_budget`)
+    # "ilp" when memory bound and the states ran out (`_within_budget`), "astar+ilp" when
+    # the problem overlaps communication with compute (A*'s answer then starts the ILP)
+    solver: str = "astar"
 
 
 def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
@@ -66,6 +68,11 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
         choices, stats = solve(problem).choices, SearchStats(0, 0, 0, solver="ilp")
     else:
         choices, stats = _within_budget(space, max_states)
+    if problem.overlap and stats.solver == "astar":
+        # The overlap's saving (`OverlapTerm`) is a minimum over the whole program, which no
+        # path cost prices: A*'s answer, optimal without it, starts the ILP that has it.
+        choices = solve(problem, start=choices).choices
+        stats = replace(stats, solver="astar+ilp")
     node, edge = evaluate(problem, choices)
     if problem.max_cost is not None and node + edge > problem.max_cost * (1 + 1e-9):
         raise InfeasibleIlpError(f"the cheapest assignment costs {node + edge:.6g}, above "

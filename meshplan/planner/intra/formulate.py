@@ -27,6 +27,7 @@ from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, dp_axes,  # noqa: F401
                                              local_bytes, param_roots, recipe_cost, step_cost,
                                              sync_cost)
+from meshplan.planner.intra.overlap_terms import overlap_terms
 
 
 @dataclass
@@ -92,7 +93,8 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
         live_sets=() if memory_budget is None else
         live_sets_by_layer(nc, index, layers) if layers and ctx.recompute else
         (tuple(range(len(roots))),),
-        memory_budget=memory_budget, shared=shared_costs(operands, index))
+        memory_budget=memory_budget, shared=shared_costs(operands, index),
+        overlap=overlap_terms(costs, nc, roots))
     return Formulation(nc, ctx, roots, problem)
 
 

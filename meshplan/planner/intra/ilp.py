@@ -5,6 +5,7 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
 
     min   sum_v c_v^T s_v  +  sum_{(u,v) in E} sum_{p,q} R_uv[p,q] e_uv[p,q]           (eq. 1)
                            +  sum_k c_k y_k        (shared fan-out costs, beyond Alpa)
+                           -  sum_t w_t o_t        (overlapped communication, beyond Alpa)
 
     s.t.  sum_p s_v[p] = 1                          for every node v     build_choice_rows
           sum_q e_uv[p,q] = s_u[p]                  for every p          build_edge_rows
@@ -14,6 +15,7 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
           y_k >= sum_{P x Q_i} f_ab_i               per block b = [a in P] and [some b_i in Q_i]
           y_k >= sum_{c in b} [c] - (|b| - 1)     per other block b of cost k  build_shared_rows
           z_c >= sum_{p in P} s_v[p]                per condition (v, P) of a clause c
+          o_t <= sum_v hidden_tv^T s_v,  o_t <= sum_v window_tv^T s_v   build_overlap_rows
           objective <= max_cost                     (when given)         build_max_cost_row
           s_u = s_v                                 per alias (u, v)     merge_aliases
           s_v[p] in {0, 1},  e_uv[p,q] >= 0
@@ -40,7 +42,9 @@ into one set of variables, sum parallel edges, fold a node with one allowed stra
 constants, turn an edge with a fixed end or a separable matrix into node costs, and forbid a
 strategy with no allowed partner. ``W`` (continuous) is the largest working set chosen:
 memory a node holds only while a pass runs, one node at a time (a ZeRO-3 parameter gathered
-whole). ``min_memory`` solves ``min M`` subject to ``sum_{v in L} mem_v^T s_v + W <= M`` over
+whole). ``o_t`` (continuous, >= 0) is what overlap term t saves: the communication
+seconds it hides, at most those charged and at most the compute beside which they run.
+``min_memory`` solves ``min M`` subject to ``sum_{v in L} mem_v^T s_v + W <= M`` over
 the same feasible set, ignoring costs.
 """
 
@@ -52,13 +56,13 @@ import time
 import numpy as np
 
 from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
-from meshplan.planner.intra.ilp_model import (MemorySpec, build_model, choice_start,
-                                             extract_choices)
-from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, evaluate,
-                                                peak_memory)
+from meshplan.planner.intra.ilp_model import (MemorySpec, OverlapSpec, build_model,
+                                             choice_start, extract_choices)
+from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, OverlapTerm,
+                                                evaluate, peak_memory)
 from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
 
-__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "evaluate", "min_memory", "peak_memory",
+__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory", "peak_memory",
            "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
@@ -98,7 +102,8 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     reduced = reduce_for_costs(problem)
     memory = _memory_spec(problem, problem.memory_budget) if problem.live_sets and (
         problem.memory_budget is not None) else None
-    model = build_model(reduced, memory=memory, max_cost=problem.max_cost)
+    model = build_model(reduced, memory=memory, max_cost=problem.max_cost,
+                        overlap=_overlap_spec(problem))
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
                     max_nodes=max_nodes, accept=accept,
                     start=None if start is None else choice_start(reduced, model, start))
@@ -140,6 +145,12 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
     edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
     shared = tuple((t.cost, t.blocks) for t in problem.shared)
     return reduce_problem(nodes, edges, problem.aliases, shared)
+
+
+def _overlap_spec(problem: IlpProblem) -> tuple[OverlapSpec, ...]:
+    def arrays(matrix: tuple) -> tuple[np.ndarray, ...]:
+        return tuple(np.asarray(row, dtype=np.float64) for row in matrix)
+    return tuple((arrays(t.hidden), arrays(t.window), float(t.weight)) for t in problem.overlap)
 
 
 def _memory_spec(problem: IlpProblem, budget: float | None) -> MemorySpec:

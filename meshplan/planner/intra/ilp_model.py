@@ -18,11 +18,15 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
   another: ``y >= sum_{clause in block} [clause] - (|block| - 1)``, where a clause's indicator
   is ``sum_{p in P} s[g, p]`` for one condition ``(g, P)`` and a continuous ``z >= sum_{p in
   P_i} s[g_i, p]`` (for each of its conditions i) for several;
+- ``build_overlap_rows``: per overlap term one continuous ``o >= 0`` with cost ``-weight``
+  and ``o <= sum hidden[g, p] s[g, p]``, ``o <= sum window[g, p] s[g, p]``: at the optimum
+  ``o`` is the smaller sum, the seconds the term saves;
 - ``build_max_cost_row``: ``c^T x + offset <= max_cost``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,9 +139,14 @@ def _spread(value: np.ndarray | float, count: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=np.float64), (count,))
 
 
+# An overlap term for the model: (hidden, window) per node (arrays by strategy) and weight.
+OverlapSpec = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], float]
+
+
 def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
                 max_cost: float | None = None, edge_form: str = "marginal",
-                shared_form: str = "pairs") -> MilpModel:
+                shared_form: str = "pairs", overlap: tuple[OverlapSpec, ...] = ()
+                ) -> MilpModel:
     """Build the MILP of a reduced problem; see the module docstring for the layout.
 
     With ``memory.budget is None`` the objective becomes the memory bound ``M`` (node and edge
@@ -155,6 +164,8 @@ def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
     offset += reduced.shared_offset
     if memory is not None:
         build_memory_rows(coo, reduced, choice_cols, memory)
+    for term in overlap:
+        build_overlap_rows(coo, reduced, choice_cols, term)
     if max_cost is not None:
         build_max_cost_row(coo, max_cost - offset)
     return coo.finish(offset, choice_cols)
@@ -448,18 +459,41 @@ def _working_column(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
 def _live_set_terms(live: frozenset[int], reduced: ReducedIlp, choice_cols: np.ndarray,
                     memory: MemorySpec) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
     """Bytes of fixed groups, then per free group its columns and their bytes."""
+    return _group_terms(live, reduced, choice_cols, memory.node_memory)
+
+
+def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                       term: OverlapSpec) -> None:
+    """The saving column of one overlap term and its two bounds (module docstring); nothing
+    when the term cannot save anything."""
+    hidden, window, weight = term
+    bounds = [_group_terms(range(len(hidden)), reduced, choice_cols, per_node)
+              for per_node in (hidden, window)]
+    if weight <= 0 or any(const <= 0 and not any(c.max() > 0 for c in coefs)
+                          for const, _, coefs in bounds):
+        return
+    o_col = coo.add_cols(np.array([-weight]), np.inf, False)
+    for const, cols, coefs in bounds:   # o - sum coefs x <= const
+        _add_row(coo, cols + [np.array([o_col])], [-c for c in coefs] + [np.ones(1)], const)
+
+
+def _group_terms(nodes: Iterable[int], reduced: ReducedIlp, choice_cols: np.ndarray,
+                 per_node: tuple[np.ndarray, ...]
+                 ) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+    """``per_node``'s entries of ``nodes`` by group: the fixed groups' sum, then per free group
+    its columns and coefficients (a group of aliased nodes adds its members')."""
     per_group: dict[int, np.ndarray] = {}
-    for v in live:
+    for v in nodes:
         g = int(reduced.group_of_node[v])
-        per_group[g] = per_group.get(g, 0.0) + memory.node_memory[v]
+        per_group[g] = per_group.get(g, 0.0) + per_node[v]
     const, cols, coefs = 0.0, [], []
-    for g, mem in per_group.items():
+    for g, values in per_group.items():
         allowed = reduced.allowed(g)
         if choice_cols[g] < 0:
-            const += float(mem[allowed[0]])
+            const += float(values[allowed[0]])
         else:
             cols.append(choice_cols[g] + np.arange(allowed.size))
-            coefs.append(mem[allowed])
+            coefs.append(values[allowed])
     return const, cols, coefs
 
 

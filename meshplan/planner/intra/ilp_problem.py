@@ -77,6 +77,35 @@ class SharedCost:
 
 
 @dataclass(frozen=True)
+class OverlapTerm:
+    """Communication that runs beside compute, as the runtime overlaps it: of the seconds
+    ``hidden[v][p]`` the objective already charges, those that fit in the chosen compute
+    ``window[v][p]`` are saved, ``weight`` times per step. The objective is less
+    ``weight * min(sum of chosen hidden, sum of chosen window)`` (a linear program's maximum
+    of a saving bounded by both sums). Raises ValueError for negative or non-finite entries or
+    a negative weight."""
+
+    hidden: Matrix
+    window: Matrix
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"OverlapTerm.weight must be finite and >= 0, got {self.weight!r}")
+        for name in ("hidden", "window"):
+            matrix = getattr(self, name)
+            _check_matrix(matrix, f"OverlapTerm.{name}", finite=True)
+            if any(x < 0 for row in matrix for x in row):
+                raise ValueError(f"OverlapTerm.{name} holds a negative number of seconds")
+
+    def saving(self, choices: tuple[int, ...]) -> float:
+        """Seconds ``choices`` save per step."""
+        hidden = math.fsum(self.hidden[v][p] for v, p in enumerate(choices))
+        window = math.fsum(self.window[v][p] for v, p in enumerate(choices))
+        return self.weight * min(hidden, window)
+
+
+@dataclass(frozen=True)
 class IlpProblem:
     """A strategy-choice problem: pick one strategy per node minimizing node plus edge costs.
 
@@ -87,6 +116,8 @@ class IlpProblem:
     is bytes ``v`` holds only while a pass runs (a ZeRO-3 parameter gathered whole): nodes take
     turns, so the largest one chosen adds to every live set. ``max_cost`` caps the objective.
     ``shared`` costs are paid once each when one of their blocks holds (see `SharedCost`).
+    ``overlap`` terms take back what communication overlapped with compute saves (see
+    `OverlapTerm`).
     Raises ValueError naming the bad index for wrong matrix sizes, out-of-range node indices,
     aliases between nodes with different strategy counts, or memory settings without
     ``node_memory``; TypeError for lists where tuples are expected.
@@ -101,6 +132,7 @@ class IlpProblem:
     max_cost: float | None = None
     shared: tuple[SharedCost, ...] = ()
     node_working: Matrix | None = None
+    overlap: tuple[OverlapTerm, ...] = ()
 
     def __post_init__(self) -> None:
         _check_matrix(self.node_costs, "node_costs")
@@ -113,6 +145,9 @@ class IlpProblem:
             _check_shared(term, i, counts)
         _check_aliases(self.aliases, counts)
         _check_memory(self, counts)
+        _check_tuple(self.overlap, "overlap")
+        for i, term in enumerate(self.overlap):
+            _check_overlap(term, i, counts)
         if self.max_cost is not None and math.isnan(self.max_cost):
             raise ValueError("max_cost is NaN; give a number or None")
 
@@ -154,7 +189,8 @@ class IlpSolution:
 def evaluate(problem: IlpProblem, choices: tuple[int, ...]) -> tuple[float, float]:
     """Return ``(node_cost, edge_cost)`` of a fixed assignment, in the problem's cost unit.
 
-    ``edge_cost`` includes the shared costs whose blocks hold.
+    ``edge_cost`` includes the shared costs whose blocks hold; ``node_cost`` is net of what
+    the ``overlap`` terms save.
 
     Raises ValueError when ``choices`` has the wrong length or an out-of-range index, violates an
     alias, or picks a forbidden (infinite) strategy or pair. Memory is not checked here; see
@@ -175,7 +211,8 @@ def evaluate(problem: IlpProblem, choices: tuple[int, ...]) -> tuple[float, floa
             raise ValueError(f"edge {i} ({edge.u}, {edge.v}) picks forbidden pair "
                              f"({choices[edge.u]}, {choices[edge.v]})")
     edge_terms += [t.cost for t in problem.shared if t.holds(choices)]
-    return math.fsum(node_terms), math.fsum(edge_terms)
+    saved = math.fsum(t.saving(choices) for t in problem.overlap)
+    return math.fsum(node_terms) - saved, math.fsum(edge_terms)
 
 
 def peak_memory(problem: IlpProblem, choices: tuple[int, ...]) -> float:
@@ -260,6 +297,15 @@ def _check_shared(term: SharedCost, i: int, counts: tuple[int, ...]) -> None:
             if v >= len(counts) or any(not 0 <= p < counts[v] for p in strategies):
                 raise ValueError(f"shared[{i}] names node {v} strategies {strategies}; valid "
                                  f"nodes 0..{len(counts) - 1} with their strategy ranges")
+
+
+def _check_overlap(term: OverlapTerm, i: int, counts: tuple[int, ...]) -> None:
+    if not isinstance(term, OverlapTerm):
+        raise TypeError(f"overlap[{i}] must be an OverlapTerm, got {type(term).__name__}")
+    for name in ("hidden", "window"):
+        if tuple(len(row) for row in getattr(term, name)) != counts:
+            raise ValueError(f"overlap[{i}].{name} needs one row per node with one entry per "
+                             f"strategy ({counts})")
 
 
 def _check_aliases(aliases: tuple[tuple[int, int], ...], counts: tuple[int, ...]) -> None:
