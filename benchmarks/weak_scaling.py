@@ -45,6 +45,7 @@ the default 600 s timeout (326 s on both cores), so give J > 1 a larger ``--time
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -72,6 +73,22 @@ DEFAULT_TIMEOUT_S = 600.0   # no plan measured took over 420 s
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                             "weak_scaling.json")
 ROWS = {name: row for name, row in pq.ROWS.items() if row.suite in SUITES}
+# Reduced-depth versions of the rows (``--reduced``; issue 27.3's check in CI,
+# tests/test_auto_vs_baselines.py): each row's widths, cluster and dtype with two layers
+# (Wide-ResNet: 26, its shallowest) and a small batch, so that every method plans in seconds.
+REDUCED = {"gpt": "layers=2,batch=16", "moe": "layers=2,batch=16",
+           "wresnet": "layers=26,batch=32"}
+
+
+def reduced(row: pq.Row) -> pq.Row:
+    """``row`` at reduced depth and batch (`REDUCED`), named ``<row>-reduced``."""
+    kept = [field for field in row.spec.split(",") if not field.startswith("batch=")]
+    return dataclasses.replace(row, name=f"{row.name}-reduced",
+                               spec=",".join(kept + [REDUCED[row.suite]]))
+
+
+REDUCED_ROWS = {r.name: r for r in map(reduced, ROWS.values())}
+ALL_ROWS = {**ROWS, **REDUCED_ROWS}
 
 _ONE_PLAN = """
 import json, sys, time, traceback, warnings
@@ -151,10 +168,10 @@ def planned(tasks: list[tuple[str, str, int | None]], timeout_s: float, jobs: in
     tasks' order, with ``jobs`` children running at a time."""
     if jobs == 1:
         for name, method, layers in tasks:
-            yield name, method, layers, run_plan(ROWS[name], method, layers, timeout_s)
+            yield name, method, layers, run_plan(ALL_ROWS[name], method, layers, timeout_s)
         return
     with ThreadPoolExecutor(jobs) as pool:   # threads only wait on their child processes
-        futures = [pool.submit(run_plan, ROWS[name], method, layers, timeout_s)
+        futures = [pool.submit(run_plan, ALL_ROWS[name], method, layers, timeout_s)
                    for name, method, layers in tasks]
         for (name, method, layers), future in zip(tasks, futures):
             yield name, method, layers, future.result()
@@ -215,7 +232,7 @@ def _num(x: float | None, fmt: str = ".4g") -> str:
 
 def row_cells(r: dict) -> list[str]:
     """The table's cells of one (row, method) record."""
-    row = ROWS[r["row"]]
+    row = ALL_ROWS[r["row"]]
     layers = r.get("num_layers_arg")
     cells = [r["row"], str(row.gpus), r["method"], r["status"],
              "default" if layers is None else str(layers), _num(r.get("search_s"), ".1f")]
@@ -245,7 +262,8 @@ def auto_against_baselines(results: dict[str, dict], names: list[str]) -> None:
     held = rows = 0
     for name in names:
         auto = results.get(f"{name}/auto")
-        others = [results.get(f"{name}/{m}") for m in METHODS[ROWS[name].suite] if m != "auto"]
+        others = [results.get(f"{name}/{m}") for m in METHODS[ALL_ROWS[name].suite]
+                  if m != "auto"]
         fitting = [r for r in others if r and r["status"] == "ok" and not over_memory(r)]
         if auto is None or auto["status"] != "ok":
             continue
@@ -266,7 +284,7 @@ def print_table(results: dict[str, dict], names: list[str]) -> None:
           "stages |")
     print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name in names:
-        for method in METHODS[ROWS[name].suite]:
+        for method in METHODS[ALL_ROWS[name].suite]:
             r = results.get(f"{name}/{method}")
             if r is not None:
                 print("| " + " | ".join(row_cells(r)) + " |")
@@ -329,7 +347,7 @@ def plot(results: dict[str, dict], path: str) -> None:
 def _bound_pflops(results: dict[str, dict], name: str) -> float | None:
     """3F / bound_s of a row (N × peak), from any of its plans (F is the model's, not the
     plan's; the dtype is the row's)."""
-    for method in METHODS[ROWS[name].suite]:
+    for method in METHODS[ALL_ROWS[name].suite]:
         r = results.get(f"{name}/{method}")
         if r and r["status"] == "ok":
             return 3 * r["forward_flops"] / r["bound_s"] / 1e15
@@ -371,7 +389,9 @@ def progress_line(t_start: float, name: str, method: str, r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", action="append", choices=SUITES)
-    ap.add_argument("--row", action="append", choices=list(ROWS))
+    ap.add_argument("--row", action="append", choices=list(ALL_ROWS))
+    ap.add_argument("--reduced", action="store_true",
+                    help="plan the rows' reduced-depth versions (REDUCED) instead")
     ap.add_argument("--method", action="append",
                     help="plan only these of a row's methods (default: all of them)")
     ap.add_argument("--json", default=DEFAULT_JSON,
@@ -386,19 +406,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         ap.error(f"--jobs must be at least 1, got {args.jobs}")
     names = selected_rows(args.suite, args.row)
+    if args.reduced:
+        names = [n if n in REDUCED_ROWS else f"{n}-reduced" for n in names]
     results, runs = load_results(args.json)
     if not args.table_only:
         t_start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
         commit = git_commit()
         if args.jobs > 1:
             os.environ["MESHPLAN_WORKERS"] = "1"   # inherited by the children: one core each
-        tasks = [(name, method, num_layers_for(ROWS[name], method, args.num_layers))
-                 for name in names for method in METHODS[ROWS[name].suite]
+        tasks = [(name, method, num_layers_for(ALL_ROWS[name], method, args.num_layers))
+                 for name in names for method in METHODS[ALL_ROWS[name].suite]
                  if not args.method or method in args.method]
         if args.jobs > 1:
             tasks = longest_first(tasks, results)
         for name, method, layers, r in planned(tasks, args.timeout, args.jobs):
-            row = ROWS[name]
+            row = ALL_ROWS[name]
             r = {"row": name, "method": method, "gpus": row.gpus, "cluster": row.cluster,
                  "num_layers_arg": layers, "timeout_s": args.timeout, "jobs": args.jobs,
                  "commit": git_commit(), **r}

@@ -212,9 +212,10 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     levels (`planner/inter/search.py`): pipeline stages on submeshes over ``num_layers``
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
-    which `PipelineTrainer` runs. On one host it also weighs "intra-only"'s plan (one stage at
-    the fewest micro-batches that fit) and returns the faster of those that fit as simulated
-    (``options["one_host_check"]`` records both steps and the choice). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
+    which `PipelineTrainer` runs. On one host, or where that search answers one stage, it also
+    weighs "intra-only"'s plan (one stage at the fewest micro-batches that fit) and returns
+    the faster of those that fit as simulated (``options["single_stage_check"]`` records both
+    steps and the choice). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
     the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
     parallel only), "equal-layer" (S equal stages on N/S devices each), "equal-operator" (layers
     of equal op counts instead of operator clustering).
@@ -332,15 +333,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             if method != "auto":
                 raise
             # explained below by the single-stage search, which knows what would help
-        # On one host "auto" also weighs the single-stage plan at the fewest micro-batches
-        # that fit (what "intra-only" answers): one stage has no bubble to amortize, so its
-        # best count is the smallest, which the pipeline search's walk down from the most
-        # micro-batches does not reach (GPT-2.6B on 8 V100: 27.69 s at 64 micro-batches
-        # against the pipeline's 29.31 s at 512). Across hosts one stage's collectives run
-        # over the slow links and it lost every row of the weak-scaling suite by 4-100x.
-        # One stage already at the fewest micro-batches is intra-only's plan, solved whole.
-        if piped is not None and not (method == "auto" and cl.num_hosts == 1 and not (
-                piped.num_stages == 1 and piped.microbatches == counts[0])):
+        if piped is not None and not (method == "auto"
+                                      and _weighs_intra_only(piped, cl, counts)):
             return piped
     last: InfeasiblePlanError | None = None
     # "auto" on one given mesh recomputes nothing: its ILP holds a recomputed program's
@@ -396,8 +390,11 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     over = [k for k, p in plans.items()
             if budget is not None and max(simulate(p).peak_memory_bytes) > budget]
     name = min(plans, key=lambda k: (k in over, steps[k]))
+    # The pipeline search's own weighing of one stage (`search._one_stage_if_simulated_faster`)
+    # stays on record whichever plan is chosen.
+    kept = {k: v for k, v in piped.options.items() if k == "pipeline_check"}
     return replace(plans[name], search_time_s=time.perf_counter() - t0,
-                   options={**plans[name].options, "one_host_check": {
+                   options={**plans[name].options, **kept, "single_stage_check": {
                        "step_s": steps, "chosen": name, "over_budget_simulated": over}})
 
 
@@ -566,6 +563,23 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
                              replace(req, method=str(spec)))
     return search_pipeline(graph_for, counts, req)
+
+
+def _weighs_intra_only(piped: Plan, cl: Cluster, counts: list[int]) -> bool:
+    """Whether "auto" also weighs "intra-only"'s plan (one stage at the fewest micro-batches
+    that fit) against the pipeline search's ``piped``. One stage has no bubble to amortize,
+    so its best count is often the smallest, which the search's walk down from the most
+    micro-batches does not reach (GPT-2.6B on 8 V100: 27.69 s at 64 micro-batches against
+    the pipeline's 29.31 s at 512); under a tight budget, more micro-batches can fit a plan
+    that communicates less, and the search's own one stage wins. On one host always; across hosts, where one stage's
+    collectives run over the slow links (it lost every row of the weak-scaling suite by
+    4-100x), only when the search itself answered one stage (GPT-6.7B's hidden size, 4
+    layers, batch 64 on 16 V100: 0.706 s at 64 micro-batches, 0.624 s at one). One stage
+    already at the fewest micro-batches is intra-only's plan, solved whole."""
+    one_stage = piped.num_stages == 1
+    if one_stage and piped.microbatches == counts[0]:
+        return False
+    return cl.num_hosts == 1 or one_stage
 
 
 def _state_floor(model: nn.Module, num_devices: int, state: OptimizerState) -> float:

@@ -292,8 +292,10 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
     assert plan.num_stages == 1
     assert check["pipeline_estimated_s"] == pytest.approx(check["pipeline_simulated_s"],
                                                           rel=0.05)
-    assert simulate(plan).step_time_s == pytest.approx(check["one_stage_s"])
     assert check["one_stage_s"] < check["pipeline_simulated_s"]
+    # One stage at the search's count, or intra-only's at fewer micro-batches where faster
+    # (`api._weighs_intra_only`).
+    assert simulate(plan).step_time_s <= check["one_stage_s"] * (1 + 1e-9)
     # Where the pipeline stays the faster, as simulated, it is kept (hosts of two): the demo's
     # own plan (the same request on p3.16xlarge:2x2, made once for this and the demo's test).
     from test_demo_pipeline import demo_plan
@@ -301,20 +303,23 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
     assert kept.num_stages >= 2 and "one_stage_s" not in kept.options["pipeline_check"]
 
 
-def test_auto_on_one_host_takes_one_stage_at_its_own_count() -> None:
-    """One stage has no bubble, so its best micro-batch count is the fewest that fit, which
-    the pipeline search's walk down from the most does not reach. On one host auto also
-    weighs that plan (intra-only's) and takes the faster of those that fit as simulated;
-    explain says which and why."""
+def test_auto_on_one_host_weighs_intra_onlys_plan() -> None:
+    """On one host auto also weighs intra-only's plan (one stage at the fewest micro-batches
+    that fit, which the pipeline search's walk down from the most does not reach) and takes
+    the faster of those that fit as simulated; explain says which. Which one wins depends on
+    the budget: under a tight one, one stage at more micro-batches can fit a plan that
+    communicates less (here the search's one stage at 16 micro-batches, 0.5 % ahead)."""
     w = build_workload("gpt:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=64",
                        device="meta")
-    p = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, dtype="fp16",
-                 memory_budget_gb=0.3)
-    check = p.options["one_host_check"]
+    kw = dict(dtype="fp16", memory_budget_gb=0.3)
+    p = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, **kw)
+    check = p.options["single_stage_check"]
     steps = check["step_s"]
-    assert steps["one stage"] < steps["pipeline"] * 0.99   # the walk's count is slower
-    assert check["chosen"] == "one stage" and not check["over_budget_simulated"]
-    assert p.num_stages == 1 and p.microbatches < 64
-    assert p.predicted["step_time_s"] == steps["one stage"]
+    intra = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, method="intra-only",
+                     **kw)
+    assert steps["one stage"] == intra.predicted["step_time_s"]
+    assert not check["over_budget_simulated"]
+    assert check["chosen"] == min(steps, key=steps.get)
+    assert p.predicted["step_time_s"] == min(steps.values())
     assert p.predicted["peak_memory_bytes"] <= 0.3 * 2**30
-    assert "one host         chose the one stage" in p.explain()
+    assert f"intra-only check chose the {check['chosen']}" in p.explain()

@@ -6,23 +6,13 @@ on their figure, each planned within its device's memory and simulated to fit it
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench_modules import ROOT, load
 
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-published_runs = _module("published_runs")
+published_runs = load("published_runs")
 CALIBRATION_ROWS = {"megatron-1.7b", "alpa-350m-1"}
 TOLERANCE = {"megatron": 0.15, "alpa": 0.20}
 

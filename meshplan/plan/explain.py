@@ -49,9 +49,9 @@ def summary(plan: Plan) -> str:
         lines.append("  mixed devices    chose " + plan.options["mixed_auto"]["chosen"] + " of "
                      + ", ".join(f"{k} {v * 1e3:,.3f} ms" if v is not None else f"{k} none"
                                  for k, v in steps.items()))
-    if "one_host_check" in plan.options:   # auto on one host: pipeline against one stage
-        check = plan.options["one_host_check"]
-        lines.append(f"  one host         chose the {check['chosen']}: " + ", ".join(
+    if "single_stage_check" in plan.options:   # auto: pipeline against intra-only's plan
+        check = plan.options["single_stage_check"]
+        lines.append(f"  intra-only check chose the {check['chosen']}: " + ", ".join(
             f"{k} {v * 1e3:,.3f} ms"
             + (" (over the budget as simulated)" if k in check["over_budget_simulated"] else "")
             for k, v in check["step_s"].items()))
