@@ -141,10 +141,14 @@ class Trainer:
             if scales is not None and plan.microbatches > 1 else ()
         self.program = lower(traced, graph, plan, comm.rank, w, device=self.device,
                              scaled=scaled)
-        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
-        self.buffers = {n.name: state[n.state_name].detach().to(self.device)
-                        for n in graph.nodes if n.role == "buffer"}
+        # Read while no rank traces: a capture swaps the module's tensors for fake ones while
+        # it runs (another emulated rank's, re-tracing at another batch size for its dropout
+        # masks, once handed this rank a FakeTensor parameter).
+        with _CAPTURING:
+            state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
+            self.buffers = {n.name: state[n.state_name].detach().to(self.device)
+                            for n in graph.nodes if n.role == "buffer"}
         self.spec = OptimizerSpec.from_dict(plan.optimizer)
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
