@@ -50,6 +50,7 @@ the same feasible set, ignoring costs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -99,11 +100,12 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int)
                                   or max_nodes < 1):
         raise ValueError(f"max_nodes must be a positive int or None, got {max_nodes!r}")
-    reduced = reduce_for_costs(problem)
+    linear = _overlap_folded(problem)
+    reduced = reduce_for_costs(linear)
     memory = _memory_spec(problem, problem.memory_budget) if problem.live_sets and (
         problem.memory_budget is not None) else None
     model = build_model(reduced, memory=memory, max_cost=problem.max_cost,
-                        overlap=_overlap_spec(problem))
+                        overlap=_overlap_spec(linear))
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
                     max_nodes=max_nodes, accept=accept,
                     start=None if start is None else choice_start(reduced, model, start))
@@ -145,6 +147,30 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
     edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
     shared = tuple((t.cost, t.blocks) for t in problem.shared)
     return reduce_problem(nodes, edges, problem.aliases, shared)
+
+
+def _overlap_folded(problem: IlpProblem) -> IlpProblem:
+    """``problem`` with each overlap term whose minimum is the same side under every choice
+    folded into the node costs (exact, and no rows: the LP relaxation stays as tight as
+    without the term). Where the least window exceeds the most hidden, the saving is the
+    hidden seconds themselves (a large model on fast links); the other way round, the window."""
+    costs = [list(row) for row in problem.node_costs]
+    kept = []
+    for term in problem.overlap:
+        least = {k: math.fsum(min(row) for row in getattr(term, k)) for k in ("hidden", "window")}
+        most = {k: math.fsum(max(row) for row in getattr(term, k)) for k in ("hidden", "window")}
+        side = "hidden" if least["window"] >= most["hidden"] else \
+            "window" if least["hidden"] >= most["window"] else None
+        if side is None:
+            kept.append(term)
+            continue
+        for row, saved in zip(costs, getattr(term, side)):
+            for p, x in enumerate(saved):
+                row[p] -= term.weight * x   # inf stays inf: forbidden stays forbidden
+    if len(kept) == len(problem.overlap):
+        return problem
+    return dataclasses.replace(problem, node_costs=tuple(tuple(row) for row in costs),
+                               overlap=tuple(kept))
 
 
 def _overlap_spec(problem: IlpProblem) -> tuple[OverlapSpec, ...]:
