@@ -16,7 +16,7 @@ from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.memory import OptimizerState
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter.clustering import cluster_layers
-from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor, _worth_fitting
+from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor
 from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
@@ -319,24 +319,3 @@ def test_a_parameter_several_layers_use_is_never_zero_sharded(program) -> None:
     (tied,) = shared
     assert modes[tied] == {"replicated"}
     assert any("zero3" in m for name, m in modes.items() if name != tied)
-
-
-def test_only_options_faster_than_one_that_fits_are_fitted_as_run() -> None:
-    """A stage's options are solved whole in two waves (`search._solved_whole`): the first
-    solves, then fitting as run (a tighter bound, a slower plan) only the options whose first
-    solve beats the fastest one that already fits. Llama 3 70B's plain stages were fitted so
-    at 25 s a solve where a recomputed option that fits had already beaten them."""
-    budget = 10.0
-    firsts = {("a", "plain"): (1.0, 12.0),     # faster, over as run: worth fitting
-              ("a", "full"): (1.2, 9.0),       # fits: the bound for stage a
-              ("a", "tp"): (1.5, 11.0),        # over and slower than "full": never wins
-              ("a", "lean"): None,             # nothing fits the limit
-              ("b", "plain"): (2.0, 11.0)}     # another stage: nothing fits yet, fit it
-
-    class Profiler:
-        def whole_first(self, start, end, submesh, label, in_flight):
-            return firsts[(submesh, label)]
-
-    requests = [(0, 4, stage, label, 3) for stage, label in firsts]
-    kept = _worth_fitting(Profiler(), requests, budget)
-    assert [(r[2], r[3]) for r in kept] == [("a", "plain"), ("a", "full"), ("b", "plain")]
