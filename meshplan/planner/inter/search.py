@@ -61,7 +61,7 @@ from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
 from meshplan.planner.inter.stage_costs import (StageLabel, StageProfiler,
-                                                 prefetch_whole_firsts_of)
+                                                 prefetch_whole_costs_of)
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
                                                   PipelineProblem,
@@ -293,7 +293,7 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
     rounds = [_whole_round(t.found.profiler, list(t.candidates), req) for t in near]
     # Every count's first whole solves in one pool: a count's longest solve runs beside the
     # next count's instead of after it.
-    prefetch_whole_firsts_of([(t.found.profiler, r.requests) for t, r in zip(near, rounds)])
+    prefetch_whole_costs_of([(t.found.profiler, r.requests) for t, r in zip(near, rounds)])
     best: FoundPipeline | None = None
     best_fits = False
     for t, r in zip(near, rounds):
@@ -540,12 +540,7 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     not fit solved whole (`_refitted` then looks further; the plan reports its peak); the
     second value says whether the pipeline returned fits."""
     budget = req.budget if req.budget is not None else math.inf
-    # Two waves: every option's first whole solve, then the solves that fit the others as
-    # run, only for options whose first solve is faster than one that fits already
-    # (`_stage_solved_whole`). Llama 3 70B on 64 H100: of 97 s of whole solves, 44 s went to
-    # fitting plain stages as run that recomputed ones beat before they were fitted.
-    prefetch_whole_firsts_of([(profiler, round_.requests)])
-    profiler.prefetch_whole_costs(_worth_fitting(profiler, round_.requests, budget))
+    profiler.prefetch_whole_costs(round_.requests)
     chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
                                       for s, n in zip(c.stages, m)))
               for c, m in zip(round_.near, round_.most)]
@@ -624,38 +619,14 @@ def _most_in_flight(profiler: StageProfiler, pipeline: PipelineSolution) -> list
 def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float,
                         in_flight: int) -> StagePlacement:
     """``stage`` with the logical mesh and recomputation whose whole solve with ``in_flight``
-    micro-batches kept is fastest within the budget, of those `_relabels` offers. An option
-    whose first solve (`StageProfiler.whole_first`, a lower bound) is no faster than one that
-    fits is not solved further: fitting it as run could only make it slower."""
+    micro-batches kept is fastest within the budget, of those `_relabels` offers."""
     best, best_latency = stage, math.inf
-    firsts = []
     for o in _relabels(profiler, stage, budget, in_flight):
-        first = profiler.whole_first(stage.start, stage.end, stage.submesh, o.label, in_flight)
-        if first is not None:   # nothing fits the limit: its leanest plan would not either
-            firsts.append((first[0], o))
-    for bound, o in sorted(firsts, key=lambda f: f[0]):
-        if bound >= best_latency:
-            break
         latency, memory = profiler.whole_cost(stage.start, stage.end, stage.submesh, o.label,
                                               in_flight)
         if memory <= budget and latency < best_latency:
             best, best_latency = replace(stage, option=o), latency
     return best
-
-
-def _worth_fitting(profiler: StageProfiler, requests: list[tuple], budget: float
-                   ) -> list[tuple]:
-    """Of the whole solves ``requests`` (their first solves done), those
-    `_stage_solved_whole` may go on with: per stage, the options whose first solve fits as
-    run, and those faster than the fastest of them."""
-    firsts = {r: profiler.whole_first(*r) for r in requests}
-    fastest: dict[tuple, float] = {}
-    for r, f in firsts.items():
-        if f is not None and f[1] <= budget:
-            stage = (r[0], r[1], r[2], r[4])
-            fastest[stage] = min(fastest.get(stage, math.inf), f[0])
-    return [r for r, f in firsts.items() if f is not None and (
-        f[1] <= budget or f[0] < fastest.get((r[0], r[1], r[2], r[4]), math.inf))]
 
 
 def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float, in_flight: int

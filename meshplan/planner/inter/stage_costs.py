@@ -195,8 +195,6 @@ class StageProfiler:
         self._transfers: dict[int, float] = {}
         self._boundaries: dict[int, float] = {}   # `_boundary_bytes`
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
-        # Whole solves under the memory limit before `_within_as_run` (`whole_first`).
-        self._firsts: dict[tuple, IlpSolution | None] = {}
         self._whole_costs: dict[tuple, tuple[float, float]] = {}   # `whole_cost`
         self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
@@ -683,30 +681,9 @@ class StageProfiler:
     def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                          in_flight: int) -> tuple[IlpSolution, int]:
         before = self.solves
-        form, first, segments, weighted = self._whole_problem(start, end, submesh, label,
-                                                              in_flight)
-        s = self._first_of(start, end, submesh, label, in_flight)
-        if self.memory_limit is not None:
-            if s is None:
-                s = self._solve(start, end, form, replace(
-                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)),
-                    WHOLE_MAX_NODES)
-            else:   # the structure's names: those of its first range
-                s = self._within_as_run(*first, form, weighted, segments, in_flight,
-                                        StageSolution(form, s.solution, self.stage(*first)))
-        if s is None:
-            raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on "
-                                 f"{submesh} has no plan although the DP chose one")
-        return s.solution, self.solves - before
-
-    def _whole_problem(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                       in_flight: int) -> tuple[Formulation, tuple[int, int],
-                                                Mapping[str, int] | None, IlpProblem]:
-        """(formulation, the structure's first range, replayed segments, the ILP) of a whole
-        solve: the unconstrained ILP, whatever variant priced the stage (its plans include
-        every variant's, so under the same memory bound it is at least as fast), with
-        ``in_flight`` micro-batches kept. The structure's shared formulation: ranges of one
-        structure list their choices in the same order."""
+        # The unconstrained ILP, whatever variant priced the stage: its plans include every
+        # variant's, so under the same memory bound it is at least as fast. The structure's
+        # shared formulation: ranges of one structure list their choices in the same order.
         form = self._form(start, end, submesh, label.logical_shape)
         first = self._form_range(start, end, submesh, label.logical_shape)
         segments = self.segments(self.stage(*first), end - start, label)
@@ -717,46 +694,25 @@ class StageProfiler:
         # is what a whole solve is there to undo, since under the pipeline's memory bound the
         # best stage mixes plans (Llama 3 70B's first stage: 4 blocks one way, 4 in three
         # others). Tied, it was 1-4 % slower than untied, and no faster to solve.
-        return form, first, segments, replace(weighted, aliases=())
-
-    def _first_of(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                  in_flight: int) -> StageSolution | None:
-        """The stage's whole solve under the memory limit (unconstrained without one), before
-        its peak as run is checked (cached); None when nothing fits the limit. Solved to
-        optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which would make the
-        plan depend on the load."""
-        form, first, _, weighted = self._whole_problem(start, end, submesh, label, in_flight)
-        key = self.whole_key(start, end, submesh, label, in_flight)
-        if key not in self._firsts:
-            problem = replace(weighted, live_sets=()) if self.memory_limit is None else \
-                replace(weighted, memory_budget=self.memory_limit)
-            s = self._solve(start, end, form, problem, WHOLE_MAX_NODES)
-            self._firsts[key] = None if s is None else s.solution
-        sol = self._firsts[key]
-        return None if sol is None else StageSolution(form, sol, self.stage(*first))
-
-    def whole_first(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                    in_flight: int) -> tuple[float, float] | None:
-        """(seconds per micro-batch, peak bytes as run) of the stage's first whole solve (the
-        one `whole_cost` starts from, cached for it), or None when nothing fits the limit.
-        Its latency is a lower bound of `whole_cost`'s: fitting as run only tightens the
-        bound. So an option whose first solve is no faster than another's that fits as run
-        needs no more solves (`search._stage_solved_whole`)."""
-        if self.whole_key(start, end, submesh, label, in_flight) in self._whole_costs:
-            return self.whole_cost(start, end, submesh, label, in_flight)
-        s = self._first_of(start, end, submesh, label, in_flight)
+        weighted = replace(weighted, aliases=())
+        # Solved to optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which
+        # would make the plan depend on the load.
+        nodes = WHOLE_MAX_NODES
+        if self.memory_limit is None:
+            s = self._solve(start, end, form, replace(weighted, live_sets=()), nodes)
+        else:
+            s = self._solve(start, end, form,
+                            replace(weighted, memory_budget=self.memory_limit), nodes)
+            if s is None:
+                s = self._solve(start, end, form, replace(
+                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)), nodes)
+            else:   # the structure's names: those of its first range
+                s = self._within_as_run(*first, form, weighted, segments, in_flight,
+                                        StageSolution(form, s.solution, self.stage(*first)))
         if s is None:
-            return None
-        first = self._form_range(start, end, submesh, label.logical_shape)
-        latency, memory = self._as_run(s, *first, submesh, label, in_flight, transients=True)
-        return latency + self.transfer_time(start), memory
-
-    def _whole_first_task(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                          in_flight: int) -> tuple[IlpSolution | None, int]:
-        before = self.solves
-        self._first_of(start, end, submesh, label, in_flight)
-        key = self.whole_key(start, end, submesh, label, in_flight)
-        return self._firsts.get(key), self.solves - before
+            raise AssertionError(f"meshplan internal error: stage [{start}, {end}) on "
+                                 f"{submesh} has no plan although the DP chose one")
+        return s.solution, self.solves - before
 
     def _within_as_run(self, start: int, end: int, form: Formulation, weighted: IlpProblem,
                        segments: Mapping[str, int] | None, in_flight: int, s: StageSolution
@@ -846,25 +802,6 @@ def prefetch_whole_costs_of(jobs: list[tuple[StageProfiler, list[tuple]]],
     for (i, key, _), (sol, cost, solves) in zip(tasks, done):
         prof = jobs[i][0]
         prof._wholes[key], prof._whole_costs[key] = sol, cost
-        prof.solves += solves
-
-
-def prefetch_whole_firsts_of(jobs: list[tuple[StageProfiler, list[tuple]]]) -> None:
-    """`StageProfiler.whole_first` of each ``(start, end, submesh, label, in_flight)`` of
-    several profilers (one per micro-batch count) ahead of time, the distinct unsolved ones
-    in one pool of forked workers."""
-    tasks: dict[tuple[int, tuple], tuple] = {}
-    for i, (prof, stages) in enumerate(jobs):
-        for stage in stages:
-            key = prof.whole_key(*stage)
-            if key not in prof._firsts and key not in prof._whole_costs:
-                tasks.setdefault((i, key), stage)
-    done = _run_tasks(tuple(prof for prof, _ in jobs),
-                      [(i, "_whole_first_task", t) for (i, _), t in tasks.items()], None,
-                      WHOLE_PARALLEL_FROM)
-    for (i, key), (s, solves) in zip(tasks, done):
-        prof = jobs[i][0]
-        prof._firsts[key] = s
         prof.solves += solves
 
 
