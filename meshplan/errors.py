@@ -43,6 +43,10 @@ class InfeasiblePlanError(ValueError):
         self.budget_bytes = budget_bytes
         self.min_memory_bytes = min_memory_bytes
         self.advice = advice
+        if min_memory_bytes == float("inf"):   # not a matter of memory: nothing was found
+            super().__init__("no plan exists at any memory budget: "
+                             + (advice or "the method's restrictions leave none"))
+            return
         super().__init__(
             f"no plan fits a memory budget of {budget_bytes / 2**30:.3f} GiB per device; the "
             f"smallest plan needs {min_memory_bytes / 2**30:.3f} GiB per device "

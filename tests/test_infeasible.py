@@ -58,3 +58,17 @@ def test_min_memory_holds_for_terabyte_sized_nodes() -> None:
     problem = IlpProblem(node_costs=((0.0, 0.0), (0.0, 0.0)),
                          node_memory=((3e13, 1e13), (2e13, 4e13)), live_sets=((0, 1),))
     assert min_memory(problem) == pytest.approx(3e13)
+
+
+def test_a_method_with_no_plan_at_any_memory_says_so() -> None:
+    """Inter-only (data-parallel stages) finds no pipeline of a small-batch MoE on 8 devices
+    whatever the memory: the error says that, and what to use, not "the smallest plan needs
+    inf GiB"."""
+    w = build_workload("moe:preset=2.4b,layers=2,batch=16", device="meta")
+    with pytest.raises(InfeasiblePlanError) as info:
+        meshplan.plan(w.model, w.loss_fn, "adafactor", w.example_batch, "p3.16xlarge:1",
+                      method="inter-only", dtype="fp16")
+    message = str(info.value)
+    assert message.startswith("no plan exists at any memory budget")
+    assert "'inter-only'" in message and "use method 'auto'" in message
+    assert "inf GiB" not in message

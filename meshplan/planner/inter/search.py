@@ -428,6 +428,13 @@ class _MemoryFloor:
 def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineRequest
                 ) -> InfeasiblePlanError:
     need = min(e.min_memory_bytes for e in errors)
+    if need == math.inf:   # no pipeline at all, whatever the memory
+        return InfeasiblePlanError(
+            math.inf if req.budget is None else req.budget, need,
+            f"every split of the layers into stages on submeshes of the {req.cluster.num_devices} "
+            f"devices, with {counts[0]}-{counts[-1]} micro-batches, leaves some stage without "
+            f"a plan that method {req.method!r} allows; use method 'auto' or 'intra-only', "
+            "or a larger batch")
     assert req.budget is not None, "without a budget some pipeline always fits"
     return InfeasiblePlanError(
         req.budget, need,
