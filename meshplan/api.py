@@ -571,11 +571,11 @@ def _weighs_intra_only(piped: Plan, cl: Cluster, counts: list[int]) -> bool:
     so its best count is often the smallest, which the search's walk down from the most
     micro-batches does not reach (GPT-2.6B on 8 V100: 27.69 s at 64 micro-batches against
     the pipeline's 29.31 s at 512); under a tight budget, more micro-batches can fit a plan
-    that communicates less, and the search's own one stage wins. On one host always; across hosts, where one stage's
-    collectives run over the slow links (it lost every row of the weak-scaling suite by
-    4-100x), only when the search itself answered one stage (GPT-6.7B's hidden size, 4
-    layers, batch 64 on 16 V100: 0.706 s at 64 micro-batches, 0.624 s at one). One stage
-    already at the fewest micro-batches is intra-only's plan, solved whole."""
+    that communicates less, and the search's own one stage wins. On one host always; across
+    hosts, where one stage's collectives run over the slow links (it lost every row of the
+    weak-scaling suite by 4-100x), only when the search itself answered one stage (GPT-6.7B's
+    hidden size, 4 layers, batch 64 on 16 V100: 0.706 s at 64 micro-batches, 0.624 s at
+    one). One stage already at the fewest micro-batches is intra-only's plan, solved whole."""
     one_stage = piped.num_stages == 1
     if one_stage and piped.microbatches == counts[0]:
         return False

@@ -156,6 +156,8 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
 
 # The methods whose search may answer one stage over every device.
 ONE_STAGE_METHODS = ("auto", "inter-only", "equal-operator")
+
+
 def _weighs_one_stage(req: PipelineRequest) -> bool:
     """Whether the search itself weighs one stage over every device against its pipelines:
     for `ONE_STAGE_METHODS`, but not "auto" on one host, where `api.plan` weighs intra-only's

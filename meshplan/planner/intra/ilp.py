@@ -63,8 +63,8 @@ from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution
                                                 evaluate, peak_memory)
 from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
 
-__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory", "peak_memory",
-           "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
+__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
+           "peak_memory", "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
 # (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)

@@ -27,10 +27,9 @@ Abstract (alpha-beta) problems have no compute to hide behind and get none.
 
 from __future__ import annotations
 
-from meshplan.cost.collectives import collective_cost
 from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.ilp_problem import OverlapTerm
-from meshplan.planner.intra.op_costs import OpCosts, local_bytes
+from meshplan.planner.intra.op_costs import OpCosts, local_bytes, sync_cost
 
 
 def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[OverlapTerm, ...]:
@@ -69,14 +68,8 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
 
 
 def _all_reduce_s(costs: OpCosts, axes: tuple[int, ...], nbytes: int) -> float:
-    """A bucketed all-reduce's seconds (one latency for the bucket, none per parameter), as
-    `sync_cost` charges a replicated update."""
-    if not axes:
-        return 0.0
-    mesh = costs.ctx.mesh
-    axes = tuple(sorted(axes))
-    return collective_cost("all_reduce", mesh, axes, nbytes) \
-        - collective_cost("all_reduce", mesh, axes, 0)
+    """A replicated update's all-reduce as eq. 1 charges it (`sync_cost`, bucketed)."""
+    return sync_cost("replicated", tuple(sorted(axes)), nbytes, costs.ctx.mesh, bucketed=True)
 
 
 def _frozen(rows: list[list[float]]) -> tuple[tuple[float, ...], ...]:
