@@ -617,17 +617,16 @@ def _pipeline_bound(profiler: StageProfiler, round_: _WholeRound, req: PipelineR
     bounds (`StageProfiler.whole_bound`), run on the schedule as `solved_as_whole` runs it
     (a step never shortens as a stage lengthens)."""
     c, most = round_.near[0], round_.most[0]
-    # A stage no relabel fits keeps the DP's option (`_stage_solved_whole`).
-    labels = {(s.start, s.end, s.submesh, n): (s.option.label,) for s, n in zip(c.stages, most)}
-    for stage, options in round_.relabels:
-        labels[stage] += tuple(o.label for o in options)
-    prefetch_whole_bounds_of([(profiler, [(*stage, label, n) for (*stage, n), ls in labels.items()
-                                          for label in ls
-                                          if not profiler.has_whole_cost(*stage, label, n)])])
-    least = {(*stage, n): min(profiler.whole_cost(*stage, label, n)[0]
-                              if profiler.has_whole_cost(*stage, label, n)
-                              else profiler.whole_bound(*stage, label, n) for label in ls)
-             for (*stage, n), ls in labels.items()}
+    prefetch_whole_bounds_of([(profiler, [
+        (*stage, o.label, n) for (*stage, n), options in round_.relabels for o in options
+        if not profiler.has_whole_cost(*stage, o.label, n)])])
+    least = {(*stage, n): min((profiler.whole_cost(*stage, o.label, n)[0]
+                               if profiler.has_whole_cost(*stage, o.label, n)
+                               else profiler.whole_bound(*stage, o.label, n)
+                               for o in options), default=math.inf)
+             for (*stage, n), options in round_.relabels}
+    if math.inf in least.values():   # a stage that cannot fit: nor can the pipeline
+        return math.inf
     cl = profiler.cluster
     cuts = inbound_discounts(profiler, c, stage_devices(c, cl.num_hosts, cl.devices_per_host),
                              cl.devices_per_host)
