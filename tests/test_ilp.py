@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from meshplan.errors import InfeasibleIlpError
-from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, OverlapTerm, evaluate, lower_bound,
-                                        min_memory, peak_memory, reduce_for_costs, solve)
+from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, OverlapTerm, evaluate, min_memory,
+                                        peak_memory, reduce_for_costs, solve)
 from meshplan.planner.intra.ilp_backends import run_model
 from meshplan.planner.intra.ilp_model import build_model, extract_choices
 
@@ -221,32 +221,6 @@ def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -
         if expected is not None and problem.live_sets:
             assert min_memory(problem, solver=solver) == pytest.approx(expected[1])
     assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
-
-
-def test_lower_bound_never_exceeds_the_optimum() -> None:
-    """`lower_bound` (the LP relaxation) is at most the optimum on every random problem,
-    equal to it where nothing couples the choices, and inf where nothing is allowed; on a
-    memory-bound DAG it is strictly below yet close (what makes it worth computing)."""
-    rng = random.Random(99)
-    seen = {"solved": 0, "infeasible": 0}
-    for _ in range(60):
-        problem = random_problem(rng)
-        expected = brute_force(problem)
-        bound = lower_bound(problem)
-        if expected is None or math.isinf(expected[0]):
-            seen["infeasible"] += 1
-            assert bound <= math.inf   # an infeasible MILP may still relax to a point
-            continue
-        seen["solved"] += 1
-        assert bound <= expected[0] + 1e-9, problem
-    assert seen["solved"] >= 20 and seen["infeasible"] >= 5, seen
-    chain = chain_problem(40, 3)
-    assert lower_bound(chain) == pytest.approx(chain_optimum(chain), rel=1e-6)
-    everything_forbidden = IlpProblem(((math.inf, math.inf), (1.0,)), ())
-    assert lower_bound(everything_forbidden) == math.inf
-    dag = memory_bound_dag(60, 5)
-    optimum = solve(dag).objective
-    assert 0.9 * optimum < lower_bound(dag) < optimum
 
 
 def test_an_overlap_term_saves_the_smaller_of_what_it_hides_and_its_window() -> None:

@@ -16,12 +16,10 @@ from meshplan.cost.cluster import parse_cluster_spec
 from meshplan.cost.memory import OptimizerState
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter.clustering import cluster_layers
-import meshplan.planner.inter.search as search
 from meshplan.planner.inter.search import PipelineRequest, _MemoryFloor
 from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
 from meshplan.planner.inter.stage_dp import solve_stage_dp
-from meshplan.planner.inter.stage_problem import (ClusterShape, PipelineProblem, StagePlacement,
-                                                  submesh_shapes)
+from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
 from meshplan.planner.inter.stage_tables import _flatten, profile_all
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.ilp import min_memory, peak_memory, solve
@@ -321,30 +319,3 @@ def test_a_parameter_several_layers_use_is_never_zero_sharded(program) -> None:
     (tied,) = shared
     assert modes[tied] == {"replicated"}
     assert any("zero3" in m for name, m in modes.items() if name != tied)
-
-
-def test_relabels_are_solved_whole_only_when_their_bound_can_win(program, monkeypatch) -> None:
-    """Of a stage's relabels (logical mesh, recomputation), the one solved whole that is
-    fastest and fits is the stage's; a relabel whose LP bound is above a fitting plan in hand
-    is not solved. The choices equal those of solving every relabel, with fewer solves."""
-    stages = []
-    for start, end in ((0, 2), (1, 5), (2, 6), (0, 6)):
-        options = _profiler(program)(start, end, (1, 4))
-        stages.append(StagePlacement(start, end, (1, 4), min(options, key=lambda o: o.latency),
-                                     2))
-
-    def chosen(prune: bool) -> tuple[list, int]:
-        prof = _profiler(program)
-        if not prune:
-            monkeypatch.setattr(search, "_worth_solving", lambda *a: True)
-        out = [search._stage_solved_whole(prof, s, BUDGET, s.in_flight) for s in stages]
-        monkeypatch.undo()
-        picked = [(s.option.label, prof.whole_cost(s.start, s.end, s.submesh, s.option.label,
-                                                  s.in_flight)) for s in out]
-        return picked, len(prof._wholes)
-
-    pruned, pruned_solves = chosen(True)
-    every, every_solves = chosen(False)
-    assert [(label, pytest.approx(cost)) for label, cost in every] == pruned
-    assert all(memory <= BUDGET for _, (_, memory) in pruned)
-    assert pruned_solves < every_solves

@@ -49,7 +49,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterable
+from typing import Callable
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
@@ -61,7 +61,6 @@ from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
 from meshplan.planner.inter.stage_costs import (StageLabel, StageProfiler,
-                                                 prefetch_whole_bounds_of,
                                                  prefetch_whole_costs_of)
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
@@ -294,20 +293,14 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
     near = [t for t in sorted(tried, key=lambda t: t.estimate)
             if t.estimate <= (1 + REFINE_MARGIN) * top]
     rounds = [_whole_round(t.found.profiler, list(t.candidates), req) for t in near]
-    # Every count's best candidate by estimate in one pool: a count's longest solve runs
-    # beside the next count's instead of after it. The others are solved only where their
-    # bounds can beat what fits by then (`_solved_whole`).
-    _prefetch_rounds([(t.found.profiler, r.candidate(0)) for t, r in zip(near, rounds)],
-                     req.budget if req.budget is not None else math.inf)
+    # Every count's first whole solves in one pool: a count's longest solve runs beside the
+    # next count's instead of after it.
+    prefetch_whole_costs_of([(t.found.profiler, r.requests) for t, r in zip(near, rounds)])
     best: FoundPipeline | None = None
     best_fits = False
     for t, r in zip(near, rounds):
         profiler = t.found.profiler
-        bar = best.solution.total_latency if best is not None and best_fits else math.inf
-        found, fits = _solved_whole(profiler, r, req, bar)
-        if found is None:   # no candidate of this count can beat the plan in hand
-            continue
-        sol = found
+        sol, fits = _solved_whole(profiler, r, req)
         if not fits:
             sol, fits = _refitted(t, req, sol)
         if _weighs_one_stage(req):
@@ -527,24 +520,11 @@ def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSol
 class _WholeRound:
     """The pipelines of one count to solve whole (`_solved_whole`): the candidates within
     `REFINE_MARGIN` of the best estimate, the most micro-batches each stage keeps in flight,
-    and per stage (with its count in flight) the relabels `_stage_solved_whole` weighs."""
+    and the whole solves they ask for first."""
 
     near: tuple[PipelineSolution, ...]
     most: tuple[tuple[int, ...], ...]
-    relabels: tuple[tuple[tuple, tuple[StageOption, ...]], ...]
-
-    def candidate(self, k: int) -> "_WholeRound":
-        """The round of candidate ``k`` alone."""
-        stages = {(s.start, s.end, s.submesh, n)
-                  for s, n in zip(self.near[k].stages, self.most[k])}
-        return _WholeRound(self.near[k:k + 1], self.most[k:k + 1],
-                           tuple((st, o) for st, o in self.relabels if st in stages))
-
-    @property
-    def requests(self) -> list[tuple]:
-        """The whole solves `_stage_solved_whole` makes whatever the others give (`_first`)."""
-        return [(*stage, o.label, n) for (*stage, n), options in self.relabels
-                for o in _first(options)]
+    requests: list[tuple]
 
 
 def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
@@ -554,87 +534,35 @@ def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
     budget = req.budget if req.budget is not None else math.inf
     near = near[:REFINE_MAX]
     most = [tuple(_most_in_flight(profiler, c)) for c in near]
-    relabels = {(s.start, s.end, s.submesh, n): tuple(_relabels(profiler, s, budget, n))
-                for c, m in zip(near, most) for s, n in zip(c.stages, m)}
-    return _WholeRound(tuple(near), tuple(most), tuple(relabels.items()))
+    requests = [(s.start, s.end, s.submesh, o.label, n) for c, m in zip(near, most)
+                for s, n in zip(c.stages, m) for o in _relabels(profiler, s, budget, n)]
+    return _WholeRound(tuple(near), tuple(most), requests)
 
 
-def _prefetch_rounds(jobs: list[tuple[StageProfiler, _WholeRound]], budget: float) -> None:
-    """Every whole solve `_stage_solved_whole` will make for the rounds' stages, ahead of it on
-    the forked workers, in the order it makes them: the solves it makes in any case; then the
-    bounds of the other relabels of stages that have a plan in hand that fits; then the
-    relabels those bounds do not rule out."""
-    prefetch_whole_costs_of([(prof, r.requests) for prof, r in jobs])
-    bounds = [(prof, [(*stage, o.label, n) for (*stage, n), options in r.relabels
-                      if _best_in_hand(prof, stage, n, options, budget) < math.inf
-                      for o in options if not prof.has_whole_cost(*stage, o.label, n)])
-              for prof, r in jobs]
-    prefetch_whole_bounds_of(bounds)
-    prefetch_whole_costs_of([
-        (prof, [(*stage, o.label, n) for (*stage, n), options in r.relabels
-                for o in options if _worth_solving(prof, stage, n, o, _best_in_hand(
-                    prof, stage, n, options, budget))])
-        for prof, r in jobs])
-
-
-def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineRequest,
-                  bar: float = math.inf) -> tuple[PipelineSolution | None, bool]:
+def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineRequest
+                  ) -> tuple[PipelineSolution, bool]:
     """Of the pipelines the DPs found, those within `REFINE_MARGIN` of the best estimate (at
     most `REFINE_MAX`, `_whole_round`) with their stages solved whole, the fastest that fits.
     The estimates price long stages by parts (`StageProfiler._telescoped`), which misjudges
     them by several per cent either way, often more than the candidates differ; solved whole,
     the stages' latencies are the ones the plan reports. The DP's best is kept even if it does
     not fit solved whole (`_refitted` then looks further; the plan reports its peak); the
-    second value says whether the pipeline returned fits.
-
-    A candidate is solved only when its lower bound (`_pipeline_bound`) is below ``bar`` (a
-    plan that fits, from another count) and below the fastest candidate that fits so far:
-    one that cannot win costs its bounds, not its solves. None when no candidate can."""
+    second value says whether the pipeline returned fits."""
     budget = req.budget if req.budget is not None else math.inf
+    profiler.prefetch_whole_costs(round_.requests)
+    chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
+                                      for s, n in zip(c.stages, m)))
+              for c, m in zip(round_.near, round_.most)]
+    # A stage relabelled may be priced at another count than its relabelling was (its own
+    # label's most in flight): those solves too run side by side, not one by one.
+    profiler.prefetch_whole_costs([r for c in chosen for r in _whole_requests(profiler, c)])
     best, best_fits = None, False
-    for k in range(len(round_.near)):
-        one = round_.candidate(k)
-        limit = min(bar, best.total_latency if best is not None and best_fits else math.inf)
-        if limit < math.inf and _pipeline_bound(profiler, one, req) >= limit:
-            continue
-        _prefetch_rounds([(profiler, one)], budget)
-        c, m = one.near[0], one.most[0]
-        chosen = replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
-                                         for s, n in zip(c.stages, m)))
-        # A stage relabelled may be priced at another count than its relabelling was (its
-        # own label's most in flight): those solves too run side by side, not one by one.
-        profiler.prefetch_whole_costs(_whole_requests(profiler, chosen))
-        whole, fits = solved_as_whole(profiler, chosen, budget, req.dp_schedule)
+    for k, c in enumerate(chosen):
+        whole, fits = solved_as_whole(profiler, c, budget, req.dp_schedule)
         if (fits or not k) and (best is None or whole.total_latency < best.total_latency):
             best, best_fits = whole, best_fits or fits
+    assert best is not None
     return best, best_fits
-
-
-def _pipeline_bound(profiler: StageProfiler, round_: _WholeRound, req: PipelineRequest
-                    ) -> float:
-    """A lower bound of the step `_solved_whole` finds for ``round_``'s one candidate: each
-    stage at the least of its relabels' latencies solved whole where known, else their LP
-    bounds (`StageProfiler.whole_bound`), run on the schedule as `solved_as_whole` runs it
-    (a step never shortens as a stage lengthens)."""
-    c, most = round_.near[0], round_.most[0]
-    prefetch_whole_bounds_of([(profiler, [
-        (*stage, o.label, n) for (*stage, n), options in round_.relabels for o in options
-        if not profiler.has_whole_cost(*stage, o.label, n)])])
-    least = {(*stage, n): min((profiler.whole_cost(*stage, o.label, n)[0]
-                               if profiler.has_whole_cost(*stage, o.label, n)
-                               else profiler.whole_bound(*stage, o.label, n)
-                               for o in options), default=math.inf)
-             for (*stage, n), options in round_.relabels}
-    if math.inf in least.values():   # a stage that cannot fit: nor can the pipeline
-        return math.inf
-    cl = profiler.cluster
-    cuts = inbound_discounts(profiler, c, stage_devices(c, cl.num_hosts, cl.devices_per_host),
-                             cl.devices_per_host)
-    stages = tuple(replace(s, option=replace(s.option,
-                                             latency=least[(s.start, s.end, s.submesh, n)] - cut))
-                   for s, n, cut in zip(c.stages, most, cuts))
-    return scheduled_step(profiler, stages, [s.option.latency for s in stages], cuts,
-                          req.dp_schedule, c.chunks)
 
 
 def solved_as_whole(profiler: StageProfiler, pipeline: PipelineSolution, budget: float,
@@ -700,50 +628,14 @@ def _most_in_flight(profiler: StageProfiler, pipeline: PipelineSolution) -> list
 def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: float,
                         in_flight: int) -> StagePlacement:
     """``stage`` with the logical mesh and recomputation whose whole solve with ``in_flight``
-    micro-batches kept is fastest within the budget, of those `_relabels` offers. Those on
-    meshes of one axis are solved first (`_first`); each other one only when its bound can
-    beat the fastest that fits so far (`_worth_solving`). Llama 3 70B's 5-layer stages on 4
-    devices solve in 0.5-1.7 s on a 1x4 mesh and 3-15 s on 2x2, whose bounds (0.4-0.7 s)
-    were above the 1x4 plans in every case."""
+    micro-batches kept is fastest within the budget, of those `_relabels` offers."""
     best, best_latency = stage, math.inf
-    where = (stage.start, stage.end, stage.submesh)
-    options = _first(_relabels(profiler, stage, budget, in_flight), ordered=True)
-    # What `_prefetch_rounds` ruled out by bounds is ruled out here too, not solved here.
-    in_hand = _best_in_hand(profiler, where, in_flight, options, budget)
-    for o in options:
-        if not _worth_solving(profiler, where, in_flight, o, min(best_latency, in_hand)):
-            continue
-        latency, memory = profiler.whole_cost(*where, o.label, in_flight)
+    for o in _relabels(profiler, stage, budget, in_flight):
+        latency, memory = profiler.whole_cost(stage.start, stage.end, stage.submesh, o.label,
+                                              in_flight)
         if memory <= budget and latency < best_latency:
             best, best_latency = replace(stage, option=o), latency
     return best
-
-
-def _first(options: Iterable[StageOption], ordered: bool = False) -> list[StageOption]:
-    """Of a stage's relabels, those solved whatever the others give: on a logical mesh of
-    one axis (their solves take a fraction of a 2-D mesh's), or else the fastest by
-    estimate; with ``ordered``, all of them, those first."""
-    options = list(options)
-    one_axis = [o for o in options if sum(n > 1 for n in o.label.logical_shape) <= 1]
-    first = one_axis or options[:1]
-    return first + [o for o in options if o not in first] if ordered else first
-
-
-def _best_in_hand(profiler: StageProfiler, stage: tuple, in_flight: int,
-                  options: Iterable[StageOption], budget: float) -> float:
-    """The fastest latency among ``stage``'s relabels already solved whole that fit."""
-    costs = [profiler.whole_cost(*stage, o.label, in_flight) for o in options
-             if profiler.has_whole_cost(*stage, o.label, in_flight)]
-    return min((latency for latency, memory in costs if memory <= budget), default=math.inf)
-
-
-def _worth_solving(profiler: StageProfiler, stage: tuple, in_flight: int, option: StageOption,
-                   best_latency: float) -> bool:
-    """Whether `_stage_solved_whole` solves ``option`` whole: yes when it is known or no plan
-    that fits is in hand, else when its LP bound is below that plan's latency (a stage
-    that cannot be faster is not solved)."""
-    return (best_latency == math.inf or profiler.has_whole_cost(*stage, option.label, in_flight)
-            or profiler.whole_bound(*stage, option.label, in_flight) < best_latency)
 
 
 def _relabels(profiler: StageProfiler, stage: StagePlacement, budget: float, in_flight: int

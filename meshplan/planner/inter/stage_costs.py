@@ -31,7 +31,6 @@ and, for a plain stage, the op-by-op transients the simulator holds beyond the I
 from __future__ import annotations
 
 import functools
-import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -52,7 +51,7 @@ from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Subm
                                                   triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
-from meshplan.planner.intra.ilp import lower_bound, min_memory, solve
+from meshplan.planner.intra.ilp import min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
@@ -197,7 +196,6 @@ class StageProfiler:
         self._boundaries: dict[int, float] = {}   # `_boundary_bytes`
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
         self._whole_costs: dict[tuple, tuple[float, float]] = {}   # `whole_cost`
-        self._whole_bounds: dict[tuple, float] = {}   # `whole_bound`
         self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
         self._free: dict[tuple, StageSolution | None] = {}   # "free" one-layer solves
@@ -680,11 +678,9 @@ class StageProfiler:
             return self._wholes[key], 0
         return self._solve_whole_now(start, end, submesh, label, in_flight)
 
-    def _whole_problem(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                       in_flight: int) -> tuple[Formulation, tuple[int, int],
-                                                Mapping[str, int] | None, IlpProblem]:
-        """The whole solve's (formulation, first range of the structure, replayed segments,
-        ILP with ``in_flight`` micro-batches kept and no memory budget yet)."""
+    def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                         in_flight: int) -> tuple[IlpSolution, int]:
+        before = self.solves
         # The unconstrained ILP, whatever variant priced the stage: its plans include every
         # variant's, so under the same memory bound it is at least as fast. The structure's
         # shared formulation: ranges of one structure list their choices in the same order.
@@ -698,43 +694,7 @@ class StageProfiler:
         # is what a whole solve is there to undo, since under the pipeline's memory bound the
         # best stage mixes plans (Llama 3 70B's first stage: 4 blocks one way, 4 in three
         # others). Tied, it was 1-4 % slower than untied, and no faster to solve.
-        return form, first, segments, replace(weighted, aliases=())
-
-    def has_whole_cost(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                       in_flight: int) -> bool:
-        """Whether `whole_cost` of these arguments is known (costs no solve)."""
-        return self.whole_key(start, end, submesh, label, in_flight) in self._whole_costs
-
-    def whole_bound(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                    in_flight: int) -> float:
-        """A lower bound of `whole_cost`'s seconds per micro-batch, from the LP relaxation of
-        its first solve (`ilp.lower_bound`; the fits as run only tighten it, a replay only
-        adds to it): what tells, for a few per cent of a solve, that a stage solved whole
-        cannot beat one in hand (inf when nothing fits the memory limit, which then does not
-        fit either). Cached by `whole_key`."""
-        key = self.whole_key(start, end, submesh, label, in_flight)
-        if key not in self._whole_bounds:
-            form, _, _, weighted = self._whole_problem(start, end, submesh, label, in_flight)
-            weighted = replace(weighted, live_sets=()) if self.memory_limit is None else \
-                replace(weighted, memory_budget=self.memory_limit)
-            # `_latency` takes the objective's tie-break off: at most the tie-break of every
-            # node's largest memory.
-            most = sum(max((m for m in row if math.isfinite(m)), default=0.0)
-                       for row in form.problem.node_memory)
-            self._whole_bounds[key] = (lower_bound(weighted) - form.ctx.tie_break * most) \
-                / self.microbatches
-        return self._whole_bounds[key] + self.transfer_time(start)
-
-    def _whole_bound_task(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                          in_flight: int) -> float:
-        self.whole_bound(start, end, submesh, label, in_flight)
-        return self._whole_bounds[self.whole_key(start, end, submesh, label, in_flight)]
-
-    def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                         in_flight: int) -> tuple[IlpSolution, int]:
-        before = self.solves
-        form, first, segments, weighted = self._whole_problem(start, end, submesh, label,
-                                                              in_flight)
+        weighted = replace(weighted, aliases=())
         # Solved to optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which
         # would make the plan depend on the load.
         nodes = WHOLE_MAX_NODES
@@ -843,19 +803,6 @@ def prefetch_whole_costs_of(jobs: list[tuple[StageProfiler, list[tuple]]],
         prof = jobs[i][0]
         prof._wholes[key], prof._whole_costs[key] = sol, cost
         prof.solves += solves
-
-
-def prefetch_whole_bounds_of(jobs: list[tuple[StageProfiler, list[tuple]]],
-                             workers: int | None = None) -> None:
-    """`StageProfiler.whole_bound` of each profiler's ``(start, end, submesh, label,
-    in_flight)`` stages, the distinct uncached ones on forked workers."""
-    tasks = {(i, prof.whole_key(*stage)): stage for i, (prof, stages) in enumerate(jobs)
-             for stage in stages if prof.whole_key(*stage) not in prof._whole_bounds}
-    done = _run_tasks(tuple(prof for prof, _ in jobs),
-                      [(i, "_whole_bound_task", stage) for (i, _), stage in tasks.items()],
-                      workers, WHOLE_PARALLEL_FROM)
-    for (i, key), bound in zip(tasks, done):
-        jobs[i][0]._whole_bounds[key] = bound
 
 
 def _run_tasks(profilers: tuple[StageProfiler, ...], jobs: list[tuple[int, str, tuple]],

@@ -56,16 +56,15 @@ import time
 
 import numpy as np
 
-from meshplan.errors import InfeasibleIlpError
-from meshplan.planner.intra.ilp_backends import SOLVERS, relaxed_objective, run_model
+from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
 from meshplan.planner.intra.ilp_model import (MemorySpec, OverlapSpec, build_model,
                                              choice_start, extract_choices)
 from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, OverlapTerm,
                                                 evaluate, peak_memory)
 from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
 
-__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "lower_bound",
-           "min_memory", "peak_memory", "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
+__all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
+           "peak_memory", "solve", "reduce_for_costs", "DEFAULT_SOLVER"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
 # (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)
@@ -116,31 +115,6 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
                        edge_cost=edge_cost, num_variables=model.num_cols,
                        num_constraints=model.num_rows, solve_time_s=time.perf_counter() - began,
                        solver=raw.how, gap=raw.gap)
-
-
-# The LP optimum is met within HiGHS's tolerances (1e-7 relative on the scaled costs); the
-# bound is lowered by this much more so that it never exceeds the MILP optimum.
-_BOUND_SLACK = 1e-6
-
-
-def lower_bound(problem: IlpProblem, *, solver: str = DEFAULT_SOLVER) -> float:
-    """A lower bound of `solve`'s objective for ``problem``: the optimum of its LP relaxation,
-    the same model as `solve` builds with its binaries relaxed to [0, 1] (math.inf when no
-    assignment is allowed or the relaxation is infeasible). On a memory-bound stage of many
-    layers it costs a few per cent of the solve and comes within about 1 % of the optimum,
-    so it tells cheaply which of several problems cannot beat an answer in hand."""
-    _check_options(None, solver)
-    linear = _overlap_folded(problem)
-    try:
-        reduced = reduce_for_costs(linear)
-        memory = _memory_spec(problem, problem.memory_budget) if problem.live_sets and (
-            problem.memory_budget is not None) else None
-        model = build_model(reduced, memory=memory, max_cost=problem.max_cost,
-                            overlap=_overlap_spec(linear))
-        bound = relaxed_objective(model, solver=solver)
-    except InfeasibleIlpError:
-        return math.inf
-    return bound - _BOUND_SLACK * abs(bound)
 
 
 def min_memory(problem: IlpProblem, *, time_limit_s: float | None = None,

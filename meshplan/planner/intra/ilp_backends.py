@@ -98,20 +98,6 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     return raw
 
 
-def relaxed_objective(model: MilpModel, *, solver: str) -> float:
-    """The optimum of ``model``'s LP relaxation (binaries in [0, 1]) in the model's own units,
-    offset included: a lower bound of its MILP optimum. Raises InfeasibleIlpError when even
-    the relaxation is infeasible."""
-    if solver not in SOLVERS:
-        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
-    if model.num_cols == 0:
-        return float(model.offset)
-    run = _run_highs if solver == "highs" else _run_scipy
-    raw = run(_normalize_costs(model), relax=True, deadline=None)
-    assert raw is not None and raw.gap == 0.0, "an LP without a time limit ends optimal"
-    return float(model.cost @ raw.x + model.offset)
-
-
 def _normalize_costs(model: MilpModel) -> MilpModel:
     """Scale the objective so its largest coefficient is ``_COST_SCALE`` (argmin unchanged)."""
     largest = float(np.abs(model.cost).max())
