@@ -234,12 +234,8 @@ def _blocks(cells: dict[tuple[str, str, int], set[int]]) -> tuple:
 
 
 def shared_costs(out: OperandCharges, index: dict[str, int]) -> tuple[SharedCost, ...]:
-    """The shared costs with roots replaced by their ILP node indices, each clause's
-    conditions in index order. Ordered by name, two ranges of one structure (`stage_graph`)
-    gave the same ILP with its conditions in other orders ("mm_99" sorts after "mm_100"), and
-    HiGHS took 36 s on one and 99 s on the other: the same program is the same model."""
-    return tuple(SharedCost(cost, tuple(tuple(tuple(sorted((index[root], ps)
-                                                           for root, ps in clause))
+    """The shared costs with roots replaced by their ILP node indices."""
+    return tuple(SharedCost(cost, tuple(tuple(tuple((index[root], ps) for root, ps in clause)
                                               for clause in block) for block in blocks))
                  for cost, blocks in out.shared)
 
