@@ -3,13 +3,17 @@ it holds, and what would help -- for every method, at any scale."""
 
 from __future__ import annotations
 
+import math
 import re
+from types import SimpleNamespace
 
 import pytest
 
 import meshplan.api as meshplan
 from meshplan.cli import main
-from meshplan.errors import InfeasiblePlanError
+from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.errors import InfeasiblePlanError, NoPipelineError
+from meshplan.planner.inter.search import _infeasible
 from meshplan.planner.intra.ilp import IlpProblem, min_memory
 from meshplan.zoo.spec import build_workload
 
@@ -61,14 +65,26 @@ def test_min_memory_holds_for_terabyte_sized_nodes() -> None:
 
 
 def test_a_method_with_no_plan_at_any_memory_says_so() -> None:
-    """Inter-only (data-parallel stages) finds no pipeline of a small-batch MoE on 8 devices
-    whatever the memory: the error says that, and what to use, not "the smallest plan needs
-    inf GiB"."""
-    w = build_workload("moe:preset=2.4b,layers=2,batch=16", device="meta")
-    with pytest.raises(InfeasiblePlanError) as info:
-        meshplan.plan(w.model, w.loss_fn, "adafactor", w.example_batch, "p3.16xlarge:1",
-                      method="inter-only", dtype="fp16")
-    message = str(info.value)
+    """When no split of the layers has a plan that the method allows, whatever the memory, the
+    error says that and what to use, not "the smallest plan needs inf GiB"."""
+    none_at_all = NoPipelineError("no pipeline", None, math.inf)
+    req = SimpleNamespace(budget=16 * 2**30, cluster=parse_cluster_spec("p3.16xlarge:1"),
+                          method="inter-only")
+    message = str(_infeasible([none_at_all], [1, 2, 4], req))
     assert message.startswith("no plan exists at any memory budget")
     assert "'inter-only'" in message and "use method 'auto'" in message
+    assert "1-4 micro-batches" in message and "8 devices" in message
     assert "inf GiB" not in message
+
+
+def test_data_parallel_stages_cut_inside_an_moe_layer() -> None:
+    """Inter-only's stages are data parallel over the batch. A stage that begins after an MoE
+    layer's dispatch receives tokens grouped by expert, whose dim 0 is the experts: its stage
+    program must not take that dim for the batch (it once did, every range holding the MoE
+    layer had no data-parallel plan, and the method found no pipeline at any memory). Its
+    search includes the single data-parallel stage, so it is never slower than method data."""
+    w = build_workload("moe:preset=2.4b,layers=2,batch=16", device="meta")
+    plans = {m: meshplan.plan(w.model, w.loss_fn, "adafactor", w.example_batch, "p3.16xlarge:1",
+                              method=m, dtype="fp16") for m in ("inter-only", "data")}
+    assert plans["inter-only"].predicted["step_time_s"] <= \
+        plans["data"].predicted["step_time_s"] * (1 + 1e-9)

@@ -10,6 +10,7 @@ from meshplan.capture.to_ir import capture
 from meshplan.plan.plan import plan_from_json
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.placement import place_submeshes
+from meshplan.planner.intra.choices import batch_dims
 from meshplan.planner.inter.stage_graph import SINK_OP, renamed, stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import pipeline_latency
 from meshplan.runtime.emulated import run_emulated
@@ -94,6 +95,29 @@ def test_stage_programs_cover_the_program_once(gpt_graph) -> None:
     assert received and sinks and all(n.requires_grad for n in received)
     last = stage_graph(gpt_graph, layering, 5, 6)
     assert last.loss == gpt_graph.loss and not [n for n in last.nodes if n.op == SINK_OP]
+
+
+@pytest.mark.parametrize("spec", ["gpt:hidden=32,layers=3,heads=4,seq=8,vocab=64,batch=4",
+                                  "moe:hidden=32,layers=2,heads=4,seq=8,vocab=64,experts=4,"
+                                  "batch=4"])
+def test_a_received_value_keeps_the_batch_dims_of_the_whole_program(spec: str) -> None:
+    """Each value a stage receives carries the batch in the dims the whole program does (an
+    MoE layer's dispatched tokens: not dim 0, its experts), whatever range is cut."""
+    w = build_workload(spec, device="meta")
+    graph = capture(w.model, w.loss_fn, w.example_batch)[1]
+    whole = batch_dims(graph)
+    layering = cluster_layers(graph, min(8, sum(n.role == "op" for n in graph.nodes)))
+    seen = set()
+    for a in range(1, layering.num_layers):
+        stage = stage_graph(graph, layering, a, layering.num_layers)
+        inside = batch_dims(stage)
+        for n in stage.nodes:
+            if n.role == "input" and n.state_name is None:
+                assert inside[n.name] == whole[n.name], (a, n.name)
+                seen.add(whole[n.name])
+    assert frozenset({0}) in seen
+    if spec.startswith("moe"):
+        assert frozenset({0}) in seen and len(seen) > 1, seen
 
 
 def test_identical_layer_ranges_share_a_structure_key(gpt_graph) -> None:

@@ -58,6 +58,8 @@ class Node:
     ``state_name`` is the state-dict name of a parameter or buffer. ``kept``: whether the
     value's storage stays alive for backward (autograd saves it, or a view of it); None when
     capture could not tell, and the memory model assumes every differentiable value is kept.
+    ``batch_dims``: of an ``"input"`` source, the dims that carry the batch when it is not just
+    dim 0 (a value a pipeline stage receives, as the whole program batches it); None: dim 0.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Node:
     requires_grad: bool = False
     state_name: str | None = None
     kept: bool | None = None
+    batch_dims: tuple[int, ...] | None = None
 
     @property
     def is_source(self) -> bool:

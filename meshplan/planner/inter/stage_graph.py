@@ -5,7 +5,8 @@ A stage holds its layers' ops and every source they read (a parameter tied acros
 GPT's embedding and LM head, appears in each stage that reads it). Op outputs of earlier layers
 that it reads arrive from the previous stage: they become ``"input"`` sources (laid out however
 the stage likes: the cross-mesh transfer delivers any layout) that keep ``requires_grad``, so
-their gradient is sent back. Values it sends to later stages are read by one ``stage_output``
+their gradient is sent back, and the dims that carry the batch in the whole program (an MoE
+layer's dispatched tokens have their experts in dim 0, not the batch). Values it sends to later stages are read by one ``stage_output``
 sink each, an identity whose input may not be a partial sum, so a stage pays for reducing what
 it sends, as the runtime must. The last stage's loss stays the loss; another stage's loss is its
 last sink, which only tells the planner where the program ends.
@@ -42,11 +43,12 @@ def cut_stage(graph: Graph, where: Mapping[str, int], start: int, end: int) -> G
     inside = {n.name for n in ops}
     needed = {i for n in ops for i in n.inputs}
     nodes: list[Node] = []
+    batched = _batch_dims(graph) if needed - inside else {}
     for n in graph.nodes:
         if n.name in inside:
             nodes.append(n)
         elif n.name in needed:
-            nodes.append(n if n.is_source else _received(n))
+            nodes.append(n if n.is_source else _received(n, batched[n.name]))
     sinks = [_sink(graph.by_name[v]) for v in _sent(graph, inside, where, end)]
     loss = graph.loss if graph.loss in inside else sinks[-1].name
     return Graph(tuple(nodes) + tuple(sinks), loss, graph.unsupported_ops)
@@ -59,9 +61,23 @@ def _sent(graph: Graph, inside: set[str], where: Mapping[str, int], end: int) ->
                     if graph.by_name[u].role == "op")]
 
 
-def _received(node: Node) -> Node:
+_BATCHED: list[tuple[Graph, dict[str, frozenset[int]]]] = []   # the last graph's
+
+
+def _batch_dims(graph: Graph) -> dict[str, frozenset[int]]:
+    """`choices.batch_dims` of ``graph``, kept for the graph last asked (a search cuts every
+    range of one program)."""
+    from meshplan.planner.intra.choices import batch_dims
+    if not _BATCHED or _BATCHED[0][0] is not graph:
+        _BATCHED[:] = [(graph, batch_dims(graph))]
+    return _BATCHED[0][1]
+
+
+def _received(node: Node, batched: frozenset[int]) -> Node:
+    # Dim 0 is what an input carries the batch in unless told otherwise.
+    dims = None if batched == ({0} if node.out.shape else frozenset()) else tuple(sorted(batched))
     return Node(node.name, "input", "input", (), node.out, None,
-                requires_grad=node.requires_grad)
+                requires_grad=node.requires_grad, batch_dims=dims)
 
 
 def _sink(node: Node) -> Node:
@@ -77,7 +93,8 @@ def structure_key(graph: Graph) -> str:
     signatures and wiring, whatever their nodes are called."""
     index = {n.name: k for k, n in enumerate(graph.nodes)}
     lines = [f"{n.role}|{n.op}|{tuple(index[i] for i in n.inputs)}|{n.out.shape}|"
-             f"{n.out.dtype}|{n.flops}|{n.requires_grad}|{n.sig}" for n in graph.nodes]
+             f"{n.out.dtype}|{n.flops}|{n.requires_grad}|{n.sig}"
+             + ("" if n.batch_dims is None else f"|batch={n.batch_dims}") for n in graph.nodes]
     lines.append(f"loss={index[graph.loss]}")
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:16]
 

@@ -121,12 +121,21 @@ def main_operand(node: Node, graph: Graph) -> int:
     return best
 
 
+def _input_batch_dims(node: Node) -> frozenset[int]:
+    """The dims of a source that carry the batch: an input's or the target's own
+    (`Node.batch_dims`, else dim 0); none for others."""
+    if node.role not in ("input", "target") or not node.out.shape:
+        return frozenset()
+    return frozenset(node.batch_dims) if node.batch_dims is not None else frozenset({0})
+
+
 def batch_dims(graph: Graph) -> dict[str, frozenset[int]]:
-    """Which dims of each value carry the batch (dim 0 of inputs and target, propagated)."""
+    """Which dims of each value carry the batch (dim 0 of inputs and target, or an input's own
+    ``batch_dims``, propagated)."""
     out: dict[str, frozenset[int]] = {}
     for n in graph.nodes:
         if n.role in ("input", "target"):
-            out[n.name] = frozenset({0}) if n.out.shape else frozenset()
+            out[n.name] = _input_batch_dims(n)
         elif n.is_source or n.sig is None:
             out[n.name] = frozenset()
         else:
@@ -185,9 +194,13 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
         layouts = [Layout.replicated(len(shape))]
     else:
         layouts = source_layouts(len(shape), shape, axes, mesh_shape)
-    if node.role in ("input", "target") and shape:
-        layouts = [l for l in layouts if _allowed({"b": l.dims[0]}, {"b"}, axes, opts)
-                   and not any(l.dims[1:])] or layouts
+    batched = _input_batch_dims(node)
+    if batched:   # split along the batch as the options say, nothing else
+        layouts = [l for l in layouts
+                   if _allowed({"b": tuple(a for d in batched for a in l.dims[d])}, {"b"},
+                               axes, opts)
+                   and not any(ax for d, ax in enumerate(l.dims) if d not in batched)] \
+            or layouts
     if node.role != "param":
         return [Choice(_source_strategy(l)) for l in layouts]
     if opts.force_data_parallel:
