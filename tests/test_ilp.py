@@ -196,8 +196,14 @@ def random_problem(rng: random.Random) -> IlpProblem:
     # Some have overlap terms: a saving of weight * min(hidden, window) over the choices.
     def seconds(top: int) -> tuple[tuple[float, ...], ...]:
         return tuple(tuple(float(rng.randint(0, top)) for _ in range(k)) for k in counts)
-    overlap = tuple(OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)))
-                    for _ in range(rng.choice((0, 0, 1, 2))))
+    # Half of them in order: hidden seconds hide only behind the windows of earlier nodes,
+    # half of those from ready points of their own (gradient buckets).
+    def term() -> OverlapTerm:
+        in_order = rng.random() < 0.5
+        ready = tuple(rng.randint(0, v) for v in range(n)) \
+            if in_order and rng.random() < 0.5 else None
+        return OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)), in_order, ready)
+    overlap = tuple(term() for _ in range(rng.choice((0, 0, 1, 2))))
     return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost,
                       node_working=working, overlap=overlap)
 
@@ -239,6 +245,38 @@ def test_an_overlap_term_saves_the_smaller_of_what_it_hides_and_its_window() -> 
         OverlapTerm(hidden=((-1.0,),), window=((0.0,),))
     with pytest.raises(ValueError, match="one row per node"):
         IlpProblem(node_costs=((1.0, 2.0),), overlap=(OverlapTerm(((0.0,),), ((0.0,),)),))
+
+
+def test_in_order_communication_hides_only_behind_the_backward_after_it() -> None:
+    """In order, node v's hidden seconds start when v's backward is done: the backward runs
+    the nodes in reverse, so they hide behind the windows of the nodes before v only. A
+    gradient of the last node hides behind the first node's window; one of the first node
+    has nothing after it; of three syncs, each is bounded by what comes after it."""
+    def saving(hidden: tuple[float, ...], window: tuple[float, ...], in_order: bool,
+               ready: tuple[int, ...] | None = None) -> float:
+        n = len(hidden)
+        problem = IlpProblem(node_costs=tuple((10.0,) for _ in range(n)), overlap=(OverlapTerm(
+            tuple((h,) for h in hidden), tuple((w,) for w in window), in_order=in_order,
+            ready=ready),))
+        sol = solve(problem)
+        assert sol.objective == pytest.approx(sum(evaluate(problem, sol.choices)))
+        return 10.0 * n - sol.objective
+    assert saving((0.0, 5.0), (4.0, 0.0), True) == pytest.approx(4.0)
+    assert saving((5.0, 0.0), (0.0, 4.0), True) == pytest.approx(0.0)
+    assert saving((5.0, 0.0), (0.0, 4.0), False) == pytest.approx(4.0)
+    # Syncs of 3, 2 and 1 s at nodes 0, 2 and 4, windows of 2 s at nodes 1 and 3: the 1 s
+    # sync runs at once, the 2 s one from 2 to 4 and the 3 s one from 4, when the compute
+    # is over: 3 s saved of 6 (4 without the order).
+    assert saving((3.0, 0.0, 2.0, 0.0, 1.0), (0.0, 2.0, 0.0, 2.0, 0.0), True) == \
+        pytest.approx(3.0)
+    assert saving((3.0, 0.0, 2.0, 0.0, 1.0), (0.0, 2.0, 0.0, 2.0, 0.0), False) == \
+        pytest.approx(4.0)
+    # The 1 s sync in a bucket with the 2 s one (both ready at node 2): 3 s from 2 to 5,
+    # then the 3 s sync: 2 s saved.
+    assert saving((3.0, 0.0, 2.0, 0.0, 1.0), (0.0, 2.0, 0.0, 2.0, 0.0), True,
+                  (0, 1, 2, 3, 2)) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="at or before its node"):
+        OverlapTerm(((1.0,), (1.0,)), ((0.0,), (0.0,)), in_order=True, ready=(1, 1))
 
 
 def test_mccormick_form_matches_marginal_form() -> None:

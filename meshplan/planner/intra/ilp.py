@@ -159,8 +159,16 @@ def _overlap_folded(problem: IlpProblem) -> IlpProblem:
     for term in problem.overlap:
         least = {k: math.fsum(min(row) for row in getattr(term, k)) for k in ("hidden", "window")}
         most = {k: math.fsum(max(row) for row in getattr(term, k)) for k in ("hidden", "window")}
-        side = "hidden" if least["window"] >= most["hidden"] else \
-            "window" if least["hidden"] >= most["window"] else None
+        if term.in_order:   # the least of each in-order bound, from per-node least entries
+            least_caps = OverlapTerm.caps([min(h) for h in term.hidden],
+                                          [min(w) for w in term.window],
+                                          [max(h) > 0 for h in term.hidden], term.ready)
+            fits = least["window"] >= most["hidden"] and all(
+                c >= most["hidden"] for c in least_caps)
+            side = "hidden" if fits else None
+        else:
+            side = "hidden" if least["window"] >= most["hidden"] else \
+                "window" if least["hidden"] >= most["window"] else None
         if side is None:
             kept.append(term)
             continue
@@ -176,7 +184,10 @@ def _overlap_folded(problem: IlpProblem) -> IlpProblem:
 def _overlap_spec(problem: IlpProblem) -> tuple[OverlapSpec, ...]:
     def arrays(matrix: tuple) -> tuple[np.ndarray, ...]:
         return tuple(np.asarray(row, dtype=np.float64) for row in matrix)
-    return tuple((arrays(t.hidden), arrays(t.window), float(t.weight)) for t in problem.overlap)
+    return tuple((arrays(t.hidden), arrays(t.window), float(t.weight),
+                  (tuple(range(len(t.hidden))) if t.ready is None else t.ready)
+                  if t.in_order else None)
+                 for t in problem.overlap)
 
 
 def _memory_spec(problem: IlpProblem, budget: float | None) -> MemorySpec:

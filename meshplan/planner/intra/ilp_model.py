@@ -20,7 +20,8 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
   P_i} s[g_i, p]`` (for each of its conditions i) for several;
 - ``build_overlap_rows``: per overlap term one continuous ``o >= 0`` with cost ``-weight``
   and ``o <= sum hidden[g, p] s[g, p]``, ``o <= sum window[g, p] s[g, p]``: at the optimum
-  ``o`` is the smaller sum, the seconds the term saves;
+  ``o`` is the smaller sum, the seconds the term saves; in order, also ``o <= d_k`` per
+  node with hidden seconds, the ``d_k`` continuous and chained (`_build_in_order_rows`);
 - ``build_max_cost_row``: ``c^T x + offset <= max_cost``.
 """
 
@@ -139,8 +140,10 @@ def _spread(value: np.ndarray | float, count: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=np.float64), (count,))
 
 
-# An overlap term for the model: (hidden, window) per node (arrays by strategy) and weight.
-OverlapSpec = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], float]
+# An overlap term for the model: (hidden, window) per node (arrays by strategy), weight and,
+# in order (`OverlapTerm.in_order`), each node's ready point (else None).
+OverlapSpec = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], float,
+                    tuple[int, ...] | None]
 
 
 def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
@@ -466,7 +469,7 @@ def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                        term: OverlapSpec) -> None:
     """The saving column of one overlap term and its two bounds (module docstring); nothing
     when the term cannot save anything."""
-    hidden, window, weight = term
+    hidden, window, weight, ready = term
     bounds = [_group_terms(range(len(hidden)), reduced, choice_cols, per_node)
               for per_node in (hidden, window)]
     if weight <= 0 or any(const <= 0 and not any(c.max() > 0 for c in coefs)
@@ -475,6 +478,57 @@ def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     o_col = coo.add_cols(np.array([-weight]), np.inf, False)
     for const, cols, coefs in bounds:   # o - sum coefs x <= const
         _add_row(coo, cols + [np.array([o_col])], [-c for c in coefs] + [np.ones(1)], const)
+    if ready is not None:
+        _build_in_order_rows(coo, reduced, choice_cols, hidden, window, ready, o_col)
+
+
+def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                         hidden: tuple[np.ndarray, ...], window: tuple[np.ndarray, ...],
+                         ready: tuple[int, ...], o_col: int) -> None:
+    """``o <= d_k`` for the k-th ready point t_k of a node with hidden seconds, ``d_k`` the
+    hidden of the nodes ready after it plus the window of those before
+    (`OverlapTerm.in_order`), as a chain: ``d_1`` over every node, then ``d_{k+1} = d_k -
+    hidden(ready in (t_k, t_{k+1}]) + window[t_k, t_{k+1})``, so each node's columns enter
+    two rows however many bounds there are. In units of the term's largest entry, so that
+    the rows' absolute tolerance is relative to it."""
+    at = sorted({ready[v] for v, h in enumerate(hidden) if h.size and float(h.max()) > 0})
+    if not at:
+        return
+    unit = max(float(m.max()) for m in (*hidden, *window) if m.size)
+    n = len(hidden)
+    d = coo.add_cols(np.zeros(len(at)), np.inf, False)
+    by_ready: list[list[int]] = [[] for _ in range(n)]
+    for v, r in enumerate(ready):
+        by_ready[r].append(v)
+
+    def ready_in(lo: int, hi: int) -> list[int]:
+        return [v for r in range(lo + 1, min(hi, n - 1) + 1) for v in by_ready[r]]
+
+    def chain_row(rows: list[tuple[Iterable[int], tuple[np.ndarray, ...], float]],
+                  extra_cols: list[int],
+                  extra_vals: list[float]) -> None:
+        """sum over (nodes, matrix, sign) of sign * matrix x + extra = constant parts."""
+        cols, vals, const = [np.array(extra_cols)], [np.array(extra_vals, dtype=np.float64)], 0.0
+        for nodes, per_node, sign in rows:
+            fixed, cs, coefs = _group_terms(nodes, reduced, choice_cols, per_node)
+            const += sign * fixed
+            cols += cs
+            vals += [sign * c / unit for c in coefs]
+        row = coo.add_rows(-const / unit, -const / unit, 1)
+        cat = np.concatenate(cols)
+        coo.add_entries(np.full(cat.size, row), cat, np.concatenate(vals))
+
+    # d_1 - hidden(ready after t_1) - window[0, t_1) = 0
+    chain_row([(ready_in(at[0], n), hidden, -1.0), (range(0, at[0]), window, -1.0)],
+              [d], [1.0])
+    for k in range(len(at) - 1):   # d_{k+1} - d_k + hidden(ready in (t_k, t_{k+1}])
+        chain_row([(ready_in(at[k], at[k + 1]), hidden, 1.0),   # - window[t_k, t_{k+1}) = 0
+                   (range(at[k], at[k + 1]), window, -1.0)], [d + k + 1, d + k], [1.0, -1.0])
+    # o <= d_k (in seconds: o / unit - d_k <= 0)
+    rows = coo.add_rows(-np.inf, 0.0, len(at))
+    coo.add_entries(np.concatenate([rows + np.arange(len(at))] * 2),
+                    np.concatenate([np.full(len(at), o_col), d + np.arange(len(at))]),
+                    np.concatenate([np.full(len(at), 1.0 / unit), np.full(len(at), -1.0)]))
 
 
 def _group_terms(nodes: Iterable[int], reduced: ReducedIlp, choice_cols: np.ndarray,

@@ -8,6 +8,7 @@ function downstream may assume a well-formed problem.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,12 +83,27 @@ class OverlapTerm:
     ``hidden[v][p]`` the objective already charges, those that fit in the chosen compute
     ``window[v][p]`` are saved, ``weight`` times per step. The objective is less
     ``weight * min(sum of chosen hidden, sum of chosen window)`` (a linear program's maximum
-    of a saving bounded by both sums). Raises ValueError for negative or non-finite entries or
-    a negative weight."""
+    of a saving bounded by both sums).
+
+    ``in_order``: the nodes are in forward order, the backward runs them in reverse, and
+    ``hidden[v]`` can start only once node v's backward is done (a gradient's all-reduce once
+    the gradient is complete), so it hides only behind the backward of the nodes before v. The
+    communication stream then finishes ``max_t (H_t - W_t)`` after the compute, over every
+    node t with hidden seconds, ``H_t`` the hidden of nodes t and before it (they start at
+    t's point or later) and ``W_t`` the window of the nodes before t (what runs after it).
+    So the saving is also at most ``sum hidden - H_t + W_t`` for each such t. ``ready[v]``
+    (in order; default v) is the node after whose backward v's hidden seconds can start, at
+    or before v (a gradient bucket goes once its earliest-used parameter's gradient is
+    complete): ``H_t`` then sums the nodes ready at t or before, per ready point t.
+
+    Raises ValueError for negative or non-finite entries, a negative weight, or a ready point
+    after its node."""
 
     hidden: Matrix
     window: Matrix
     weight: float = 1.0
+    in_order: bool = False
+    ready: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight >= 0):
@@ -97,12 +113,43 @@ class OverlapTerm:
             _check_matrix(matrix, f"OverlapTerm.{name}", finite=True)
             if any(x < 0 for row in matrix for x in row):
                 raise ValueError(f"OverlapTerm.{name} holds a negative number of seconds")
+        if self.ready is not None and (len(self.ready) != len(self.hidden) or any(
+                not 0 <= r <= v for v, r in enumerate(self.ready))):
+            raise ValueError("OverlapTerm.ready needs one node index per node, each at or "
+                             "before its node")
 
     def saving(self, choices: tuple[int, ...]) -> float:
         """Seconds ``choices`` save per step."""
-        hidden = math.fsum(self.hidden[v][p] for v, p in enumerate(choices))
-        window = math.fsum(self.window[v][p] for v, p in enumerate(choices))
-        return self.weight * min(hidden, window)
+        hidden = [self.hidden[v][p] for v, p in enumerate(choices)]
+        window = [self.window[v][p] for v, p in enumerate(choices)]
+        return self.weight * min(math.fsum(hidden), math.fsum(window),
+                                 *(self.caps(hidden, window, ready=self.ready)
+                                   if self.in_order else ()))
+
+    @staticmethod
+    def caps(hidden: Sequence[float], window: Sequence[float],
+             at: Sequence[bool] | None = None, ready: Sequence[int] | None = None
+             ) -> list[float]:
+        """The ``in_order`` bounds of chosen ``hidden`` and ``window`` seconds per node: for
+        each ready point t of a node with hidden seconds (or of each node where ``at``: a
+        node without adds a bound that another already implies), the hidden of the nodes
+        ready after t plus the window of those before t."""
+        n = len(hidden)
+        ready = range(n) if ready is None else ready
+        points = sorted({ready[v] for v in range(n) if ((hidden[v] > 0) if at is None
+                                                        else at[v])})
+        by_point = [0.0] * n
+        for v, h in enumerate(hidden):
+            by_point[ready[v]] += h
+        total = math.fsum(hidden)
+        out, started, before_w, t = [], 0.0, 0.0, 0
+        for p in points:
+            while t < p:
+                started += by_point[t]
+                before_w += window[t]
+                t += 1
+            out.append(total - started - by_point[p] + before_w)
+        return out
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,41 @@ a ZeRO plan of 0.469 s instead (with this term: data parallel, priced 0.456 s).
 The term (`OverlapTerm`) takes back ``min(hidden, window)``: ``hidden`` the gradient
 synchronization eq. 1 charges, ``window`` the backward's compute (its forward's replay
 included where recomputed). That is what `lower/overlap.step_passes` gives when every bucket
-could start at once; the runtime starts each when its gradients are complete, so the last is
-exposed: an optimistic estimate, which the plan's own prediction (`extract`) prices exactly.
+could start at once. The runtime starts each when its gradients are complete, in the reverse
+of their first use: the term is in order (`OverlapTerm.in_order`), so a parameter's
+synchronization hides only behind the backward of the ops before its use, and the first
+layer's (an embedding's) stays exposed; and in the runtime's gradient buckets, each waiting
+for its earliest-used parameter (`lower/overlap.grad_buckets`, the parameters whole). Still a
+little optimistic (a bucket's collective is priced per parameter, and sharded parameters
+fill buckets more slowly), which the plan's own prediction (`extract`) prices exactly.
+Without the order, a tiny model's one bucket counted as hidden behind a backward that was
+over before it could start (GPT of 2 layers, hidden 256, on 4 V100: objective 187 us, step
+258 us).
 
 A parameter's synchronization depends on both ends of its use: the axes its gradient is
 partial over are the consumer's strategy's, the update mode the parameter's. ``hidden`` is
-attached to the consumer (its first use), priced as a replicated all-reduce over those axes:
+attached to the consumer (its first use; a view of the parameter, a transpose or reshape, is
+the parameter, not a use: taken for one, an MoE's expert weights, read through permutes, had
+their 2 x 302 MB of gradients charged and none hidden, and the ILP priced data parallelism
+6 % over its step and took a slower plan), priced as a replicated all-reduce over those axes:
 never more than eq. 1 charges whatever the mode (ZeRO's reduce-scatter and gather sum to an
 all-reduce, once per micro-batch), so the ILP can never gain by a saving it was not charged
 for. Hidden by the parameter's strategy alone, it counted an all-reduce for a consumer that
 repeats the work on every device and has no partial gradient: planning tiny models, the ILP
 chose such plans for savings that do not exist (a 2-layer MoE on 4 V100: objective 70 us,
 step 132 us). ZeRO's collectives in the earlier micro-batches' backwards, and ZeRO-3's
-gathers, stay charged in full. Parameters updated by SFB (their own charge) get no term.
+gathers, stay charged in full. A parameter SFB may update (`sfb.py`) has its term on its one
+consumer all the same, and the SFB update is charged those hidden seconds on top of its own
+(`fanout.sfb_charges`): under SFB the term saves what was not charged, at most that much.
+Without a term such weights made a method that offers SFB ("hetero") price data parallelism
+dearer than one that does not.
 Abstract (alpha-beta) problems have no compute to hide behind and get none.
 """
 
 from __future__ import annotations
 
+from meshplan.ir.graph import Graph
+from meshplan.lower.overlap import GroupParam, ParamUse, grad_buckets
 from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.ilp_problem import OverlapTerm
 from meshplan.planner.intra.op_costs import OpCosts, local_bytes, sync_cost
@@ -42,6 +59,7 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     window = [[0.0] * len(nc.choices[r]) for r in roots]
     hidden = [[0.0] * len(nc.choices[r]) for r in roots]
     seen: set[str] = set()
+    consumer: dict[str, int] = {}   # a parameter's hidden seconds: at this ILP node
     g = nc.graph
     for node in g.nodes:
         i = index.get(nc.root_of[node.name])
@@ -50,21 +68,43 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
         for p, choice in enumerate(nc.choices[node.name]):
             f, b = costs.pass_times(node, choice)
             window[i][p] += b + (f if ctx.replays(node.name) else 0.0)
+        if node.name in costs.param_root:   # a view of a parameter is it, not a use of it
+            continue
         for j, name in enumerate(node.inputs):
             param = costs.param_root.get(name)
             if param is None or param in seen:
                 continue
             seen.add(param)
+            consumer[param] = i
             u = g.by_name[name]
-            if not u.requires_grad or any(c.mode == "sfb" for c in nc.choices[param]):
+            if not u.requires_grad or (any(c.mode == "sfb" for c in nc.choices[param])
+                                       and costs.sfb[param].consumer != node.name):
                 continue
+            # The parameter's bytes, as eq. 1 charges them: a view of it (read in its
+            # layout, the parameter's plus unsplit dims) may be broadcast, its bytes many.
+            whole = g.by_name[param]
             for p, choice in enumerate(nc.choices[node.name]):
                 hidden[i][p] += _all_reduce_s(costs, choice.strategy.grad_partial[j],
-                                              local_bytes(u, choice.strategy.inputs[j],
+                                              local_bytes(whole, choice.strategy.inputs[j],
                                                           costs.shape))
     if not any(any(row) for row in hidden):
         return ()
-    return (OverlapTerm(_frozen(hidden), _frozen(window), 1.0),)
+    return (OverlapTerm(_frozen(hidden), _frozen(window), 1.0, in_order=True,
+                        ready=_bucket_ready(g, consumer, len(roots))),)
+
+
+def _bucket_ready(g: Graph, consumer: dict[str, int], num_nodes: int) -> tuple[int, ...]:
+    """Per ILP node, the node after whose backward its hidden seconds can start: its
+    gradients' bucket's (`lower/overlap.grad_buckets`, the runtime's, of the parameters
+    whole as data parallelism holds them) earliest-used parameter's consumer."""
+    params = [GroupParam(p, p, (), g.by_name[p].out.dtype, g.by_name[p].out.nbytes,
+                         ParamUse(i, i)) for p, i in consumer.items()]
+    ready = list(range(num_nodes))
+    for bucket in grad_buckets(params):
+        at = min(consumer[p] for p in bucket.params)
+        for p in bucket.params:
+            ready[consumer[p]] = min(ready[consumer[p]], at)
+    return tuple(ready)
 
 
 def _all_reduce_s(costs: OpCosts, axes: tuple[int, ...], nbytes: int) -> float:
