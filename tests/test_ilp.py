@@ -202,7 +202,12 @@ def random_problem(rng: random.Random) -> IlpProblem:
         in_order = rng.random() < 0.5
         ready = tuple(rng.randint(0, v) for v in range(n)) \
             if in_order and rng.random() < 0.5 else None
-        return OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)), in_order, ready)
+        # Some hidden seconds count only while another node avoids some strategies.
+        gated = tuple((v, g, tuple(rng.sample(range(counts[g]), rng.randint(1, counts[g]))),
+                       tuple(float(rng.randint(0, 6)) for _ in range(counts[v])))
+                      for v, g in (rng.sample(range(n), 2) for _ in range(rng.choice((0, 1, 2)))))
+        return OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)), in_order, ready,
+                           gated)
     overlap = tuple(term() for _ in range(rng.choice((0, 0, 1, 2))))
     return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost,
                       node_working=working, overlap=overlap)
@@ -277,6 +282,20 @@ def test_in_order_communication_hides_only_behind_the_backward_after_it() -> Non
                   (0, 1, 2, 3, 2)) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="at or before its node"):
         OverlapTerm(((1.0,), (1.0,)), ((0.0,), (0.0,)), in_order=True, ready=(1, 1))
+
+
+def test_gated_seconds_hide_only_while_the_gate_is_open() -> None:
+    """Node 1's 3 s hide behind node 0's window of 5 unless node 0 picks strategy 1 (a
+    parameter updated by SFB has no all-reduce to hide): then nothing is saved."""
+    def problem(cost_of_gate: float) -> IlpProblem:
+        return IlpProblem(node_costs=((10.0, cost_of_gate), (20.0,)), overlap=(OverlapTerm(
+            ((0.0, 0.0), (0.0,)), ((5.0, 5.0), (0.0,)), in_order=True,
+            gated=((1, 0, (1,), (3.0,)),)),))
+    assert solve(problem(8.0)).choices == (0, 0)   # 10 + 20 - 3 = 27 against 28
+    assert solve(problem(6.0)).choices == (1, 0)   # 26 against 27
+    assert sum(evaluate(problem(6.0), (0, 0))) == pytest.approx(27.0)
+    with pytest.raises(ValueError, match="gated"):
+        OverlapTerm(((0.0,),), ((0.0,),), gated=((0, 0, (1,), (1.0,)),))
 
 
 def test_mccormick_form_matches_marginal_form() -> None:

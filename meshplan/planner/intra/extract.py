@@ -236,10 +236,20 @@ def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostCon
     nc, idx = form.choices, node_indices(form, choices)
     once, twice = OpCosts(nc, real), OpCosts(nc, again)
     compute = 0.0
+    at = {r: i for i, r in enumerate(form.roots)}
+    replayed_s = [0.0] * len(form.roots)   # per ILP node: its forward run again in backward
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         compute += twice.compute_cost(node, choice) - once.compute_cost(node, choice)
-    return comm + compute
+        if again.replays(node.name) and nc.root_of[node.name] in at:
+            replayed_s[at[nc.root_of[node.name]]] += once.pass_times(node, choice)[0]
+    # The replay lengthens the backward that communication overlaps (`overlap_terms`).
+    hidden_more = 0.0
+    for term in form.problem.overlap:
+        hidden, window = term.chosen(choices)
+        hidden_more += term.saved(hidden, [w + r for w, r in zip(window, replayed_s)]) \
+            - term.saved(hidden, window)
+    return comm + compute - hidden_more
 
 
 def _count_recipe(recipe: Recipe, needs_grad: bool, ctx: CostContext, counts: Counter,

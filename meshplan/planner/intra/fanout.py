@@ -91,14 +91,8 @@ def sfb_charges(costs: OpCosts, node: Node, j: int, p: int, q: int, recipe: Reci
     gathers = sum(collective_cost("all_gather", costs.ctx.mesh, s.axes, s.nbytes)
                   for s in steps)
     key = ("sfb", param, recipe.sync_axes, steps)
-    # The overlap term (`overlap_terms`) takes back up to the all-reduce this use would have
-    # under a replicated update, which SFB has not: charged here, it gains nothing.
-    unhidden = 0.0 if costs.ctx.device is None else sync_cost(
-        "replicated", recipe.sync_axes, local_bytes(costs.g.by_name[param], strat.inputs[j],
-                                                    costs.shape),
-        costs.ctx.mesh, bucketed=True)
-    return [(("p", param), key, costs.ctx.microbatches * gathers
-             + costs.sfb_extra_s(node, strat.work_axes) + unhidden)]
+    return [(("p", param), key,
+             costs.ctx.microbatches * gathers + costs.sfb_extra_s(node, strat.work_axes))]
 
 
 def operand_cost(costs: OpCosts, node: Node, j: int, p: int, q: int) -> float:

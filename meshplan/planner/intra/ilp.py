@@ -157,6 +157,9 @@ def _overlap_folded(problem: IlpProblem) -> IlpProblem:
     costs = [list(row) for row in problem.node_costs]
     kept = []
     for term in problem.overlap:
+        if term.gated:   # a gate is a choice's: no side holds under every choice
+            kept.append(term)
+            continue
         least = {k: math.fsum(min(row) for row in getattr(term, k)) for k in ("hidden", "window")}
         most = {k: math.fsum(max(row) for row in getattr(term, k)) for k in ("hidden", "window")}
         if term.in_order:   # the least of each in-order bound, from per-node least entries
@@ -186,7 +189,8 @@ def _overlap_spec(problem: IlpProblem) -> tuple[OverlapSpec, ...]:
         return tuple(np.asarray(row, dtype=np.float64) for row in matrix)
     return tuple((arrays(t.hidden), arrays(t.window), float(t.weight),
                   (tuple(range(len(t.hidden))) if t.ready is None else t.ready)
-                  if t.in_order else None)
+                  if t.in_order else None,
+                  tuple((v, g, s, np.asarray(x, dtype=np.float64)) for v, g, s, x in t.gated))
                  for t in problem.overlap)
 
 

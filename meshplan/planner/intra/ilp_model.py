@@ -27,7 +27,7 @@ function (the math is in ``meshplan.planner.intra.ilp``'s docstring):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,10 +140,12 @@ def _spread(value: np.ndarray | float, count: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=np.float64), (count,))
 
 
-# An overlap term for the model: (hidden, window) per node (arrays by strategy), weight and,
-# in order (`OverlapTerm.in_order`), each node's ready point (else None).
+# An overlap term for the model: (hidden, window) per node (arrays by strategy), weight, in
+# order (`OverlapTerm.in_order`) each node's ready point (else None), and its gated hidden
+# seconds (node, gate node, gate strategies, seconds by strategy).
+Gate = tuple[int, int, tuple[int, ...], np.ndarray]
 OverlapSpec = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], float,
-                    tuple[int, ...] | None]
+                    tuple[int, ...] | None, tuple[Gate, ...]]
 
 
 def build_model(reduced: ReducedIlp, *, memory: MemorySpec | None = None,
@@ -469,29 +471,56 @@ def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                        term: OverlapSpec) -> None:
     """The saving column of one overlap term and its two bounds (module docstring); nothing
     when the term cannot save anything."""
-    hidden, window, weight, ready = term
+    hidden, window, weight, ready, gated = term
     bounds = [_group_terms(range(len(hidden)), reduced, choice_cols, per_node)
               for per_node in (hidden, window)]
+    gated = tuple(gate for gate in gated if gate[3].size and float(gate[3].max()) > 0)
     if weight <= 0 or any(const <= 0 and not any(c.max() > 0 for c in coefs)
-                          for const, _, coefs in bounds):
+                          and (k or not gated) for k, (const, _, coefs) in enumerate(bounds)):
         return
     o_col = coo.add_cols(np.array([-weight]), np.inf, False)
-    for const, cols, coefs in bounds:   # o - sum coefs x <= const
-        _add_row(coo, cols + [np.array([o_col])], [-c for c in coefs] + [np.ones(1)], const)
+    z = _build_gate_cols(coo, reduced, choice_cols, gated)
+    for k, (const, cols, coefs) in enumerate(bounds):   # o - sum coefs x (- sum z) <= const
+        extra = [] if k else [np.array(z, dtype=np.int64)]
+        _add_row(coo, cols + extra + [np.array([o_col])],
+                 [-c for c in coefs] + [-np.ones(len(e)) for e in extra] + [np.ones(1)], const)
     if ready is not None:
-        _build_in_order_rows(coo, reduced, choice_cols, hidden, window, ready, o_col)
+        _build_in_order_rows(coo, reduced, choice_cols, hidden, window, ready, o_col,
+                             [(gate[0], col) for gate, col in zip(gated, z)])
+
+
+def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
+                     gated: tuple[Gate, ...]) -> list[int]:
+    """Per gated entry a continuous ``z``: at most its node's seconds under the node's
+    strategy, and nothing while the gate node picks a gate strategy (``z <= M (1 - sum of
+    those columns)``, M its most seconds); the saving's rows take ``z`` for the seconds."""
+    out = []
+    for v, g, strategies, seconds in gated:
+        most = float(seconds.max())
+        col = coo.add_cols(np.zeros(1), np.inf, False)
+        out.append(col)
+        fixed, cols, coefs = _group_terms([v], reduced, choice_cols, {v: seconds / most})
+        _add_row(coo, cols + [np.array([col])], [-c for c in coefs] + [np.full(1, 1 / most)],
+                 fixed)
+        picks = np.zeros(len(reduced.costs[int(reduced.group_of_node[g])]))
+        picks[list(strategies)] = 1.0
+        fixed, cols, coefs = _group_terms([g], reduced, choice_cols, {g: picks})
+        _add_row(coo, cols + [np.array([col])], coefs + [np.full(1, 1 / most)], 1.0 - fixed)
+    return out
 
 
 def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                          hidden: tuple[np.ndarray, ...], window: tuple[np.ndarray, ...],
-                         ready: tuple[int, ...], o_col: int) -> None:
+                         ready: tuple[int, ...], o_col: int,
+                         gated: Sequence[tuple[int, int]] = ()) -> None:
     """``o <= d_k`` for the k-th ready point t_k of a node with hidden seconds, ``d_k`` the
     hidden of the nodes ready after it plus the window of those before
     (`OverlapTerm.in_order`), as a chain: ``d_1`` over every node, then ``d_{k+1} = d_k -
     hidden(ready in (t_k, t_{k+1}]) + window[t_k, t_{k+1})``, so each node's columns enter
     two rows however many bounds there are. In units of the term's largest entry, so that
     the rows' absolute tolerance is relative to it."""
-    at = sorted({ready[v] for v, h in enumerate(hidden) if h.size and float(h.max()) > 0})
+    at = sorted({ready[v] for v, h in enumerate(hidden) if h.size and float(h.max()) > 0}
+                | {ready[v] for v, _ in gated})
     if not at:
         return
     unit = max(float(m.max()) for m in (*hidden, *window) if m.size)
@@ -518,12 +547,18 @@ def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray
         cat = np.concatenate(cols)
         coo.add_entries(np.full(cat.size, row), cat, np.concatenate(vals))
 
+    def gates_in(lo: int, hi: int) -> list[int]:   # the gated seconds' columns ready there
+        return [col for v, col in gated if lo < ready[v] <= hi]
+
     # d_1 - hidden(ready after t_1) - window[0, t_1) = 0
+    after = gates_in(at[0], n)
     chain_row([(ready_in(at[0], n), hidden, -1.0), (range(0, at[0]), window, -1.0)],
-              [d], [1.0])
+              [d, *after], [1.0, *(-1.0 / unit for _ in after)])
     for k in range(len(at) - 1):   # d_{k+1} - d_k + hidden(ready in (t_k, t_{k+1}])
-        chain_row([(ready_in(at[k], at[k + 1]), hidden, 1.0),   # - window[t_k, t_{k+1}) = 0
-                   (range(at[k], at[k + 1]), window, -1.0)], [d + k + 1, d + k], [1.0, -1.0])
+        step = gates_in(at[k], at[k + 1])   # - window[t_k, t_{k+1}) = 0
+        chain_row([(ready_in(at[k], at[k + 1]), hidden, 1.0),
+                   (range(at[k], at[k + 1]), window, -1.0)],
+                  [d + k + 1, d + k, *step], [1.0, -1.0, *(1.0 / unit for _ in step)])
     # o <= d_k (in seconds: o / unit - d_k <= 0)
     rows = coo.add_rows(-np.inf, 0.0, len(at))
     coo.add_entries(np.concatenate([rows + np.arange(len(at))] * 2),

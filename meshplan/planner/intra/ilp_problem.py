@@ -96,14 +96,19 @@ class OverlapTerm:
     or before v (a gradient bucket goes once its earliest-used parameter's gradient is
     complete): ``H_t`` then sums the nodes ready at t or before, per ready point t.
 
-    Raises ValueError for negative or non-finite entries, a negative weight, or a ready point
-    after its node."""
+    ``gated``: hidden seconds ``(v, g, strategies, seconds)`` of node v (``seconds[p]`` under
+    its strategy p, not in ``hidden``) that count only while node g picks none of
+    ``strategies`` (a gradient's all-reduce, which a parameter updated by SFB does not have).
+
+    Raises ValueError for negative or non-finite entries, a negative weight, a ready point
+    after its node, or a gate of unknown nodes or strategies."""
 
     hidden: Matrix
     window: Matrix
     weight: float = 1.0
     in_order: bool = False
     ready: tuple[int, ...] | None = None
+    gated: tuple[tuple[int, int, tuple[int, ...], tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight >= 0):
@@ -113,6 +118,13 @@ class OverlapTerm:
             _check_matrix(matrix, f"OverlapTerm.{name}", finite=True)
             if any(x < 0 for row in matrix for x in row):
                 raise ValueError(f"OverlapTerm.{name} holds a negative number of seconds")
+        for v, g, strategies, seconds in self.gated:
+            if not (0 <= v < len(self.hidden) and 0 <= g < len(self.hidden)
+                    and len(seconds) == len(self.hidden[v])
+                    and all(0 <= p < len(self.hidden[g]) for p in strategies)
+                    and all(math.isfinite(x) and x >= 0 for x in seconds)):
+                raise ValueError(f"OverlapTerm.gated entry {(v, g, strategies)} names a node "
+                                 "or strategy the term does not have, or bad seconds")
         if self.ready is not None and (len(self.ready) != len(self.hidden) or any(
                 not 0 <= r <= v for v, r in enumerate(self.ready))):
             raise ValueError("OverlapTerm.ready needs one node index per node, each at or "
@@ -120,8 +132,19 @@ class OverlapTerm:
 
     def saving(self, choices: tuple[int, ...]) -> float:
         """Seconds ``choices`` save per step."""
+        return self.saved(*self.chosen(choices))
+
+    def chosen(self, choices: tuple[int, ...]) -> tuple[list[float], list[float]]:
+        """The hidden (gated ones included where they count) and window seconds per node
+        under ``choices``."""
         hidden = [self.hidden[v][p] for v, p in enumerate(choices)]
-        window = [self.window[v][p] for v, p in enumerate(choices)]
+        for v, g, strategies, seconds in self.gated:
+            if choices[g] not in strategies:
+                hidden[v] += seconds[choices[v]]
+        return hidden, [self.window[v][p] for v, p in enumerate(choices)]
+
+    def saved(self, hidden: Sequence[float], window: Sequence[float]) -> float:
+        """Seconds saved per step with these hidden and window seconds per node."""
         return self.weight * min(math.fsum(hidden), math.fsum(window),
                                  *(self.caps(hidden, window, ready=self.ready)
                                    if self.in_order else ()))

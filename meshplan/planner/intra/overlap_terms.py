@@ -32,11 +32,10 @@ for. Hidden by the parameter's strategy alone, it counted an all-reduce for a co
 repeats the work on every device and has no partial gradient: planning tiny models, the ILP
 chose such plans for savings that do not exist (a 2-layer MoE on 4 V100: objective 70 us,
 step 132 us). ZeRO's collectives in the earlier micro-batches' backwards, and ZeRO-3's
-gathers, stay charged in full. A parameter SFB may update (`sfb.py`) has its term on its one
-consumer all the same, and the SFB update is charged those hidden seconds on top of its own
-(`fanout.sfb_charges`): under SFB the term saves what was not charged, at most that much.
-Without a term such weights made a method that offers SFB ("hetero") price data parallelism
-dearer than one that does not.
+gathers, stay charged in full. A parameter SFB may update (`sfb.py`) has its seconds on its
+one consumer gated by its own choice (`OverlapTerm.gated`): they count unless it picks SFB,
+which has no all-reduce. Left out, such weights made a method that offers SFB ("hetero")
+price data parallelism dearer than one that does not.
 Abstract (alpha-beta) problems have no compute to hide behind and get none.
 """
 
@@ -60,6 +59,7 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     hidden = [[0.0] * len(nc.choices[r]) for r in roots]
     seen: set[str] = set()
     consumer: dict[str, int] = {}   # a parameter's hidden seconds: at this ILP node
+    gated: list[tuple[int, int, tuple[int, ...], tuple[float, ...]]] = []
     g = nc.graph
     for node in g.nodes:
         i = index.get(nc.root_of[node.name])
@@ -77,20 +77,23 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
             seen.add(param)
             consumer[param] = i
             u = g.by_name[name]
-            if not u.requires_grad or (any(c.mode == "sfb" for c in nc.choices[param])
-                                       and costs.sfb[param].consumer != node.name):
+            sfb = tuple(p for p, c in enumerate(nc.choices[param]) if c.mode == "sfb")
+            if not u.requires_grad or (sfb and costs.sfb[param].consumer != node.name):
                 continue
             # The parameter's bytes, as eq. 1 charges them: a view of it (read in its
             # layout, the parameter's plus unsplit dims) may be broadcast, its bytes many.
             whole = g.by_name[param]
-            for p, choice in enumerate(nc.choices[node.name]):
-                hidden[i][p] += _all_reduce_s(costs, choice.strategy.grad_partial[j],
-                                              local_bytes(whole, choice.strategy.inputs[j],
-                                                          costs.shape))
-    if not any(any(row) for row in hidden):
+            row = [_all_reduce_s(costs, choice.strategy.grad_partial[j],
+                                 local_bytes(whole, choice.strategy.inputs[j], costs.shape))
+                   for choice in nc.choices[node.name]]
+            if sfb:   # no all-reduce under SFB
+                gated.append((i, index[param], sfb, tuple(row)))
+            else:
+                hidden[i] = [h + x for h, x in zip(hidden[i], row)]
+    if not gated and not any(any(row) for row in hidden):
         return ()
     return (OverlapTerm(_frozen(hidden), _frozen(window), 1.0, in_order=True,
-                        ready=_bucket_ready(g, consumer, len(roots))),)
+                        ready=_bucket_ready(g, consumer, len(roots)), gated=tuple(gated)),)
 
 
 def _bucket_ready(g: Graph, consumer: dict[str, int], num_nodes: int) -> tuple[int, ...]:
