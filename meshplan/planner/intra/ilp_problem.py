@@ -101,7 +101,7 @@ class OverlapTerm:
     ``strategies`` (a gradient's all-reduce, which a parameter updated by SFB does not have).
 
     Raises ValueError for negative or non-finite entries, a negative weight, a ready point
-    after its node, or a gate of unknown nodes or strategies."""
+    that is no node, or a gate of unknown nodes or strategies."""
 
     hidden: Matrix
     window: Matrix
@@ -126,9 +126,8 @@ class OverlapTerm:
                 raise ValueError(f"OverlapTerm.gated entry {(v, g, strategies)} names a node "
                                  "or strategy the term does not have, or bad seconds")
         if self.ready is not None and (len(self.ready) != len(self.hidden) or any(
-                not 0 <= r <= v for v, r in enumerate(self.ready))):
-            raise ValueError("OverlapTerm.ready needs one node index per node, each at or "
-                             "before its node")
+                not 0 <= r < len(self.hidden) for r in self.ready)):
+            raise ValueError("OverlapTerm.ready needs one node index per node")
 
     def saving(self, choices: tuple[int, ...]) -> float:
         """Seconds ``choices`` save per step."""

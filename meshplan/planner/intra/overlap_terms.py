@@ -41,7 +41,8 @@ Abstract (alpha-beta) problems have no compute to hide behind and get none.
 
 from __future__ import annotations
 
-from meshplan.ir.graph import Graph
+from bisect import bisect_right
+
 from meshplan.lower.overlap import GroupParam, ParamUse, grad_buckets
 from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.ilp_problem import OverlapTerm
@@ -61,7 +62,7 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     consumer: dict[str, int] = {}   # a parameter's hidden seconds: at this ILP node
     gated: list[tuple[int, int, tuple[int, ...], tuple[float, ...]]] = []
     g = nc.graph
-    for node in g.nodes:
+    for step, node in enumerate(g.nodes):
         i = index.get(nc.root_of[node.name])
         if i is None:
             continue
@@ -75,7 +76,7 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
             if param is None or param in seen:
                 continue
             seen.add(param)
-            consumer[param] = i
+            consumer[param] = step
             u = g.by_name[name]
             sfb = tuple(p for p, c in enumerate(nc.choices[param]) if c.mode == "sfb")
             if not u.requires_grad or (sfb and costs.sfb[param].consumer != node.name):
@@ -93,21 +94,30 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     if not gated and not any(any(row) for row in hidden):
         return ()
     return (OverlapTerm(_frozen(hidden), _frozen(window), 1.0, in_order=True,
-                        ready=_bucket_ready(g, consumer, len(roots)), gated=tuple(gated)),)
+                        ready=_bucket_ready(nc, index, consumer, len(roots)),
+                        gated=tuple(gated)),)
 
 
-def _bucket_ready(g: Graph, consumer: dict[str, int], num_nodes: int) -> tuple[int, ...]:
+def _bucket_ready(nc: NodeChoices, index: dict[str, int], consumer: dict[str, int],
+                  num_nodes: int) -> tuple[int, ...]:
     """Per ILP node, the node after whose backward its hidden seconds can start: its
     gradients' bucket's (`lower/overlap.grad_buckets`, the runtime's, of the parameters
-    whole as data parallelism holds them) earliest-used parameter's consumer."""
+    whole as data parallelism holds them) earliest-used parameter's consumer (``consumer``:
+    its position in the program), as the last ILP node at or before it. By the consumer's
+    own position, not its root's: a follower (a layer norm's scale, a bias added) may come
+    long after its root (the residual stream's), and bucketed from there its gradient,
+    complete late in the backward, held back the bucket of everything used after it."""
+    g = nc.graph
     params = [GroupParam(p, p, (), g.by_name[p].out.dtype, g.by_name[p].out.nbytes,
-                         ParamUse(i, i)) for p, i in consumer.items()]
-    ready = list(range(num_nodes))
+                         ParamUse(at, at)) for p, at in consumer.items()]
+    root_at = [k for k, n in enumerate(g.nodes) if n.name in index]   # positions, in order
+    ready: dict[int, int] = {}   # a node whose seconds are several buckets': the latest
     for bucket in grad_buckets(params):
-        at = min(consumer[p] for p in bucket.params)
+        at = bisect_right(root_at, min(consumer[p] for p in bucket.params)) - 1
         for p in bucket.params:
-            ready[consumer[p]] = min(ready[consumer[p]], at)
-    return tuple(ready)
+            v = index[nc.root_of[g.nodes[consumer[p]].name]]
+            ready[v] = min(ready.get(v, at), at)
+    return tuple(ready.get(v, v) for v in range(num_nodes))
 
 
 def _all_reduce_s(costs: OpCosts, axes: tuple[int, ...], nbytes: int) -> float:
