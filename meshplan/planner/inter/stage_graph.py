@@ -6,10 +6,11 @@ GPT's embedding and LM head, appears in each stage that reads it). Op outputs of
 that it reads arrive from the previous stage: they become ``"input"`` sources (laid out however
 the stage likes: the cross-mesh transfer delivers any layout) that keep ``requires_grad``, so
 their gradient is sent back, and the dims that carry the batch in the whole program (an MoE
-layer's dispatched tokens have their experts in dim 0, not the batch). Values it sends to later stages are read by one ``stage_output``
-sink each, an identity whose input may not be a partial sum, so a stage pays for reducing what
-it sends, as the runtime must. The last stage's loss stays the loss; another stage's loss is its
-last sink, which only tells the planner where the program ends.
+layer's dispatched tokens have their experts in dim 0, not the batch). Values it sends to
+later stages are read by one ``stage_output`` sink each, an identity whose input may not be a
+partial sum, so a stage pays for reducing what it sends, as the runtime must. The last
+stage's loss stays the loss; another stage's loss is its last sink, which only tells the
+planner where the program ends.
 
 `structure_key` names a stage by its structure alone (ops, shapes, wiring; no node names), so
 identical layer ranges of repeated blocks share one cost (Alpa's profiling reuse).

@@ -512,15 +512,16 @@ def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
 def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                          hidden: tuple[np.ndarray, ...], window: tuple[np.ndarray, ...],
                          ready: tuple[int, ...], o_col: int,
-                         gated: Sequence[tuple[int, int]] = ()) -> None:
+                         gate_cols: Sequence[tuple[int, int]] = ()) -> None:
     """``o <= d_k`` for the k-th ready point t_k of a node with hidden seconds, ``d_k`` the
     hidden of the nodes ready after it plus the window of those before
     (`OverlapTerm.in_order`), as a chain: ``d_1`` over every node, then ``d_{k+1} = d_k -
     hidden(ready in (t_k, t_{k+1}]) + window[t_k, t_{k+1})``, so each node's columns enter
-    two rows however many bounds there are. In units of the term's largest entry, so that
-    the rows' absolute tolerance is relative to it."""
+    two rows however many bounds there are; ``gate_cols``: (node, column) of the gated
+    seconds (`_build_gate_cols`), ready where their node is. In units of the term's largest
+    entry, so that the rows' absolute tolerance is relative to it."""
     at = sorted({ready[v] for v, h in enumerate(hidden) if h.size and float(h.max()) > 0}
-                | {ready[v] for v, _ in gated})
+                | {ready[v] for v, _ in gate_cols})
     if not at:
         return
     unit = max(float(m.max()) for m in (*hidden, *window) if m.size)
@@ -548,7 +549,7 @@ def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray
         coo.add_entries(np.full(cat.size, row), cat, np.concatenate(vals))
 
     def gates_in(lo: int, hi: int) -> list[int]:   # the gated seconds' columns ready there
-        return [col for v, col in gated if lo < ready[v] <= hi]
+        return [col for v, col in gate_cols if lo < ready[v] <= hi]
 
     # d_1 - hidden(ready after t_1) - window[0, t_1) = 0
     after = gates_in(at[0], n)

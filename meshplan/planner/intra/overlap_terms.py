@@ -59,7 +59,7 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     window = [[0.0] * len(nc.choices[r]) for r in roots]
     hidden = [[0.0] * len(nc.choices[r]) for r in roots]
     seen: set[str] = set()
-    consumer: dict[str, int] = {}   # a parameter's hidden seconds: at this ILP node
+    consumer: dict[str, int] = {}   # a synchronized parameter's consumer: its program position
     gated: list[tuple[int, int, tuple[int, ...], tuple[float, ...]]] = []
     g = nc.graph
     for step, node in enumerate(g.nodes):
@@ -76,11 +76,11 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
             if param is None or param in seen:
                 continue
             seen.add(param)
-            consumer[param] = step
             u = g.by_name[name]
             sfb = tuple(p for p, c in enumerate(nc.choices[param]) if c.mode == "sfb")
             if not u.requires_grad or (sfb and costs.sfb[param].consumer != node.name):
                 continue
+            consumer[param] = step
             # The parameter's bytes, as eq. 1 charges them: a view of it (read in its
             # layout, the parameter's plus unsplit dims) may be broadcast, its bytes many.
             whole = g.by_name[param]
