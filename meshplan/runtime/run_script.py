@@ -82,6 +82,9 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
             p.wait()
 
 
+AGENT_WAIT_MS = 600_000
+
+
 def _rank_main(script: str, args: list[str], env: dict[str, str]) -> None:
     """One rank inside a Ray actor: torchrun's environment, then the script as __main__."""
     import runpy
@@ -131,9 +134,14 @@ def run_script_on_ray(script: str, nproc: int, args: Sequence[str] = (),
     script = os.path.abspath(script)
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, num_cpus=None if address else nproc,
-                 include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+        # A Ray started here waits minutes, not Ray's 30 s, for its runtime-env agent: on a
+        # busy machine (a test suite beside it, imports on two cores) the agent comes up late
+        # and the raylet otherwise exits, taking every actor with it.
+        local = {} if address else {
+            "num_cpus": nproc, "_system_config": {"agent_register_timeout_ms": AGENT_WAIT_MS}}
+        ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+                 **local)
     try:
         gpus, where = ray_placement(device, ray.cluster_resources().get("GPU", 0.0), nproc)
         rank = ray.remote(num_cpus=1, num_gpus=gpus)(_Rank)
