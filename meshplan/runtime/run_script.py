@@ -25,6 +25,8 @@ from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, re
 from meshplan.runtime.pool import find_free_port
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# How long a Ray started here waits for its runtime-env agent (Ray's own default: 30 s).
+AGENT_WAIT_MS = 600_000
 
 
 def init_world(timeout_s: float = 300.0, device: str | torch.device | None = None) -> bool:
@@ -80,9 +82,6 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *,
                 p.kill()
         for p in procs:
             p.wait()
-
-
-AGENT_WAIT_MS = 600_000
 
 
 def _rank_main(script: str, args: list[str], env: dict[str, str]) -> None:
