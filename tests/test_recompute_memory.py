@@ -12,22 +12,10 @@ import meshplan.api as api
 from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
 from oracle import ADAMW, batches, make_plan
-from test_sim_memory import measured_peak, profiled_peak
+from test_sim_memory import check_two_stage_peak, measured_peak
 
 GPT = "gpt:hidden=128,layers=4,heads=4,seq=64,vocab=512,batch=16"
 GPT8 = "gpt:hidden=128,layers=8,heads=4,seq=64,vocab=512,batch=16"
-
-
-def _pipeline_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
-    """The largest total of bytes a pipeline rank held at once, by the profiler."""
-    from meshplan.runtime.comm import ProcessGroupComm
-    from meshplan.runtime.p2p import ProcessGroupP2P
-    from meshplan.runtime.pipeline import PipelineTrainer
-    comm = ProcessGroupComm.for_stages(plan.stage_meshes())
-    p2p = ProcessGroupP2P("cpu")
-    w = build_workload(spec, device="cpu", seed=0)
-    return profiled_peak(lambda: PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch,
-                                                 comm, p2p), data)
 
 
 def test_a_recomputed_single_stage_plan_keeps_its_layers_inputs_only(pool2) -> None:
@@ -40,20 +28,6 @@ def test_a_recomputed_single_stage_plan_keeps_its_layers_inputs_only(pool2) -> N
     data = batches(build_workload(GPT, device="cpu", seed=0), 2)
     for rank, peak in enumerate(pool2.run(measured_peak, plan, GPT, data)):
         assert simulated[rank] == pytest.approx(peak, rel=0.10), (rank, simulated[rank], peak)
-
-
-def check_two_stage_peak(pool2, spec: str, recompute: str):
-    """A 2-stage pipeline of ``spec`` (4 micro-batches, 1F1B) recomputed as ``recompute``:
-    each stage's simulated peak within 10 % of the profiler's on gloo. Returns the plan."""
-    w = build_workload(spec, device="meta")
-    plan = api.plan(w.model, w.loss_fn, ADAMW, w.example_batch, "local:2",
-                    method="megatron:dp=1,tp=1,pp=2", microbatches=4, recompute=recompute,
-                    memory_budget_gb=0, dtype="fp32", name=spec)
-    simulated = simulate(plan).peak_memory_bytes
-    data = batches(build_workload(spec, device="cpu", seed=0), 2)
-    for rank, peak in enumerate(pool2.run(_pipeline_peak, plan, spec, data)):
-        assert simulated[rank] == pytest.approx(peak, rel=0.10), (rank, simulated[rank], peak)
-    return plan
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from meshplan.runtime.comm import CollectiveRecord, Comm
 from meshplan.runtime.emulated import run_emulated
-from meshplan.runtime.grad_sync import all_gather_params, all_reduce_grads, reduce_scatter_grads
+from meshplan.runtime.grad_sync import (all_gather_params, all_reduce_grads, gather_params_into,
+                                        reduce_scatter_grads)
 
 MESHES = [(1, 2), (2, 1), (1, 4), (2, 2)]
 AXES = [(0,), (1,), (0, 1)]
@@ -35,11 +38,12 @@ def summed(group: list[int]) -> list[torch.Tensor]:
 
 
 def update_records(
-    kind: str, mesh: tuple[int, int], axes: tuple[int, ...]
+    kind: str, mesh: tuple[int, int], axes: tuple[int, ...], sizes=(FP32_BYTES, FP64_BYTES)
 ) -> list[CollectiveRecord]:
-    """One record per dtype bucket, in order of first appearance (fp32 then fp64)."""
+    """One record per bucket of ``sizes`` bytes: by default one per dtype, in order of first
+    appearance (fp32 then fp64)."""
     norm = tuple(a for a in axes if mesh[a] > 1)
-    return [CollectiveRecord(kind, nbytes, norm, "update") for nbytes in (FP32_BYTES, FP64_BYTES)]
+    return [CollectiveRecord(kind, nbytes, norm, "update") for nbytes in sizes]
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -75,7 +79,9 @@ def test_reduce_scatter_then_all_gather(mesh: tuple[int, int], axes: tuple[int, 
             torch.testing.assert_close(shard, torch.tensor_split(want, n, dim=0)[me])
             torch.testing.assert_close(whole, want)
         expected = [*update_records("reduce_scatter", mesh, axes)]
-        expected += update_records("all_gather", mesh, axes)
+        # Gathered in buckets of at most the largest tensor's bytes (15 fp32 elements), so
+        # the fp32 pair goes one at a time.
+        expected += update_records("all_gather", mesh, axes, (15 * 4, 12 * 4, FP64_BYTES))
         assert records == (expected if n > 1 else [])
 
 
@@ -88,6 +94,24 @@ def test_all_gather_params_uses_every_members_shard() -> None:
 
     for full in run_emulated(body, (1, 4)):
         assert torch.equal(full, torch.arange(10.0).reshape(5, 2))
+
+
+def test_gathering_into_place_holds_one_bucket_at_a_time() -> None:
+    """ZeRO-2's update writes each parameter whole in place, a bucket of at most the largest
+    tensor at a time: small tensors share one all-gather, a large one goes alone."""
+    shapes = [(8, 4), (2, 2), (3, 2), (5, 1)]   # 128 B, then 16 + 24 + 20 = 60 B
+
+    def body(comm: Comm):
+        me = comm.group_index((1,))
+        whole = [torch.arange(float(math.prod(s))).reshape(s) + k for k, s in enumerate(shapes)]
+        mine = [torch.tensor_split(w, 2, dim=0)[me].clone() for w in whole]
+        into = [torch.full(s, -1.0) for s in shapes]
+        gather_params_into(comm, mine, into, (1,))
+        return whole, into, [r.nbytes for r in comm.records]
+
+    for whole, into, sizes in run_emulated(body, (1, 2)):
+        assert all(torch.equal(a, b) for a, b in zip(whole, into))
+        assert sizes == [128, 60]
 
 
 def test_bad_inputs_raise() -> None:

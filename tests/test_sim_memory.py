@@ -29,6 +29,7 @@ import tempfile
 
 import pytest
 
+import meshplan.api as api
 from meshplan.runtime.comm import ProcessGroupComm
 from meshplan.sim.simulate import simulate
 from meshplan.zoo.spec import build_workload
@@ -128,3 +129,44 @@ def test_simulated_peak_memory_matches_measured(pool2, spec: str, method: str, o
     simulated = simulate(plan).peak_memory_bytes
     for rank, peak in enumerate(pool2.run(measured_peak, plan, spec, data)):
         assert simulated[rank] == pytest.approx(peak, rel=0.10), (rank, simulated[rank], peak)
+
+
+def _pipeline_peak(rank: int, nprocs: int, plan, spec: str, data) -> int:
+    """The largest total of bytes a pipeline rank held at once, by the profiler."""
+    from meshplan.runtime.comm import ProcessGroupComm
+    from meshplan.runtime.p2p import ProcessGroupP2P
+    from meshplan.runtime.pipeline import PipelineTrainer
+    comm = ProcessGroupComm.for_stages(plan.stage_meshes())
+    p2p = ProcessGroupP2P("cpu")
+    w = build_workload(spec, device="cpu", seed=0)
+    return profiled_peak(lambda: PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch,
+                                                 comm, p2p), data)
+
+
+def check_two_stage_peak(pool, spec: str, recompute: str, dp: int = 1, rel: float = 0.10,
+                         **kw):
+    """A 2-stage pipeline of ``spec`` (4 micro-batches, 1F1B, ``dp`` replicas per stage on
+    ``pool``'s 2·dp ranks) recomputed as ``recompute`` (``kw``: more `api.plan` options):
+    each rank's simulated peak within ``rel`` of the profiler's on gloo. Returns the plan."""
+    w = build_workload(spec, device="meta")
+    plan = api.plan(w.model, w.loss_fn, ADAMW, w.example_batch, f"local:{2 * dp}",
+                    method=f"megatron:dp={dp},tp=1,pp=2", microbatches=4, recompute=recompute,
+                    memory_budget_gb=0, dtype="fp32", name=spec, **kw)
+    simulated = simulate(plan).peak_memory_bytes
+    data = batches(build_workload(spec, device="cpu", seed=0), 2)
+    for rank, peak in enumerate(pool.run(_pipeline_peak, plan, spec, data)):
+        assert simulated[rank] == pytest.approx(peak, rel=rel), (rank, simulated[rank], peak)
+    return plan
+
+
+def test_a_zero2_pipelines_simulated_peak_is_measured(pool4) -> None:
+    """ZeRO-2 stages hold a weight's whole gradient only until its reduce-scatter (the working
+    set, 4 MiB here). Measured at 84 MiB against 50 simulated before the runtime bounded what
+    it holds: it waited for a backward's reduce-scatters only when the backward ended, each
+    holding a copy of its whole gradient, and its update gathered every parameter of the
+    stage at once, twice over. The simulator held the working set twice (once in the stage's
+    planned peak): within 3 % tells it from the 4 % that cost here (GPT-6.7B's first stage:
+    16.03 GiB simulated on a 16 GiB V100 for a plan that fit as run)."""
+    plan = check_two_stage_peak(pool4, "mlp:layers=8,hidden=1024,batch=64,bias=1", "none",
+                                dp=2, rel=0.03, prefer_reduce_scatter=True)
+    assert all(p.update == "zero2" for s in plan.stages for p in s.plan.params)

@@ -28,6 +28,12 @@ from meshplan.cost.checks import check_count, check_nonnegative
 UPDATE_MODES: tuple[str, ...] = ("replicated", "zero2", "zero3", "sfb")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "adafactor")
 
+# ZeRO's reduce-scatters a backward keeps in flight at once beside the one it issues last
+# (`runtime/trainer.py`, `runtime/zero3.py`): each holds a whole gradient until it is waited for,
+# so a backward holds the ones in flight and the newest gradient; waited for only at the end
+# of the backward, a stage held every ZeRO gradient of a micro-batch at once.
+ZERO_SCATTERS_IN_FLIGHT = 1
+
 
 def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int = 4, momentum: bool = False) -> float:
     """Optimizer-state bytes per parameter element: "sgd" 0 (or one `param_bytes` buffer with

@@ -16,6 +16,10 @@ them (`runtime/trainer.py`, `runtime/zero3.py`), and the simulator times them
   gathers unit i + ``prefetch`` while unit i computes; the backward gathers the kept units
   again in the order it needs them (their last forward use, latest first), prefetched alike,
   and reduce-scatters each unit's gradient when it is complete, in the order they complete.
+- **ZeRO-2's update gathers**: after the update, each mesh axes group's parameters (in plan
+  order) by dtype, cut into buckets of at most the group's largest parameter, gathered one
+  bucket at a time (`update_gather_buckets`), so the update holds one bucket beyond the
+  parameters, not the group whole.
 """
 
 from __future__ import annotations
@@ -94,6 +98,29 @@ def grad_buckets(params: Sequence[GroupParam], bucket_bytes: int = BUCKET_BYTES,
     done.sort(key=lambda b: -min(q.use.first for q in b))
     return tuple(SyncGroup(tuple(q.node for q in b), b[0].axes, sum(q.nbytes for q in b))
                  for b in done)
+
+
+def update_gather_buckets(keys: Sequence[object], nbytes: Sequence[int]) -> list[list[int]]:
+    """ZeRO-2's update all-gathers of one mesh axes group (module docstring): the indices of
+    its parameters (in plan order; ``keys`` their dtypes, ``nbytes`` their whole local bytes)
+    per bucket, in launch order — a key's in order of first appearance, cut in order into runs
+    of at most the largest parameter's bytes (a larger one alone)."""
+    cap = max(nbytes, default=0)
+    by_key: dict[object, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    out: list[list[int]] = []
+    for members in by_key.values():
+        run: list[int] = []
+        size = 0
+        for i in members:
+            if run and size + nbytes[i] > cap:
+                out.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += nbytes[i]
+        out.append(run)
+    return out
 
 
 _INDEX = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")

@@ -255,10 +255,12 @@ class Comm(ABC):
 
     def reduce_scatter_async(
         self, t: torch.Tensor, axes: Sequence[int], dim: int, sizes: Sequence[int], *, phase: str,
-        impl: str = "padded",
+        impl: str = "padded", donate: bool = False,
     ) -> Pending:
         """`reduce_scatter` issued without waiting for it (impl "padded"; "broadcast" runs at
-        once); ``wait()`` gives my summed piece."""
+        once); ``wait()`` gives my summed piece. ``donate``: the caller lets ``t`` go (it keeps
+        no reference and writes it no more), so even pieces along dim 0 are sent from ``t``
+        itself, not a copy (the transports only read their input)."""
         check_impl(impl)
         ax = self._begin(t, axes, phase)
         d = _check_dim(t, dim)
@@ -271,10 +273,12 @@ class Comm(ABC):
         if impl == "broadcast":
             return Pending.done(self._scatter_by_reduce(t, d, sizes, ax))
         if d == 0 and all(s == sizes[0] for s in sizes):
-            # Even pieces along dim 0 are the stack already; a copy, as the transport reads it
-            # after this returns and the caller may reuse its tensor.
-            buf = t.detach().clone(memory_format=torch.contiguous_format).view(
-                len(sizes), *_with_size(t.shape, 0, sizes[0]))
+            # Even pieces along dim 0 are the stack already; a copy unless donated, as the
+            # transport reads it after this returns and the caller may reuse its tensor.
+            src = t.detach()
+            if not (donate and src.is_contiguous()):
+                src = src.clone(memory_format=torch.contiguous_format)
+            buf = src.view(len(sizes), *_with_size(t.shape, 0, sizes[0]))
         else:
             buf = t.new_zeros((len(sizes), *_with_size(t.shape, d, max(sizes))))
             for m, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):

@@ -2,7 +2,8 @@
 
 Each function issues ONE collective per dtype present (tensors are flattened into one buffer per
 dtype, in order of first appearance), recorded with phase "update" and ``nbytes`` = the total
-bytes of the full tensors. Replicated update: :func:`all_reduce_grads`. ZeRO: shards are dim-0
+bytes of the full tensors; :func:`gather_params_into` (what ZeRO-2's update runs) cuts a dtype's
+tensors into buckets of at most the largest one's bytes, to bound what it holds at once. Replicated update: :func:`all_reduce_grads`. ZeRO: shards are dim-0
 pieces with ``torch.tensor_split`` semantics over the group (member m holds
 ``tensor_split(p, n, dim=0)[m]``); :func:`reduce_scatter_grads` produces them from full
 gradients, :func:`all_gather_params` rebuilds full tensors from them.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from meshplan.lower.overlap import update_gather_buckets
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm, Pending
 
@@ -72,8 +74,8 @@ def all_gather_params(
     full_shapes: Sequence[Sequence[int]],
     axes: Sequence[int],
 ) -> list[torch.Tensor]:
-    """Full tensors rebuilt from every member's dim-0 shards (one bucketed all-gather per
-    dtype); ``full_shapes[k]`` is the full shape of tensor k.
+    """Full tensors rebuilt from every member's dim-0 shards (`gather_params_into`);
+    ``full_shapes[k]`` is the full shape of tensor k.
 
     Raises TypeError if an entry is not a tensor, ValueError if the lists differ in length or a
     shard's shape is not my ``tensor_split`` piece of its full shape.
@@ -82,21 +84,39 @@ def all_gather_params(
     if len(full_shapes) != len(shards):
         raise ValueError(f"got {len(shards)} shards but {len(full_shapes)} full_shapes")
     n, me = comm.group_size(axes), comm.group_index(axes)
-    rows = [_check_shard(k, s, full_shapes[k], n, me) for k, s in enumerate(shards)]
-    out: list[torch.Tensor | None] = [None] * len(shards)
+    for k, s in enumerate(shards):
+        _check_shard(k, s, full_shapes[k], n, me)
+    wholes = [s.new_empty(tuple(f)) for s, f in zip(shards, full_shapes)]
+    gather_params_into(comm, shards, wholes, axes)
+    return wholes
+
+
+def gather_params_into(comm: Comm, shards: Sequence[torch.Tensor],
+                       wholes: Sequence[torch.Tensor], axes: Sequence[int]) -> None:
+    """Each ``wholes[k]`` overwritten with the dim-0 concatenation of every member's
+    ``shards[k]``, by the buckets of `lower.overlap.update_gather_buckets` (one dtype, at most
+    the largest whole tensor's bytes; one all-gather each), each copied into place before the
+    next is gathered: the update holds
+    about two of the largest tensor at once beyond the wholes themselves (the shards packed
+    and the gathered bucket), not every parameter of the group twice over
+    (`cost/memory.py`'s ZeRO-2 working set)."""
+    shards = _check_tensors("shards", shards)
+    if len(wholes) != len(shards):
+        raise ValueError(f"got {len(shards)} shards but {len(wholes)} whole tensors")
+    n, me = comm.group_size(axes), comm.group_index(axes)
+    rows = [_check_shard(k, s, tuple(wholes[k].shape), n, me) for k, s in enumerate(shards)]
     with torch.no_grad():
-        for bucket in dtype_buckets(shards):
-            row_numel = [math.prod(full_shapes[i][1:]) for i in bucket]
+        for bucket in update_gather_buckets([s.dtype for s in shards],
+                                            [w.nbytes for w in wholes]):
+            row_numel = [math.prod(wholes[i].shape[1:]) for i in bucket]
             counts = [[rows[i][m] * k for i, k in zip(bucket, row_numel)] for m in range(n)]
             flat = torch.cat([shards[i].detach().reshape(-1) for i in bucket])
             whole = comm.all_gather(flat, axes, 0, [sum(c) for c in counts], phase="update")
-            chunks = whole.split([sum(c) for c in counts])
-            per_member = [chunk.split(c) for chunk, c in zip(chunks, counts)]
-            for k, i in enumerate(bucket):
-                tail = tuple(full_shapes[i][1:])
-                pieces = [per_member[m][k].view(rows[i][m], *tail) for m in range(n)]
-                out[i] = torch.cat(pieces, dim=0)
-    return out  # type: ignore[return-value]  # every slot is filled by exactly one bucket
+            del flat
+            for m, chunk in enumerate(whole.split([sum(c) for c in counts])):
+                for i, piece in zip(bucket, chunk.split(counts[m])):
+                    wholes[i].narrow(0, sum(rows[i][:m]), rows[i][m]).copy_(
+                        piece.view(rows[i][m], *wholes[i].shape[1:]))
 
 
 def _check_tensors(

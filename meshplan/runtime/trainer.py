@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,7 +41,8 @@ from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
-from meshplan.runtime.grad_sync import GradBuckets, all_gather_params, dtype_buckets
+from meshplan.runtime.grad_sync import GradBuckets, dtype_buckets, gather_params_into
+from meshplan.cost.memory import ZERO_SCATTERS_IN_FLIGHT
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
@@ -57,8 +58,6 @@ class _Param:
                  axes: tuple[int, ...], comm: Comm) -> None:
         self.name, self.node, self.mode, self.axes = name, node, mode, axes
         local = local.to(comm.device)
-        # ZeRO: reduce-scatters of this parameter's gradient issued and not yet waited for.
-        self.scattering: list[Pending] = []
         self.full_shape = tuple(local.shape)
         self.compute: torch.Tensor | None = None
         if self.whole:
@@ -185,6 +184,8 @@ class Trainer:
             self._batch_nodes = {n.state_name: n.name for n in graph.nodes
                                  if n.role in ("input", "target") and n.state_name}
         self._zero3 = Rematerializer() if self._units is not None else None
+        # ZeRO-2's reduce-scatters issued and not yet waited for, oldest first.
+        self._scattering: deque[tuple[weakref.ref[_Param], Pending]] = deque()
         for p in self.params:
             if p.mode == "zero2":
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
@@ -503,8 +504,8 @@ class Trainer:
     def undo_step(self) -> None:
         """What a failed step left, dropped (`runtime/failure.py`): gradients, transfers in
         flight, ZeRO-3 copies; the step count as before it."""
+        self._scattering.clear()
         for p in self.params:
-            p.scattering.clear()
             p.update.grad = None
             if p.compute is not None:
                 p.compute.grad = None
@@ -610,15 +611,15 @@ class Trainer:
         comm, sizes = self.comm, shard_sizes(p.full_shape[0], self.comm.group_size(p.axes))
         # Weakly: the tensor keeps its hook, and a strong reference back to the parameter
         # would be a cycle through C++ that Python's collector cannot free.
-        ref = weakref.ref(p)
+        ref, axes, issued = weakref.ref(p), p.axes, self._scattering
 
         def hook(param: torch.Tensor) -> None:
-            mine = ref()
-            assert mine is not None   # the hook's tensor belongs to it
             with torch.no_grad():
-                mine.scattering.append(comm.reduce_scatter_async(param.grad, mine.axes, 0,
-                                                                 sizes, phase="backward"))
-            param.grad = None
+                # Sent from the gradient itself: nothing else holds it once it is let go.
+                issued.append((ref, comm.reduce_scatter_async(param.grad, axes, 0, sizes,
+                                                              phase="backward", donate=True)))
+                param.grad = None
+                settle(issued, ZERO_SCATTERS_IN_FLIGHT)
         return hook
 
     def _drain(self) -> None:
@@ -627,12 +628,7 @@ class Trainer:
         if self._units is not None:
             self._units.end_backward()
         with torch.no_grad():
-            for p in self.params:
-                for pending in p.scattering:
-                    piece = pending.wait()
-                    p.update.grad = piece if p.update.grad is None else \
-                        p.update.grad.add_(piece)
-                p.scattering.clear()
+            settle(self._scattering, 0)
 
     def _synchronize(self) -> None:
         # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward: waited for here.
@@ -644,11 +640,8 @@ class Trainer:
 
     def _refresh_zero2(self) -> None:
         for axes, ps in self._groups("zero2"):
-            fulls = all_gather_params(self.comm, [p.update.detach() for p in ps],
-                                      [p.full_shape for p in ps], axes)
-            with torch.no_grad():
-                for p, f in zip(ps, fulls):
-                    p.compute.copy_(f)
+            gather_params_into(self.comm, [p.update.detach() for p in ps],
+                               [p.compute.detach() for p in ps], axes)
             for p in ps:
                 p.compute.grad = None
 
@@ -696,6 +689,17 @@ def check_rows(micro: Any, planned: Mapping[str, tuple[int, ...]], microbatches:
 def shape_key(batch: Any) -> tuple:
     """The shapes of ``batch``'s tensors, as a key of the programs lowered per shape."""
     return tuple(sorted(batch_shapes(batch).items()))
+
+
+def settle(issued: deque[tuple[weakref.ref[_Param], Pending]], keep: int) -> None:
+    """The oldest of the ``issued`` ZeRO-2 reduce-scatters waited for until ``keep`` are left,
+    each piece added to its parameter's shard gradient (in issue order, so each shard sums its
+    micro-batches in order)."""
+    while len(issued) > keep:
+        ref, pending = issued.popleft()
+        p, piece = ref(), pending.wait()
+        assert p is not None   # the trainer holds its parameters while it runs
+        p.update.grad = piece if p.update.grad is None else p.update.grad.add_(piece)
 
 
 _CAPTURING = threading.Lock()

@@ -16,8 +16,9 @@ unit again when it first unpacks one: in the plan's order (``unit_regather``: as
 meets them, their last forward use latest first), ``prefetch`` ahead; the copy is dropped when
 the unit's gradient has been reduce-scattered. A unit's reduce-scatter is issued, without
 waiting, when autograd has summed its members' gradients, in the plan's order
-(``unit_scatter``), and waited for when the backward ends (`Units.end_backward`), which adds
-it to the shards' gradients. With recomputation the forward's replay gathers again instead
+(``unit_scatter``), and waited for once `ZERO_SCATTERS_IN_FLIGHT` later ones are in flight
+(each holds a whole gradient until then) or the backward ends (`Units.end_backward`), which
+adds it to the shards' gradients. With recomputation the forward's replay gathers again instead
 (checkpointing's own hooks handle what it saves).
 
 Collectives, recorded on the comm: per forward one all-gather per unit ("forward", or
@@ -39,6 +40,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import FunctionCtx
 
+from meshplan.cost.memory import ZERO_SCATTERS_IN_FLIGHT
 from meshplan.lower.local_ops import cast_float
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm, Pending
@@ -96,7 +98,7 @@ class Unit:
                           for m in range(len(self.flat))
                           for g, rows in zip(grads, self.rows)])
         started = self.comm.reduce_scatter_async(flat, self.axes, 0, self.flat,
-                                                 phase="backward")
+                                                 phase="backward", donate=True)
         sizes = [rows[self.me] * k for rows, k in zip(self.rows, self.row_numel)]
         return Pending(lambda: tuple(p.view(rows[self.me], *shape[1:]) for p, rows, shape
                                      in zip(started.wait().split(sizes), self.rows,
@@ -186,6 +188,16 @@ class Units:
         u = self._scatter_order[k]
         grads = self._grads.pop(u, (None,) * len(self.units[u].shards))
         self._scattering.append((u, self.units[u].scatter(grads)))
+        self._settle(ZERO_SCATTERS_IN_FLIGHT)
+
+    def _settle(self, keep: int) -> None:
+        """The oldest reduce-scatters waited for until ``keep`` are in flight, each piece added
+        to its shard's gradient (each holds a whole gradient until then)."""
+        with torch.no_grad():
+            while len(self._scattering) > keep:
+                u, pending = self._scattering.pop(0)
+                for shard, piece in zip(self.units[u].shards, pending.wait()):
+                    shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
 
     def end_backward(self) -> None:
         """After a backward: every unit reduce-scattered (one that got no gradient as zeros),
@@ -193,10 +205,7 @@ class Units:
         if not self._backward_ran:
             return
         self._order.flush()
-        with torch.no_grad():
-            for u, pending in self._scattering:
-                for shard, piece in zip(self.units[u].shards, pending.wait()):
-                    shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+        self._settle(0)
         for pending in self._back.values():   # kept by the plan, never unpacked: let go
             pending.wait()
         self._scattering, self._back, self._copies, self._derived = [], {}, {}, {}

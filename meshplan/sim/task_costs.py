@@ -56,11 +56,14 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
         p.predicted["forward_s"], p.predicted["backward_s"], p.collectives, p.overlap, meshes,
         p.microbatches, replay_s(p))
     state = p.predicted["state_bytes"]
+    working = p.predicted.get("working_bytes", 0.0)
     kept = full = p.predicted["activation_bytes"]
     if "layered_kept_bytes" in p.predicted:   # recomputed layer by layer: the layers' inputs
         kept = full = p.predicted["layered_kept_bytes"]
     elif stage is not None:
-        kept = max(stage.memory_bytes - state, 0.0) / max(stage.in_flight, 1)
+        # The stage's planned peak holds the working set once (the ILP's `node_working`);
+        # the simulator holds it during each pass, so it is no micro-batch's to keep.
+        kept = max(stage.memory_bytes - state - working, 0.0) / max(stage.in_flight, 1)
     # The op-by-op peaks (`planner/intra/liveness.py`) beyond what the stage holds per
     # micro-batch: its kept activations, or under recomputation only its layers' inputs,
     # the replay bringing back the rest during the backward. Plans without them: none.
@@ -69,7 +72,7 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
         ("backward_held_peak_bytes", kept))}
     return TaskCost(forward_s=forward, backward_s=backward, update_s=update,
                     state_bytes=state, activation_bytes=kept,
-                    working_bytes=p.predicted.get("working_bytes", 0.0),
+                    working_bytes=working,
                     grad_bytes=p.predicted.get("grad_bytes", 0.0),
                     forward_extra_bytes=extra["forward_peak_bytes"],
                     backward_extra_bytes=extra["backward_peak_bytes"],

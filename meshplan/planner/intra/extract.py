@@ -277,8 +277,9 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
     nc, g = form.choices, form.choices.graph
     shape = tuple(form.ctx.mesh.shape)
     uses = ov.param_uses(g)
-    # ZeRO-2 gathers its new values in one bucket per axes after the update.
-    buckets: Counter[tuple[str, tuple[int, ...], str]] = Counter()
+    # ZeRO-2 gathers its new values after the update, bucketed per axes
+    # (`ov.update_gather_buckets`).
+    gathered: dict[tuple[int, ...], list[tuple[str, int]]] = {}
     grouped: dict[str, list[ov.GroupParam]] = {"replicated": [], "zero2": [], "zero3": []}
     out = []
     shapes: list[tuple[int, ...]] = []
@@ -303,15 +304,16 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
         if axes and mode == "zero2":   # reduce-scattered one by one, gathered bucketed
             for kind, phase, count in zero_counts(mode, form.ctx, n.kept is not False):
                 if phase == "update":
-                    buckets[(kind, axes, phase)] += nbytes
+                    gathered.setdefault(axes, []).append((n.out.dtype, nbytes))
                 else:
                     counts[(kind, nbytes, axes, phase, n.name)] += count
         out.append(ParamDecision(n.state_name or n.name, n.name, spec.spec(),
                                  storage_layout(spec, mode, axes).spec(), mode, axes))
         shapes.append(n.out.shape)
         dims.append(update_dims(spec.dims, mode, axes))
-    for (kind, axes, phase), nbytes in buckets.items():
-        counts[(kind, nbytes, axes, phase, "")] += 1
+    for axes, ps in gathered.items():
+        for b in ov.update_gather_buckets([d for d, _ in ps], [b for _, b in ps]):
+            counts[("all_gather", sum(ps[i][1] for i in b), axes, "update", "")] += 1
     if form.ctx.optimizer.factored:  # its statistics completed over the shards (runtime's)
         for b in factored_buckets(shapes, dims, shape):
             counts[("all_reduce", 4 * b.numel, b.axes, "update", "")] += 1
