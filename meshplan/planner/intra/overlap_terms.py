@@ -42,11 +42,17 @@ Abstract (alpha-beta) problems have no compute to hide behind and get none.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+from meshplan.cost.collectives import collective_cost
 from meshplan.lower.overlap import GroupParam, ParamUse, grad_buckets
-from meshplan.planner.intra.choices import NodeChoices
+from meshplan.planner.intra.choices import UPDATE_MODES, NodeChoices
 from meshplan.planner.intra.ilp_problem import OverlapTerm
 from meshplan.planner.intra.op_costs import OpCosts, local_bytes, sync_cost
+
+
+ZERO_MODES = tuple(m for m in UPDATE_MODES if m.startswith("zero"))
 
 
 def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[OverlapTerm, ...]:
@@ -61,6 +67,8 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     seen: set[str] = set()
     consumer: dict[str, int] = {}   # a synchronized parameter's consumer: its program position
     gated: list[tuple[int, int, tuple[int, ...], tuple[float, ...]]] = []
+    scattered: list[tuple[int, int, tuple[int, ...], tuple[float, ...]]] = []   # ZeRO's
+    zero_params: list[str] = []
     g = nc.graph
     for step, node in enumerate(g.nodes):
         i = index.get(nc.root_of[node.name])
@@ -91,28 +99,56 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
                 gated.append((i, index[param], sfb, tuple(row)))
             else:
                 hidden[i] = [h + x for h, x in zip(hidden[i], row)]
-    if not gated and not any(any(row) for row in hidden):
-        return ()
-    return (OverlapTerm(_frozen(hidden), _frozen(window), 1.0, in_order=True,
-                        ready=_bucket_ready(nc, index, consumer, len(roots)),
-                        gated=tuple(gated)),)
+            unzeroed = tuple(p for p, c in enumerate(nc.choices[param])
+                             if c.mode not in ZERO_MODES)
+            if ctx.microbatches > 1 and len(unzeroed) < len(nc.choices[param]):
+                zero_params.append(param)
+                scattered.append((i, index[param], unzeroed, tuple(
+                    _reduce_scatter_s(costs, choice.strategy.grad_partial[j],
+                                      local_bytes(whole, choice.strategy.inputs[j], costs.shape))
+                    for choice in nc.choices[node.name])))
+    terms = []
+    if gated or any(any(row) for row in hidden):
+        terms.append(OverlapTerm(_frozen(hidden), _frozen(window), 1.0, in_order=True,
+                                 ready=_ready(nc, index, consumer, len(roots),
+                                              grad_buckets(_whole(nc, consumer))),
+                                 gated=tuple(gated)))
+    if any(any(row) for *_, row in scattered):
+        # ZeRO reduce-scatters every micro-batch's gradients from their hooks, each parameter's
+        # as soon as it is complete: in the backwards before the last, behind that backward.
+        zeros = [[0.0] * len(row) for row in window]
+        terms.append(OverlapTerm(_frozen(zeros), _frozen(window), ctx.microbatches - 1.0,
+                                 in_order=True, gated=tuple(scattered),
+                                 ready=_ready(nc, index, consumer, len(roots),
+                                              [_Bucket((p,)) for p in zero_params])))
+    return tuple(terms)
 
 
-def _bucket_ready(nc: NodeChoices, index: dict[str, int], consumer: dict[str, int],
-                  num_nodes: int) -> tuple[int, ...]:
-    """Per ILP node, the node after whose backward its hidden seconds can start: its
-    gradients' bucket's (`lower/overlap.grad_buckets`, the runtime's, of the parameters
-    whole as data parallelism holds them) earliest-used parameter's consumer (``consumer``:
-    its position in the program), as the last ILP node at or before it. By the consumer's
-    own position, not its root's: a follower (a layer norm's scale, a bias added) may come
-    long after its root (the residual stream's), and bucketed from there its gradient,
-    complete late in the backward, held back the bucket of everything used after it."""
+class _Bucket(NamedTuple):
+    params: tuple[str, ...]
+
+
+def _whole(nc: NodeChoices, consumer: dict[str, int]) -> list[GroupParam]:
+    """The parameters of ``consumer`` whole, as data parallelism holds them, each used at its
+    consumer's position."""
     g = nc.graph
-    params = [GroupParam(p, p, (), g.by_name[p].out.dtype, g.by_name[p].out.nbytes,
-                         ParamUse(at, at)) for p, at in consumer.items()]
+    return [GroupParam(p, p, (), g.by_name[p].out.dtype, g.by_name[p].out.nbytes,
+                       ParamUse(at, at)) for p, at in consumer.items()]
+
+
+def _ready(nc: NodeChoices, index: dict[str, int], consumer: dict[str, int], num_nodes: int,
+           buckets: Sequence[Any]) -> tuple[int, ...]:
+    """Per ILP node, the node after whose backward its hidden seconds can start: its
+    gradients' bucket's (one of ``buckets``: `lower/overlap.grad_buckets`, the runtime's, or
+    one parameter each) earliest-used parameter's consumer (``consumer``: its position in
+    the program), as the last ILP node at or before it. By the consumer's own position, not
+    its root's: a follower (a layer norm's scale, a bias added) may come long after its root
+    (the residual stream's), and bucketed from there its gradient, complete late in the
+    backward, held back the bucket of everything used after it."""
+    g = nc.graph
     root_at = [k for k, n in enumerate(g.nodes) if n.name in index]   # positions, in order
     ready: dict[int, int] = {}   # a node whose seconds are several buckets': the latest
-    for bucket in grad_buckets(params):
+    for bucket in buckets:
         at = bisect_right(root_at, min(consumer[p] for p in bucket.params)) - 1
         for p in bucket.params:
             v = index[nc.root_of[g.nodes[consumer[p]].name]]
@@ -123,6 +159,12 @@ def _bucket_ready(nc: NodeChoices, index: dict[str, int], consumer: dict[str, in
 def _all_reduce_s(costs: OpCosts, axes: tuple[int, ...], nbytes: int) -> float:
     """A replicated update's all-reduce as eq. 1 charges it (`sync_cost`, bucketed)."""
     return sync_cost("replicated", tuple(sorted(axes)), nbytes, costs.ctx.mesh, bucketed=True)
+
+
+def _reduce_scatter_s(costs: OpCosts, axes: tuple[int, ...], nbytes: int) -> float:
+    """One micro-batch's ZeRO reduce-scatter as eq. 1 charges it (`zero_counts`)."""
+    return collective_cost("reduce_scatter", costs.ctx.mesh, tuple(sorted(axes)), nbytes) \
+        if axes else 0.0
 
 
 def _frozen(rows: list[list[float]]) -> tuple[tuple[float, ...], ...]:
