@@ -207,7 +207,7 @@ def random_problem(rng: random.Random) -> IlpProblem:
                        tuple(float(rng.randint(0, 6)) for _ in range(counts[v])))
                       for v, g in (rng.sample(range(n), 2) for _ in range(rng.choice((0, 1, 2)))))
         return OverlapTerm(seconds(6), seconds(4), float(rng.randint(0, 3)), in_order, ready,
-                           gated)
+                           gated, linear=in_order and rng.random() < 0.3)
     overlap = tuple(term() for _ in range(rng.choice((0, 0, 1, 2))))
     return IlpProblem(node_costs, tuple(edges), aliases, memory, live, budget, max_cost,
                       node_working=working, overlap=overlap)
@@ -232,6 +232,70 @@ def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -
         if expected is not None and problem.live_sets:
             assert min_memory(problem, solver=solver) == pytest.approx(expected[1])
     assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
+
+
+def test_in_order_terms_folded_into_costs_match_brute_force() -> None:
+    """An in-order term whose saving is the same sum under every choice is folded into the
+    node and edge costs instead of rows (`ilp._overlap_folded`): what is ready before the
+    first window (a first layer's gradients, ready as the backward ends) saves nothing, the
+    rest, gated seconds included, all of it. Random problems built to fold (wide windows after
+    a prefix without any) and some that just miss: the same optimum as brute force."""
+    from meshplan.planner.intra.ilp import _overlap_folded
+    rng = random.Random(27)
+    folded = 0
+    for _ in range(60):
+        base = random_problem(rng)
+        n, counts = base.num_nodes, base.num_strategies
+        bare = rng.randint(0, min(2, n - 1))
+        window = tuple(tuple(0.0 if v < bare else float(rng.randint(3, 8)) for _ in range(k))
+                       for v, k in enumerate(counts))
+        hidden = tuple(tuple(float(rng.randint(0, 2)) for _ in range(k)) for k in counts)
+        gated = tuple((v, g, tuple(rng.sample(range(counts[g]), rng.randint(1, counts[g]))),
+                       tuple(float(rng.randint(0, 3)) for _ in range(counts[v])))
+                      for v, g in (rng.sample(range(n), 2) for _ in range(rng.randint(0, 3))))
+        ready = tuple(rng.randint(0, n - 1) for _ in range(n)) if rng.random() < 0.5 else None
+        problem = dataclasses.replace(base, overlap=(OverlapTerm(
+            hidden, window, float(rng.randint(1, 4)), True, ready, gated,
+            linear=rng.random() < 0.3),))
+        folded += not _overlap_folded(problem).overlap
+        expected = brute_force(problem)
+        if expected is None or math.isinf(expected[0]):
+            with pytest.raises(InfeasibleIlpError):
+                solve(problem)
+            continue
+        assert solve(problem).objective == pytest.approx(expected[0], abs=1e-6), problem
+    assert folded >= 20, folded
+
+
+def test_a_linear_term_never_saves_more_than_the_in_order_one() -> None:
+    """``OverlapTerm.linear`` prices a lower bound of the in-order saving (each node's share
+    saved when every node hides its most behind its least window): under every choice of
+    random terms it saves no more than the in-order term, and as much where the choices are
+    that worst case."""
+    rng = random.Random(5)
+    tight = 0
+    for _ in range(300):
+        n = rng.randint(1, 5)
+        counts = [rng.randint(1, 3) for _ in range(n)]
+        rows = lambda top: tuple(tuple(float(rng.randint(0, top)) for _ in range(k))  # noqa: E731
+                                 for k in counts)
+        gated = tuple((v, g, tuple(rng.sample(range(counts[g]), rng.randint(1, counts[g]))),
+                       tuple(float(rng.randint(0, 5)) for _ in range(counts[v])))
+                      for v, g in (rng.sample(range(n), 2)
+                                   for _ in range(rng.randint(0, 2) if n > 1 else 0)))
+        ready = tuple(rng.randint(0, n - 1) for _ in range(n)) if rng.random() < 0.5 else None
+        exact = OverlapTerm(rows(6), rows(5), 1.0, True, ready, gated)
+        linear = dataclasses.replace(exact, linear=True)
+        for choices in itertools.product(*(range(k) for k in counts)):
+            assert linear.saving(choices) <= exact.saving(choices) + 1e-9, (exact, choices)
+        worst = tuple(min(range(k), key=lambda p: exact.window[v][p]) for v, k in
+                      enumerate(counts))
+        if all(exact.hidden[v][worst[v]] == max(exact.hidden[v]) for v in range(n)) and \
+                all(worst[g] not in gate for _, g, gate, _ in gated) and \
+                all(s[worst[v]] == max(s) for v, _, _, s in gated):
+            assert linear.saving(worst) == pytest.approx(exact.saving(worst))
+            tight += 1
+    assert tight >= 20, tight
 
 
 def test_an_overlap_term_saves_the_smaller_of_what_it_hides_and_its_window() -> None:

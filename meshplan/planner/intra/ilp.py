@@ -150,41 +150,97 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
 
 
 def _overlap_folded(problem: IlpProblem) -> IlpProblem:
-    """``problem`` with each overlap term whose minimum is the same side under every choice
-    folded into the node costs (exact, and no rows: the LP relaxation stays as tight as
-    without the term). Where the least window exceeds the most hidden, the saving is the
-    hidden seconds themselves (a large model on fast links); the other way round, the window."""
+    """``problem`` with each overlap term whose saving is a sum of per-choice seconds under
+    every choice folded into the node costs and, for gated seconds, into the edge between the
+    node and its gate (exact, and no rows: the LP relaxation stays as tight as without the
+    term). Out of order, that is where the least window exceeds the most hidden (a large model
+    on fast links: the saving is the hidden seconds) or the other way round (the window). In
+    order, see `_in_order_saved`."""
     costs = [list(row) for row in problem.node_costs]
+    edges: dict[tuple[int, int], list[list[float]]] = {}   # joined to the problem's, gated
     kept = []
     for term in problem.overlap:
-        if term.gated:   # a gate is a choice's: no side holds under every choice
-            kept.append(term)
+        if term.in_order:
+            shares = term.saved_shares if term.linear else _in_order_saved(term)
+            if shares is None:
+                kept.append(term)
+                continue
+            for v, share in enumerate(shares):
+                for p, x in enumerate(term.hidden[v]):
+                    costs[v][p] -= term.weight * share * x   # inf stays inf: forbidden too
+            for v, g, gate, seconds in term.gated:
+                if shares[v]:
+                    _fold_gate(costs, edges, problem.num_strategies, v, g, gate,
+                               [term.weight * shares[v] * x for x in seconds])
             continue
         least = {k: math.fsum(min(row) for row in getattr(term, k)) for k in ("hidden", "window")}
         most = {k: math.fsum(max(row) for row in getattr(term, k)) for k in ("hidden", "window")}
-        if term.in_order:   # the least of each in-order bound, from per-node least entries
-            least_caps = OverlapTerm.caps([min(h) for h in term.hidden],
-                                          [min(w) for w in term.window],
-                                          [max(h) > 0 for h in term.hidden], term.ready)
-            fits = least["window"] >= most["hidden"] and all(
-                c >= most["hidden"] for c in least_caps)
-            side = "hidden" if fits else None
-        else:
-            side = "hidden" if least["window"] >= most["hidden"] else \
-                "window" if least["hidden"] >= most["window"] else None
-        if side is None:
+        side = "hidden" if least["window"] >= most["hidden"] else \
+            "window" if least["hidden"] >= most["window"] else None
+        if side is None or term.gated:   # a gate is a choice's: no side holds under every one
             kept.append(term)
             continue
-        for row, saved in zip(costs, getattr(term, side)):
-            for p, x in enumerate(saved):
-                row[p] -= term.weight * x   # inf stays inf: forbidden stays forbidden
+        for row, saved_s in zip(costs, getattr(term, side)):
+            for p, x in enumerate(saved_s):
+                row[p] -= term.weight * x
     if len(kept) == len(problem.overlap):
         return problem
     return dataclasses.replace(problem, node_costs=tuple(tuple(row) for row in costs),
-                               overlap=tuple(kept))
+                               overlap=tuple(kept), edges=_joined(problem.edges, edges))
+
+
+def _in_order_saved(term: OverlapTerm) -> tuple[float, ...] | None:
+    """Per node, 1 where an in-order ``term`` saves its hidden seconds (gated ones where
+    their gate is open) in full under every choice, 0 where it saves none; None when what it
+    saves depends on the choices. Those ready after `OverlapTerm.saved_after` are always
+    saved in full; the others none where no node before that point has a window to hide
+    behind (parameters, inputs: the first layer's gradients are ready as the backward
+    ends)."""
+    after = term.saved_after
+    bare = next((u for u in range(len(term.window)) if max(term.window[u]) > 0),
+                len(term.window))
+    if after > bare:
+        return None
+    return tuple(float(term.ready_of(v) > after) for v in range(len(term.hidden)))
+
+
+def _fold_gate(costs: list[list[float]], edges: dict[tuple[int, int], list[list[float]]],
+               counts: tuple[int, ...], v: int, g: int, gate: tuple[int, ...],
+               seconds: list[float]) -> None:
+    """Take ``seconds[p]`` off node ``v``'s strategy p where node ``g`` picks none of
+    ``gate``: off the node, and back on an edge from ``g`` to ``v`` where ``g`` picks one
+    (costs stay non-negative)."""
+    m = edges.setdefault((g, v), [[0.0] * counts[v] for _ in range(counts[g])])
+    for p, x in enumerate(seconds):
+        costs[v][p] -= x
+        for q in gate:
+            m[q][p] += x
+
+
+def _joined(edges: tuple[IlpEdge, ...], extra: dict[tuple[int, int], list[list[float]]]
+            ) -> tuple[IlpEdge, ...]:
+    """``edges`` with the ``extra`` matrices added to the edge between the same nodes (either
+    way round) where there is one, else as edges of their own."""
+    if not extra:
+        return edges
+    out = list(edges)
+    at = {(e.u, e.v): i for i, e in enumerate(edges)}
+    for (u, v), m in extra.items():
+        if (u, v) in at:
+            i = at[(u, v)]
+            out[i] = IlpEdge(u, v, tuple(tuple(a + b for a, b in zip(r, s))
+                                         for r, s in zip(edges[i].costs, m)))
+        elif (v, u) in at:
+            i = at[(v, u)]
+            out[i] = IlpEdge(v, u, tuple(tuple(a + m[q][p] for q, a in enumerate(r))
+                                         for p, r in enumerate(edges[i].costs)))
+        else:
+            out.append(IlpEdge(u, v, tuple(tuple(r) for r in m)))
+    return tuple(out)
 
 
 def _overlap_spec(problem: IlpProblem) -> tuple[OverlapSpec, ...]:
+    assert not any(t.linear for t in problem.overlap), "linear terms are folded"
     def arrays(matrix: tuple) -> tuple[np.ndarray, ...]:
         return tuple(np.asarray(row, dtype=np.float64) for row in matrix)
     return tuple((arrays(t.hidden), arrays(t.window), float(t.weight),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -100,6 +101,13 @@ class OverlapTerm:
     its strategy p, not in ``hidden``) that count only while node g picks none of
     ``strategies`` (a gradient's all-reduce, which a parameter updated by SFB does not have).
 
+    ``linear`` (in order only): the saving is instead a lower bound of the in-order one under
+    every choice, linear in the choices: each node's chosen hidden seconds times the share of
+    its most that is saved when every node hides its most behind its least window
+    (`saved_shares`; exact then). Its rows would weigh on every micro-batch (ZeRO's
+    reduce-scatters, weight M - 1), and the LP relaxation of a gate times a large weight is
+    weak: Llama 3 70B's stage solves ran for minutes.
+
     Raises ValueError for negative or non-finite entries, a negative weight, a ready point
     that is no node, or a gate of unknown nodes or strategies."""
 
@@ -109,10 +117,13 @@ class OverlapTerm:
     in_order: bool = False
     ready: tuple[int, ...] | None = None
     gated: tuple[tuple[int, int, tuple[int, ...], tuple[float, ...]], ...] = ()
+    linear: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight >= 0):
             raise ValueError(f"OverlapTerm.weight must be finite and >= 0, got {self.weight!r}")
+        if self.linear and not self.in_order:
+            raise ValueError("OverlapTerm.linear bounds an in-order term; set in_order too")
         for name in ("hidden", "window"):
             matrix = getattr(self, name)
             _check_matrix(matrix, f"OverlapTerm.{name}", finite=True)
@@ -131,7 +142,72 @@ class OverlapTerm:
 
     def saving(self, choices: tuple[int, ...]) -> float:
         """Seconds ``choices`` save per step."""
-        return self.saved(*self.chosen(choices))
+        hidden, window = self.chosen(choices)
+        if self.linear:
+            return self.weight * math.fsum(f * h for f, h in zip(self.saved_shares, hidden))
+        return self.saved(hidden, window)
+
+    @cached_property
+    def saved_shares(self) -> tuple[float, ...]:
+        """Per node, the share of its most hidden seconds saved when every node hides its
+        most behind its least window: the nodes' seconds go on one stream in the order they
+        are ready (node t ready once the backward of t and the nodes after it is done),
+        and what runs past the backward's end is exposed. Under any other choice each node's
+        chosen seconds times its share is saved at least: for the ready point from which
+        the stream runs busy to its end, what the shares keep of the seconds ready there or
+        later ran before the backward's end in this worst case, within the window after that
+        point, which no choice makes shorter."""
+        n = len(self.hidden)
+        most = [max(row) for row in self.hidden]
+        for v, _, _, seconds in self.gated:
+            most[v] += max(seconds)
+        least_w = [min(row) for row in self.window]
+        at_point: list[list[int]] = [[] for _ in range(n)]
+        for v in range(n):
+            if most[v] > 0:
+                at_point[self.ready_of(v)].append(v)
+        end, done, stream = math.fsum(least_w), 0.0, 0.0
+        shares = [0.0] * n
+        for t in range(n - 1, -1, -1):
+            done += least_w[t]   # node t's backward is done
+            for v in at_point[t]:
+                stream = max(stream, done) + most[v]
+                shares[v] = 1.0 - min(most[v], max(stream - end, 0.0)) / most[v]
+        return tuple(shares)
+
+    def ready_of(self, v: int) -> int:
+        return v if self.ready is None else self.ready[v]
+
+    @cached_property
+    def saved_after(self) -> int:
+        """The earliest ready point t (-1: before the first node) such that, under every
+        choice, the least window before each later ready point covers the most hidden ready
+        after t up to it, and the least window in all the most hidden ready after t: the
+        seconds ready after t are then all saved (each in-order bound is at least their sum,
+        `caps`). Those ready at or before it are saved only as far as earlier windows allow,
+        none where no node before it has a window."""
+        n = len(self.hidden)
+        most = [max(row) for row in self.hidden]
+        for v, _, _, seconds in self.gated:
+            most[v] += max(seconds)
+        by_point = [0.0] * n
+        for v in range(n):
+            by_point[self.ready_of(v)] += most[v]
+        least_w = [min(row) for row in self.window]
+        # A(t): the most hidden ready at or before t; W(t): the least window before t. t is
+        # valid when A(t) >= A(u) - W(u) for every ready point u after it, and for the end
+        # (u = t adds nothing: A(t) - W(t) <= A(t)).
+        ahead, window = [0.0] * (n + 1), [0.0] * (n + 1)
+        for t in range(n):
+            ahead[t + 1] = ahead[t] + by_point[t]
+            window[t + 1] = window[t] + least_w[t]
+        need, earliest = ahead[n] - window[n], n - 1   # n - 1 saves nothing: always valid
+        for t in range(n - 1, -1, -1):
+            if by_point[t] > 0:
+                need = max(need, ahead[t + 1] - window[t])
+            if ahead[t + 1] >= need:
+                earliest = t
+        return -1 if need <= 0 else earliest
 
     def chosen(self, choices: tuple[int, ...]) -> tuple[list[float], list[float]]:
         """The hidden (gated ones included where they count) and window seconds per node

@@ -116,9 +116,11 @@ def overlap_terms(costs: OpCosts, nc: NodeChoices, roots: list[str]) -> tuple[Ov
     if any(any(row) for *_, row in scattered):
         # ZeRO reduce-scatters every micro-batch's gradients from their hooks, each parameter's
         # as soon as it is complete: in the backwards before the last, behind that backward.
+        # Its lower bound linear in the choices (`OverlapTerm.linear`): what runs before the
+        # stage's first window or exceeds the windows up to it counts as exposed.
         zeros = [[0.0] * len(row) for row in window]
         terms.append(OverlapTerm(_frozen(zeros), _frozen(window), ctx.microbatches - 1.0,
-                                 in_order=True, gated=tuple(scattered),
+                                 in_order=True, gated=tuple(scattered), linear=True,
                                  ready=_ready(nc, index, consumer, len(roots),
                                               [_Bucket((p,)) for p in zero_params])))
     return tuple(terms)
