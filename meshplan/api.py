@@ -36,7 +36,7 @@ from meshplan.planner.recompute import FULL, NoReplayError, Replay, parse_recomp
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate, without_zero3
-from meshplan.planner.intra.ilp import min_memory, peak_memory, solve
+from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, peak_memory, solve
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
@@ -114,7 +114,8 @@ def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
     limit: the same inputs give the same plan on any machine."""
     if not problem.aliases:
         return shared
-    free = solve(replace(problem, aliases=()), max_nodes=REFINE_MAX_NODES, start=shared.choices)
+    free = solve(replace(problem, aliases=()), max_nodes=REFINE_MAX_NODES, start=shared.choices,
+                 rel_gap=PLAN_REL_GAP)
     if free.objective < shared.objective:
         return replace(free, solve_time_s=free.solve_time_s + shared.solve_time_s)
     return replace(shared, solve_time_s=free.solve_time_s + shared.solve_time_s)
@@ -420,7 +421,7 @@ def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budg
             break
         tight = replace(problem, memory_budget=peak_memory(problem, sol.choices) - over)
         try:
-            sol = _refine(tight, solve(tight))
+            sol = _refine(tight, solve(tight, rel_gap=PLAN_REL_GAP))
         except InfeasibleIlpError:
             break
         plan = as_plan(sol)
@@ -665,7 +666,7 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
     if step.recompute and not step.replay.whole:
         form = replace(form, problem=without_zero3(form, form.problem))
     try:
-        sol = _refine(form.problem, solve(form.problem))
+        sol = _refine(form.problem, solve(form.problem, rel_gap=PLAN_REL_GAP))
     except InfeasibleIlpError as e:
         if budget is None:
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "

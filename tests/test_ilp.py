@@ -234,6 +234,33 @@ def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -
     assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
 
 
+@pytest.mark.parametrize("solver", ["highs", "scipy"])
+def test_a_relative_gap_gives_a_plan_proved_that_close(solver: str) -> None:
+    """The planner's solves (`PLAN_REL_GAP`) stop once their best assignment is proved within
+    the gap: an allowed assignment (forbidden entries, budget, aliases) within it of the
+    brute-force optimum, and the gap they report no larger."""
+    rng = random.Random(77)
+    solved = 0
+    for _ in range(60):
+        problem = random_problem(rng)
+        expected = brute_force(problem)
+        if expected is None or math.isinf(expected[0]):
+            continue
+        sol = solve(problem, solver=solver, rel_gap=0.25)
+        cost = sum(evaluate(problem, sol.choices))   # raises on a forbidden choice
+        # (HiGHS's gap is relative to the assignment's own objective, which may be < 0.)
+        assert cost - expected[0] <= 0.25 * max(abs(cost), abs(expected[0])) + 1e-6, \
+            (cost, expected[0])
+        assert problem.memory_budget is None or \
+            peak_memory(problem, sol.choices) <= problem.memory_budget + 1e-9
+        assert 0.0 <= sol.gap <= 0.25 + 1e-9
+        solved += 1
+    assert solved >= 20
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="rel_gap"):
+            solve(xla_toy(), rel_gap=bad)
+
+
 def test_in_order_terms_folded_into_costs_match_brute_force() -> None:
     """An in-order term whose saving is the same sum under every choice is folded into the
     node and edge costs instead of rows (`ilp._overlap_folded`): what is ready before the

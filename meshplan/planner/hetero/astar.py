@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from meshplan.errors import InfeasibleIlpError
-from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp import PLAN_REL_GAP, solve
 from meshplan.planner.intra.ilp_reduce import merge_aliases
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, evaluate, peak_memory
 
@@ -65,13 +65,13 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
     if memory_bound and space.budget is not None:
-        choices, stats = solve(problem).choices, SearchStats(0, 0, 0, solver="ilp")
+        choices, stats = solve(problem, rel_gap=PLAN_REL_GAP).choices, SearchStats(0, 0, 0, solver="ilp")
     else:
         choices, stats = _within_budget(space, max_states)
     if problem.overlap and stats.solver == "astar":
         # The overlap's saving (`OverlapTerm`) is a minimum over the whole program, which no
         # path cost prices: A*'s answer, optimal without it, starts the ILP that has it.
-        choices = solve(problem, start=choices).choices
+        choices = solve(problem, start=choices, rel_gap=PLAN_REL_GAP).choices
         stats = replace(stats, solver="astar+ilp")
     node, edge = evaluate(problem, choices)
     if problem.max_cost is not None and node + edge > problem.max_cost * (1 + 1e-9):
@@ -97,7 +97,7 @@ def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], S
         return space.search(min(max_states, 20_000), with_memory=True)
     except SearchLimitError:
         pass
-    sol = solve(space.p)
+    sol = solve(space.p, rel_gap=PLAN_REL_GAP)
     return sol.choices, SearchStats(stats.expanded, stats.generated, stats.widest_state,
                                     solver="ilp")
 

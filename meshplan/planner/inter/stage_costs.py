@@ -51,7 +51,7 @@ from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Subm
                                                   triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
-from meshplan.planner.intra.ilp import min_memory, solve
+from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
@@ -739,7 +739,7 @@ class StageProfiler:
         fits."""
         self.solves += 1
         try:
-            sol = solve(problem, max_nodes=max_nodes,
+            sol = solve(problem, max_nodes=max_nodes, rel_gap=PLAN_REL_GAP,
                         accept=None if max_nodes is None else WHOLE_ACCEPT)
         except InfeasibleIlpError:
             return None

@@ -33,7 +33,7 @@ from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.intra.choices import Choice, IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate
-from meshplan.planner.intra.ilp import solve
+from meshplan.planner.intra.ilp import PLAN_REL_GAP, solve
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.recompute import Replay
 
@@ -86,7 +86,7 @@ def _solved(plan: Plan, graph: Graph, layers: dict[str, int] | None) -> tuple:
     form = formulate(resolve_choices(graph, tuple(plan.mesh_shape), form_options(plan)), ctx,
                      None, share_blocks=False, layers=segments)
     try:
-        sol = solve(_fixed(form, plan))
+        sol = solve(_fixed(form, plan), rel_gap=PLAN_REL_GAP)
     except InfeasibleIlpError:
         raise ValueError("the plan's decisions do not fit together at the shapes of this batch; "
                          "make a plan with an example batch of this shape") from None

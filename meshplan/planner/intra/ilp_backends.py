@@ -14,6 +14,7 @@ LP is then fractional), so ``lp_first=None`` decides by whether coupling rows ex
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,9 +53,12 @@ class RawSolution:
 def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
               time_limit_s: float | None, max_nodes: int | None = None,
               accept: tuple[int, float] | None = None,
-              start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution:
-    """Solve ``model`` to optimality with the named backend, or stop after ``max_nodes``
-    branch-and-bound nodes with the best point found (a run without one goes on unlimited).
+              start: tuple[np.ndarray, np.ndarray] | None = None,
+              rel_gap: float = 0.0) -> RawSolution:
+    """Solve ``model`` to optimality with the named backend (with ``rel_gap`` > 0: until its
+    best point is proved within that relative gap of the optimum), or stop after
+    ``max_nodes`` branch-and-bound nodes with the best point found (a run without one goes on
+    unlimited).
 
     ``accept=(nodes, gap)`` first searches ``nodes`` nodes and keeps the best point when it is
     proved within the relative ``gap`` of the optimum; otherwise the search runs again, up to
@@ -86,16 +90,25 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         probe_nodes, gap = accept
         if max_nodes is None or probe_nodes < max_nodes:
             probe = run(model, relax=False, deadline=deadline, max_nodes=probe_nodes,
-                        start=start)
+                        start=start, rel_gap=rel_gap)
             if probe is not None and probe.gap <= gap:
                 return probe
             if probe is not None:
                 start = np.arange(probe.x.size, dtype=np.int32), probe.x
-    raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start)
+    raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start,
+              rel_gap=rel_gap)
     if raw is None:   # the node limit came before any feasible point
-        raw = run(model, relax=False, deadline=deadline)
+        raw = run(model, relax=False, deadline=deadline, rel_gap=rel_gap)
     assert raw is not None
     return raw
+
+
+def _proved(gap: float | None, rel_gap: float) -> float:
+    """The gap an optimal stop under ``rel_gap`` reports: the solver's, within [0, rel_gap]
+    (missing or not finite: ``rel_gap``, all that is known)."""
+    if gap is None or not math.isfinite(gap):
+        return rel_gap
+    return min(max(gap, 0.0), rel_gap)
 
 
 def _normalize_costs(model: MilpModel) -> MilpModel:
@@ -164,7 +177,8 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
 
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
-               start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution | None:
+               start: tuple[np.ndarray, np.ndarray] | None = None,
+               rel_gap: float = 0.0) -> RawSolution | None:
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
@@ -174,7 +188,7 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
     # default is half the cores: 1 on a 2-core machine, which hid this; 8 on the first GPU
     # machine tried, where the 2-stage pipeline's planning hung. Our MIPs are solved serially.
     for name, value in (("output_flag", False), ("threads", 1),
-                        ("mip_rel_gap", 0.0), ("mip_abs_gap", 0.0),
+                        ("mip_rel_gap", rel_gap), ("mip_abs_gap", 0.0),
                         ("mip_allow_restart", _ALLOW_RESTART),
                         ("mip_pscost_minreliable", _PSCOST_MIN_RELIABLE)):
         h.setOptionValue(name, value)
@@ -193,7 +207,9 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
     status = h.getModelStatus()
     how = "highs:lp" if relax else "highs:mip"
     if status == highspy.HighsModelStatus.kOptimal:
-        return RawSolution(np.asarray(h.getSolution().col_value), 0.0, how)
+        # Optimal within ``rel_gap``: what it proved, at most that (an unknown one is that).
+        gap = _proved(float(h.getInfo().mip_gap), rel_gap) if not relax else 0.0
+        return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
     if status in (highspy.HighsModelStatus.kInfeasible,
                   highspy.HighsModelStatus.kUnboundedOrInfeasible):
         raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS "
@@ -214,7 +230,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
 
 def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
-               start: tuple[np.ndarray, np.ndarray] | None = None) -> RawSolution | None:
+               start: tuple[np.ndarray, np.ndarray] | None = None,
+               rel_gap: float = 0.0) -> RawSolution | None:
     # scipy.optimize.milp takes no starting point: ``start`` is ignored.
     try:  # scipy is optional: only this backend needs it
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -225,7 +242,7 @@ def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
 
     matrix = csr_array((model.vals, (model.rows, model.cols)),
                        shape=(model.num_rows, model.num_cols))
-    options: dict[str, float | bool] = {"mip_rel_gap": 0.0, "presolve": True}
+    options: dict[str, float | bool] = {"mip_rel_gap": rel_gap, "presolve": True}
     if max_nodes is not None:
         options["node_limit"] = max_nodes
     left = _remaining(deadline)
@@ -238,7 +255,8 @@ def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
                   constraints=constraints, options=options)
     how = "scipy:lp" if relax else "scipy:mip"
     if result.status == 0:
-        return RawSolution(np.asarray(result.x), 0.0, how)
+        gap = _proved(getattr(result, "mip_gap", None), rel_gap) if not relax else 0.0
+        return RawSolution(np.asarray(result.x), gap, how)
     if result.status == 2:
         raise InfeasibleIlpError("no strategy assignment satisfies the constraints (HiGHS via "
                                  "scipy proved the model infeasible)")
