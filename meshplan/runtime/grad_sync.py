@@ -3,7 +3,8 @@
 Each function issues ONE collective per dtype present (tensors are flattened into one buffer per
 dtype, in order of first appearance), recorded with phase "update" and ``nbytes`` = the total
 bytes of the full tensors; :func:`gather_params_into` (what ZeRO-2's update runs) cuts a dtype's
-tensors into buckets of at most the largest one's bytes, to bound what it holds at once. Replicated update: :func:`all_reduce_grads`. ZeRO: shards are dim-0
+tensors into buckets of at most the largest one's bytes, to bound what it holds at once.
+Replicated update: :func:`all_reduce_grads`. ZeRO: shards are dim-0
 pieces with ``torch.tensor_split`` semantics over the group (member m holds
 ``tensor_split(p, n, dim=0)[m]``); :func:`reduce_scatter_grads` produces them from full
 gradients, :func:`all_gather_params` rebuilds full tensors from them.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -96,10 +99,9 @@ def gather_params_into(comm: Comm, shards: Sequence[torch.Tensor],
     """Each ``wholes[k]`` overwritten with the dim-0 concatenation of every member's
     ``shards[k]``, by the buckets of `lower.overlap.update_gather_buckets` (one dtype, at most
     the largest whole tensor's bytes; one all-gather each), each copied into place before the
-    next is gathered: the update holds
-    about two of the largest tensor at once beyond the wholes themselves (the shards packed
-    and the gathered bucket), not every parameter of the group twice over
-    (`cost/memory.py`'s ZeRO-2 working set)."""
+    next is gathered: the update holds about two of the largest tensor at once beyond the
+    wholes themselves (the shards packed and the gathered bucket), not every parameter of the
+    group twice over."""
     shards = _check_tensors("shards", shards)
     if len(wholes) != len(shards):
         raise ValueError(f"got {len(shards)} shards but {len(wholes)} whole tensors")
@@ -144,6 +146,22 @@ def _check_shard(k: int, shard: torch.Tensor, full: Sequence[int], n: int, me: i
             f"{expected} of full shape {full}"
         )
     return rows
+
+
+def settle(issued: deque[tuple[Pending, Callable[[Any], None]]], keep: int) -> None:
+    """The oldest of the ``issued`` ZeRO reduce-scatters, ``(pending, add)`` each, waited for
+    until ``keep`` are left, each result handed to its ``add`` (in issue order, so a shard sums
+    its micro-batches in order). Each holds a whole gradient until it is waited for
+    (`cost.memory.ZERO_SCATTERS_IN_FLIGHT`)."""
+    with torch.no_grad():
+        while len(issued) > keep:
+            pending, add = issued.popleft()
+            add(pending.wait())
+
+
+def accumulate(t: torch.Tensor, piece: torch.Tensor) -> None:
+    """``piece`` added to ``t``'s gradient (which it becomes when there is none)."""
+    t.grad = piece if t.grad is None else t.grad.add_(piece)
 
 
 def dtype_buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:

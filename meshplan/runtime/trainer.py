@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from meshplan.cost.memory import ZERO_SCATTERS_IN_FLIGHT
 from meshplan.capture.batch import (batch_shapes, batch_size, check_shapes, check_static,
                                     flatten_batch, present_tensors, split_microbatches)
 from meshplan.capture.to_ir import capture
@@ -41,8 +42,8 @@ from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
-from meshplan.runtime.grad_sync import GradBuckets, dtype_buckets, gather_params_into
-from meshplan.cost.memory import ZERO_SCATTERS_IN_FLIGHT
+from meshplan.runtime.grad_sync import (GradBuckets, accumulate, dtype_buckets,
+                                        gather_params_into, settle)
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
@@ -185,7 +186,7 @@ class Trainer:
                                  if n.role in ("input", "target") and n.state_name}
         self._zero3 = Rematerializer() if self._units is not None else None
         # ZeRO-2's reduce-scatters issued and not yet waited for, oldest first.
-        self._scattering: deque[tuple[weakref.ref[_Param], Pending]] = deque()
+        self._scattering: deque[tuple[Pending, Callable[[torch.Tensor], None]]] = deque()
         for p in self.params:
             if p.mode == "zero2":
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
@@ -613,13 +614,18 @@ class Trainer:
         # would be a cycle through C++ that Python's collector cannot free.
         ref, axes, issued = weakref.ref(p), p.axes, self._scattering
 
+        def add(piece: torch.Tensor) -> None:
+            mine = ref()
+            assert mine is not None   # the trainer holds its parameters while it runs
+            accumulate(mine.update, piece)
+
         def hook(param: torch.Tensor) -> None:
             with torch.no_grad():
                 # Sent from the gradient itself: nothing else holds it once it is let go.
-                issued.append((ref, comm.reduce_scatter_async(param.grad, axes, 0, sizes,
-                                                              phase="backward", donate=True)))
+                issued.append((comm.reduce_scatter_async(param.grad, axes, 0, sizes,
+                                                         phase="backward", donate=True), add))
                 param.grad = None
-                settle(issued, ZERO_SCATTERS_IN_FLIGHT)
+            settle(issued, ZERO_SCATTERS_IN_FLIGHT)
         return hook
 
     def _drain(self) -> None:
@@ -627,8 +633,7 @@ class Trainer:
         gradients (in the order they were issued)."""
         if self._units is not None:
             self._units.end_backward()
-        with torch.no_grad():
-            settle(self._scattering, 0)
+        settle(self._scattering, 0)
 
     def _synchronize(self) -> None:
         # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward: waited for here.
@@ -689,17 +694,6 @@ def check_rows(micro: Any, planned: Mapping[str, tuple[int, ...]], microbatches:
 def shape_key(batch: Any) -> tuple:
     """The shapes of ``batch``'s tensors, as a key of the programs lowered per shape."""
     return tuple(sorted(batch_shapes(batch).items()))
-
-
-def settle(issued: deque[tuple[weakref.ref[_Param], Pending]], keep: int) -> None:
-    """The oldest of the ``issued`` ZeRO-2 reduce-scatters waited for until ``keep`` are left,
-    each piece added to its parameter's shard gradient (in issue order, so each shard sums its
-    micro-batches in order)."""
-    while len(issued) > keep:
-        ref, pending = issued.popleft()
-        p, piece = ref(), pending.wait()
-        assert p is not None   # the trainer holds its parameters while it runs
-        p.update.grad = piece if p.update.grad is None else p.update.grad.add_(piece)
 
 
 _CAPTURING = threading.Lock()

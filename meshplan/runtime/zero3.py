@@ -32,7 +32,8 @@ import contextlib
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from meshplan.cost.memory import ZERO_SCATTERS_IN_FLIGHT
 from meshplan.lower.local_ops import cast_float
 from meshplan.runtime.collectives import shard_sizes
 from meshplan.runtime.comm import Comm, Pending
-from meshplan.runtime.grad_sync import InOrder
+from meshplan.runtime.grad_sync import InOrder, accumulate, settle
 
 
 # How a packed tensor derives from its gathered member: None (it is the member or a view of
@@ -124,7 +125,7 @@ class Units:
         self._copies: dict[int, tuple[torch.Tensor, ...]] = {}
         self._derived: dict[tuple, torch.Tensor] = {}
         self._grads: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        self._scattering: list[tuple[int, Pending]] = []
+        self._scattering: deque[tuple[Pending, Callable[[Any], None]]] = deque()
         self._next_back = 0
         self._backward_ran = False
 
@@ -132,7 +133,7 @@ class Units:
         """Nothing in flight, no copy kept: after a failed step (`runtime/failure.py`)."""
         self._order.reset()
         self._ahead, self._back, self._copies, self._derived = {}, {}, {}, {}
-        self._grads, self._scattering = {}, []
+        self._grads, self._scattering = {}, deque()
         self._next_back, self._backward_ran = 0, False
 
     # ---------------------------------------------------------------- forward
@@ -187,17 +188,13 @@ class Units:
     def _launch_scatter(self, k: int) -> None:
         u = self._scatter_order[k]
         grads = self._grads.pop(u, (None,) * len(self.units[u].shards))
-        self._scattering.append((u, self.units[u].scatter(grads)))
-        self._settle(ZERO_SCATTERS_IN_FLIGHT)
+        shards = self.units[u].shards
 
-    def _settle(self, keep: int) -> None:
-        """The oldest reduce-scatters waited for until ``keep`` are in flight, each piece added
-        to its shard's gradient (each holds a whole gradient until then)."""
-        with torch.no_grad():
-            while len(self._scattering) > keep:
-                u, pending = self._scattering.pop(0)
-                for shard, piece in zip(self.units[u].shards, pending.wait()):
-                    shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+        def add(pieces: tuple[torch.Tensor, ...]) -> None:
+            for shard, piece in zip(shards, pieces):
+                accumulate(shard, piece)
+        self._scattering.append((self.units[u].scatter(grads), add))
+        settle(self._scattering, ZERO_SCATTERS_IN_FLIGHT)
 
     def end_backward(self) -> None:
         """After a backward: every unit reduce-scattered (one that got no gradient as zeros),
@@ -205,10 +202,10 @@ class Units:
         if not self._backward_ran:
             return
         self._order.flush()
-        self._settle(0)
+        settle(self._scattering, 0)
         for pending in self._back.values():   # kept by the plan, never unpacked: let go
             pending.wait()
-        self._scattering, self._back, self._copies, self._derived = [], {}, {}, {}
+        self._scattering, self._back, self._copies, self._derived = deque(), {}, {}, {}
         self._order.reset()
         self._next_back, self._backward_ran = 0, False
 

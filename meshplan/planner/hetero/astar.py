@@ -65,7 +65,8 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
     if memory_bound and space.budget is not None:
-        choices, stats = solve(problem, rel_gap=PLAN_REL_GAP).choices, SearchStats(0, 0, 0, solver="ilp")
+        choices = solve(problem, rel_gap=PLAN_REL_GAP).choices
+        stats = SearchStats(0, 0, 0, solver="ilp")
     else:
         choices, stats = _within_budget(space, max_states)
     if problem.overlap and stats.solver == "astar":
