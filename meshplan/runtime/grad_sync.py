@@ -18,6 +18,7 @@ all-reduced asynchronously as the step's last backward completes them (`lower/ov
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections import deque
@@ -203,20 +204,26 @@ class GradBuckets:
     (`lower/overlap.py`: the plan's buckets, in launch order).
 
     ``buckets``: per bucket its mesh axes and the parameters' gradient-holding tensors (leaves
-    whose ``.grad`` autograd fills). Once `arm`-ed (before the step's last backward), a hook on
-    each tensor marks it ready when its gradient is complete; a complete bucket is flattened
-    and all-reduced asynchronously, in order. `finish` launches what is left (a parameter
-    without a gradient counts as zeros), waits, and writes the sums back into the gradients."""
+    whose ``.grad`` autograd fills). Each gradient lives in its bucket, as DDP's bucket views:
+    a hook on each tensor moves a gradient autograd made into the tensor's slot of a flat
+    buffer (zeros until then) and makes the slot the tensor's ``.grad``, which later
+    micro-batches accumulate into in place. So a bucket is all-reduced where it is, never
+    flattened into a copy that doubles what the update holds (80.2 MiB measured against 72.4
+    simulated on a replicated MLP pipeline when it was). Once `arm`-ed (before the step's last
+    backward), a complete bucket is all-reduced asynchronously, in order; `finish` launches
+    what is left (a parameter without a gradient counts as zeros), waits, and gives every
+    tensor its slot of the sum as its gradient."""
 
     def __init__(self, comm: Comm, buckets: Sequence[tuple[tuple[int, ...],
                                                            Sequence[torch.Tensor]]]) -> None:
         self.comm = comm
         self.buckets = [(tuple(axes), list(ts)) for axes, ts in buckets]
-        self._where = {id(t): k for k, (_, ts) in enumerate(self.buckets) for t in ts}
+        self._where = {id(t): (k, i) for k, (_, ts) in enumerate(self.buckets)
+                       for i, t in enumerate(ts)}
+        self._offsets = [[0, *itertools.accumulate(t.numel() for t in ts)]
+                         for _, ts in self.buckets]
         self._order = InOrder(len(self.buckets), self._launch)
-        self._armed = False
-        self._seen: list[set[int]] = [set() for _ in self.buckets]
-        self._pending: list[tuple[int, Pending]] = []
+        self.reset()
         # Weakly: each tensor keeps its hook, and a strong reference back to the buckets (which
         # hold the tensors) would be a cycle through C++ that Python's collector cannot free.
         me = weakref.ref(self)
@@ -229,6 +236,10 @@ class GradBuckets:
             for t in ts:
                 t.register_post_accumulate_grad_hook(hook)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s gradient lives in a bucket (its own slot, shared with no tensor)."""
+        return id(t) in self._where
+
     def arm(self) -> None:
         """The next backward is the step's last: launch buckets as they fill."""
         self._armed = True
@@ -236,22 +247,41 @@ class GradBuckets:
     def reset(self) -> None:
         self._armed = False
         self._order.reset()
-        self._seen = [set() for _ in self.buckets]
-        self._pending = []
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._seen: list[set[int]] = [set() for _ in self.buckets]
+        self._pending: list[tuple[int, Pending]] = []
+
+    def _slot(self, k: int, i: int, flat: torch.Tensor) -> torch.Tensor:
+        t = self.buckets[k][1][i]
+        return flat[self._offsets[k][i]:self._offsets[k][i + 1]].view(t.shape)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        if self._flat[k] is None:
+            t = self.buckets[k][1][0]
+            self._flat[k] = torch.zeros(self._offsets[k][-1], dtype=t.dtype, device=t.device)
+        return self._flat[k]
 
     def _hook(self, t: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        k = self._where[id(t)]
-        self._seen[k].add(id(t))
-        if len(self._seen[k]) == len(self.buckets[k][1]):
-            self._order.ready(k)
+        k, i = self._where[id(t)]
+        with torch.no_grad():
+            slot = self._slot(k, i, self._buffer(k))
+            if t.grad is not None and t.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(t.grad)   # a tensor of autograd's own (the whole gradient): moved in
+                t.grad = slot
+        if self._armed:
+            self._seen[k].add(i)
+            if len(self._seen[k]) == len(self.buckets[k][1]):
+                self._order.ready(k)
 
     def _launch(self, k: int) -> None:
         axes, ts = self.buckets[k]
+        flat = self._buffer(k)
         with torch.no_grad():
-            flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t))
-                              .reshape(-1) for t in ts])
+            for i, t in enumerate(ts):   # one given a gradient outside a backward: moved in
+                slot = self._slot(k, i, flat)
+                if t.grad is not None and t.grad.data_ptr() != slot.data_ptr():
+                    slot.copy_(t.grad)
+                t.grad = slot
         self._pending.append((k, self.comm.all_reduce_async(flat, axes, phase="update",
                                                             scratch=True)))
 
@@ -261,10 +291,6 @@ class GradBuckets:
         with torch.no_grad():
             for k, pending in self._pending:
                 summed = pending.wait()
-                _, ts = self.buckets[k]
-                for t, piece in zip(ts, summed.split([t.numel() for t in ts])):
-                    if t.grad is None:
-                        t.grad = piece.view(t.shape).clone()
-                    else:
-                        t.grad.copy_(piece.view(t.shape))
+                for i, t in enumerate(self.buckets[k][1]):
+                    t.grad = self._slot(k, i, summed)
         self.reset()

@@ -485,7 +485,7 @@ class Trainer:
         seen: set[int] = set()
         for p in self.params:
             g = p.compute.grad if p.compute is not None else None
-            if g is None:
+            if g is None or self._buckets.holds(p.compute):
                 continue
             if g.untyped_storage().data_ptr() in seen:
                 p.compute.grad = g.clone()
@@ -638,10 +638,10 @@ class Trainer:
     def _synchronize(self) -> None:
         # ZeRO-2 and ZeRO-3 gradients were reduce-scattered in backward: waited for here.
         self._drain()
+        self._buckets.finish()   # first: it gives its tensors without a gradient their zeros
         for p in self.params:
             if p.whole and p.compute.grad is None:
                 p.compute.grad = torch.zeros_like(p.compute)
-        self._buckets.finish()
 
     def _refresh_zero2(self) -> None:
         for axes, ps in self._groups("zero2"):
