@@ -13,8 +13,9 @@ micro-batch) + one update. A `StageOption` per plan found:
 - ``activation_bytes``: what one in-flight micro-batch keeps per device.
 
 Each shape gives the time-optimal plan ("free"), the fastest within 5 % of the smallest memory
-any plan of the stage needs ("lean": ZeRO, tensor parallelism) and, with a tensor axis inside a
-host, Megatron's plan ("tp"; see `StageProfiler.variants`). Each plan also comes recomputed,
+any plan of the stage needs ("lean": ZeRO, tensor parallelism), the same with as many
+micro-batches kept as an early stage keeps ("deep") and, with a tensor axis inside a host,
+Megatron's plan ("tp"; see `StageProfiler.variants`). Each plan also comes recomputed,
 layer by layer as Megatron-LM's full recomputation: per micro-batch only what each layer
 receives is kept, one layer's activations at a time in backward, and the forward runs twice.
 The DP uses these where memory demands it.
@@ -68,7 +69,7 @@ class StageLabel:
     attention cores)."""
 
     logical_shape: tuple[int, int]
-    budget: str        # "free", "lean" or "tp" (see `StageProfiler.variants`)
+    budget: str        # "free", "lean", "deep" or "tp" (see `StageProfiler.variants`)
     recompute: bool
     kind: str = ""     # "": "full" when recomputed, else "plain"
 
@@ -243,7 +244,8 @@ class StageProfiler:
 
     def variants(self, submesh: Submesh, shape: tuple[int, int]) -> tuple[str, ...]:
         """The plans priced per logical shape: "free" (time-optimal), and under a memory limit
-        "lean" (within 5 % of the smallest memory) and, where the shape has a tensor axis inside
+        "lean" (within 5 % of the smallest memory), "deep" (the same for a stage that keeps
+        several micro-batches, `deep_in_flight`) and, where the shape has a tensor axis inside
         a host, "tp" (Megatron-style: batch on axis 0, tensors on axis 1, time-optimal). Long
         stages are priced by parts, so the plans between the fastest and the leanest are only
         those the parts offer: "tp" is the one a Megatron user would pick, whose memory usually
@@ -256,7 +258,19 @@ class StageProfiler:
         tp = shape[1] > 1 and per_host % shape[1] == 0 and o.force_batch_axis is None \
             and o.tensor_axis is None and not o.force_data_parallel \
             and (submesh[0] == 1 or self.tensor_within_host)
-        return ("free", "lean", "tp") if tp else ("free", "lean")
+        deep = ("deep",) if self.deep_in_flight(submesh) > 1 else ()
+        return ("free", "lean", *deep, "tp") if tp else ("free", "lean", *deep)
+
+    def deep_in_flight(self, submesh: Submesh) -> int:
+        """The micro-batches the "deep" variant's memory keeps: those the first of equal
+        stages on ``submesh`` keeps under 1F1B (one stage per submesh of the cluster, at
+        most the step's count). "lean" counts one, which suits the last stages only: where a
+        stage keeps several, the plan that holds fewer activations for more state (ZeRO-2
+        against ZeRO-3's gathered weights) is the leaner one, and only this variant lists
+        it. GPT-6.7B on 16 V100s: a 4-layer stage on 2 devices keeping 7 micro-batches found
+        no plain plan within 16 GiB by "lean" (16.72 GiB), data parallelism's fit (15.91)."""
+        n = submesh[0] * submesh[1]
+        return min(self.microbatches, max(self.cluster.num_devices // n, 1))
 
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
         out = []
@@ -266,7 +280,49 @@ class StageProfiler:
         for shape in self.shapes(submesh):
             for budget in self.variants(submesh, shape):
                 out += self._slot(start, end, submesh, shape, budget, transfer)
+            for budget, fast, lean, q in self._mixes(submesh, shape):
+                ok, (lat, state, kept) = self._mix_columns(
+                    np.array([start]), np.array([end]), submesh, shape, fast, lean, q,
+                    np.array([transfer]))
+                if ok[0]:
+                    out.append(StageOption(float(lat[0]), float(state[0]), float(kept[0]),
+                                           _label(shape, budget, "plain")))
         return tuple(out)
+
+    def _mixes(self, submesh: Submesh, shape: tuple[int, int]
+               ) -> list[tuple[str, str, str, int]]:
+        """The mixed plans of a range, listed after its variants: ``(budget, fast, lean, q)``,
+        the range's first ``q`` quarters of layers on the "free" plan and the rest on a lean
+        variant ("lean" or "deep"), plain. A stage solved whole mixes plans layer by layer
+        under its memory bound; by parts, a range on one variant is either the fastest plan
+        or a lean one, so a stage that fits only between them looked slower than it solves
+        and the DP passed over pipelines of such stages (GPT-6.7B on 16 V100s: eight stages
+        of 2 devices, 42.0 s by parts with data parallelism's own lean plan, which auto's
+        variants did not offer, against auto's pick at 43.2; solved whole 38.7 and 39.4)."""
+        variants = self.variants(submesh, shape)
+        if "free" not in variants or "plain" not in self._kinds():
+            return []
+        return [(f"free+{lean}:{q}/4", "free", lean, q)
+                for lean in ("lean", "deep") if lean in variants for q in (1, 2, 3)]
+
+    def _mix_columns(self, k: np.ndarray, i: np.ndarray, submesh: Submesh,
+                     shape: tuple[int, int], fast: str, lean: str, q: int,
+                     transfer: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Ranges ``[k, i)`` of the mixed plan ``q`` (`_mixes`) priced at once as
+        `_slot_columns` prices one plan: whether it applies (a range of more than
+        ``exact_up_to`` layers, each part priced, its split unlike the previous quarter's)
+        and its (latency, state, kept per micro-batch) columns."""
+        head_sums, head_missing = self._layer_sums(submesh, shape, fast)[:2]
+        tail_sums, tail_missing = self._layer_sums(submesh, shape, lean)[:2]
+        count = i - k
+        mid = k + count * q // 4
+        ok = (count > self.exact_up_to) & (mid > k) & (mid < i) \
+            & (mid != k + count * (q - 1) // 4) \
+            & (head_missing[mid] == head_missing[k]) & (tail_missing[i] == tail_missing[mid])
+        part = head_sums[mid] - head_sums[k] + tail_sums[i] - tail_sums[mid]
+        # Differences of prefix sums may round a zero to a tiny negative.
+        return ok, [np.maximum(part[:, 0] + transfer, 0.0), np.maximum(part[:, 2], 0.0),
+                    np.maximum(part[:, 3], 0.0)]
 
     def _kinds(self) -> tuple[str, ...]:
         """The recomputation kinds of the options listed per plan, in order."""
@@ -330,6 +386,15 @@ class StageProfiler:
                         cols[3].append(triple[rows])
                         cols[4].append(listed[rows])
                         listed[rows] += 1
+                for _, fast, lean, q in self._mixes(sub, shape):
+                    ok, mix_columns = self._mix_columns(k, i, sub, shape, fast, lean, q,
+                                                        transfer)
+                    rows = np.flatnonzero(ok)
+                    for c, values in zip(cols, mix_columns):
+                        c.append(values[rows])
+                    cols[3].append(triple[rows])
+                    cols[4].append(listed[rows])
+                    listed[rows] += 1
         cat = [np.concatenate(c) if c else np.zeros(0) for c in cols]
         return OptionTable(cat[0].astype(np.float64), cat[1].astype(np.float64),
                            cat[2].astype(np.float64), cat[3].astype(np.int64),
@@ -526,25 +591,29 @@ class StageProfiler:
 
     def _price(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                budget: str) -> _Costed | None:
-        """The time-optimal plan of the stage, "free" (no memory bound) or "lean" (the fastest
-        within 5 % of the smallest memory any plan of it needs: ZeRO, tensor parallelism)."""
+        """The time-optimal plan of the stage, "free" (no memory bound), "lean" (the fastest
+        within 5 % of the smallest memory any plan of it needs: ZeRO, tensor parallelism) or
+        "deep" (the same with `deep_in_flight` micro-batches kept)."""
         form = self._form(start, end, submesh, shape, budget == "tp")
         free = (self.key(start, end), submesh, shape)
-        if budget != "lean":
+        if budget not in ("lean", "deep"):
             s = self._solve(start, end, form, replace(form.problem, live_sets=()),
                             WHOLE_MAX_NODES)
             if budget == "free":
                 self._free[free] = s
         else:
+            problem = form.problem if budget == "lean" else _in_flight_problem(
+                form, self.stage(*self._form_range(start, end, submesh, shape)), None,
+                self.deep_in_flight(submesh))
             try:
-                limit = min_memory(form.problem) * 1.05
+                limit = min_memory(problem) * 1.05
             except InfeasibleIlpError:
                 return None   # no plan of this kind at all (a method's restriction forbids it)
             s = self._free.get(free)
             # The fastest plan of all is the fastest within the limit when it fits it: the
             # same objective, one constraint more.
-            if s is None or peak_memory(form.problem, s.solution.choices) > limit:
-                s = self._solve(start, end, form, replace(form.problem, memory_budget=limit),
+            if s is None or peak_memory(problem, s.solution.choices) > limit:
+                s = self._solve(start, end, form, replace(problem, memory_budget=limit),
                                 WHOLE_MAX_NODES)
         if s is None:
             return None
