@@ -319,3 +319,52 @@ def test_a_parameter_several_layers_use_is_never_zero_sharded(program) -> None:
     (tied,) = shared
     assert modes[tied] == {"replicated"}
     assert any("zero3" in m for name, m in modes.items() if name != tied)
+
+
+def test_a_mixed_option_is_its_parts_priced_layer_by_layer(program) -> None:
+    """A range's mixed options (`StageProfiler._mixes`): its first q quarters of layers on the
+    fastest plan, the rest on a lean one, priced as the sum of those one-layer plans (and the
+    inbound transfer once), listed only where the split is new and the range is long."""
+    prof = _profiler(program)
+    sub, shape = (1, 2), (1, 2)
+    mixes = prof._mixes(sub, shape)
+    assert {(fast, lean) for _, fast, lean, _ in mixes} == {("free", "lean"), ("free", "deep")}
+    for start, end in [(0, 2), (1, 5), (0, 6)]:
+        listed = {o.label.budget: o for o in prof(start, end, sub)
+                  if o.label.logical_shape == shape}
+        count, splits = end - start, set()
+        for budget, fast, lean, q in mixes:
+            mid = start + count * q // 4
+            if (lean, mid) in splits or not start < mid < end:
+                assert budget not in listed
+                continue
+            splits.add((lean, mid))
+            parts = [prof._exact(m, m + 1, sub, shape, fast if m < mid else lean)
+                     for m in range(start, end)]
+            o = listed[budget]
+            assert o.label.kind == "plain"
+            assert o.latency == pytest.approx(sum(c.latency for c in parts)
+                                              + prof.transfer_time(start))
+            assert o.state_bytes == pytest.approx(sum(c.state for c in parts))
+            assert o.activation_bytes == pytest.approx(sum(c.act + c.inputs for c in parts))
+    assert not any("+" in o.label.budget for o in prof(2, 3, sub))   # one layer: no mix
+
+
+def test_the_deep_variant_is_lean_with_an_early_stages_micro_batches(program) -> None:
+    """"deep" is the fastest plan within 5 % of the smallest memory with `deep_in_flight`
+    micro-batches kept (one stage per submesh of the cluster, at most the step's count):
+    never more memory at that count than "lean", and listed only where a stage on the
+    submesh can keep more than one."""
+    prof = _profiler(program, "p3.16xlarge:1x8")
+    assert prof.deep_in_flight((1, 2)) == min(prof.microbatches, 4)
+    assert "deep" not in prof.variants((1, 8), (1, 8))    # one stage: one micro-batch
+    leaner = 0
+    for sub in [(1, 1), (1, 2), (1, 4)]:
+        k = prof.deep_in_flight(sub)
+        for m in range(6):
+            for shape in prof.shapes(sub):
+                held = {b: c.state + k * (c.act + c.inputs) for b in prof.variants(sub, shape)
+                        if (c := prof._exact(m, m + 1, sub, shape, b)) is not None}
+                assert held["deep"] <= 1.05 * min(held.values()) * (1 + 1e-9)
+                leaner += held["deep"] < held["lean"] * (1 - 1e-6)
+    assert leaner   # somewhere "lean" (one micro-batch) is not the leanest at k
