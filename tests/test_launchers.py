@@ -58,22 +58,24 @@ def _one_device(steps: int = 3) -> list[float]:
 
 def test_meshplan_run_torchrun_and_ray_train_like_one_device(plan_file: str, tmp_path: Path
                                                           ) -> None:
-    # Both launches at once: the imports, not the training, take their time.
+    # The three launches at once: the imports and Ray's start, not the training, take their
+    # time. Local processes, torchrun's two nodes, and a local Ray cluster (an actor a rank).
     ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", find_free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", "--nproc", "2", SCRIPT,
-                               plan_file, "--losses", str(ran)], env=ENV, cwd=tmp_path)]
+    on_ray = tmp_path / "ray.json"
+    procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", *ray, "--nproc", "2",
+                               SCRIPT, plan_file, "--losses", str(out)], env=ENV, cwd=tmp_path)
+             for ray, out in (([], ran), (["--ray"], on_ray))]
     procs += [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
          f"127.0.0.1:{port}", "--rdzv-id", "meshplan-test", SCRIPT, plan_file, "--losses",
          str(torchrun)],
         env=ENV, cwd=tmp_path) for r in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
-    # And on a local Ray cluster, one actor per rank.
-    on_ray = tmp_path / "ray.json"
-    subprocess.run([sys.executable, "-m", "meshplan", "run", "--ray", "--nproc", "2", SCRIPT,
-                    plan_file, "--losses", str(on_ray)], env=ENV, cwd=tmp_path, check=True,
-                   timeout=300)
+    try:
+        assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0]
+    finally:
+        for p in procs:
+            p.kill()
     reference = _one_device()
     for out in (ran, torchrun, on_ray):
         got = list(json.loads(out.read_text()).values())
