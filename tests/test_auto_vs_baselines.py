@@ -5,7 +5,7 @@ simulator runs it, and its simulated step is within 0.5 % of the fastest baselin
 (megatron-grid, expert, inter-only, intra-only), or ahead. The full rows are the benchmark's.
 
 Two rows whose methods differ, at a CI's cost (all 21 in docs/benchmarks.md: auto within
-0.5 % or ahead on each): MoE-690M's on 2 V100 (expert parallelism, inter-only's two-stage
+0.5 % or ahead on 20, GPT-6.7B 0.6 % behind the grid): MoE-690M's on 2 V100 (expert parallelism, inter-only's two-stage
 pipeline), Wide-ResNet-2B's on 8 (data parallelism, which eq. 1 priced 13 % dear before it
 counted the all-reduce the runtime overlaps: inter-only's 0.457 s beat auto's 0.465 s)."""
 
