@@ -261,13 +261,19 @@ class GradBuckets:
             self._flat[k] = torch.zeros(self._offsets[k][-1], dtype=t.dtype, device=t.device)
         return self._flat[k]
 
-    def _hook(self, t: torch.Tensor) -> None:
-        k, i = self._where[id(t)]
+    def _adopt(self, k: int, i: int) -> None:
+        """Tensor ``i`` of bucket ``k`` given its slot as ``.grad``, a gradient it holds
+        elsewhere (autograd's own tensor, the whole gradient so far) moved in first."""
+        t = self.buckets[k][1][i]
         with torch.no_grad():
             slot = self._slot(k, i, self._buffer(k))
             if t.grad is not None and t.grad.data_ptr() != slot.data_ptr():
-                slot.copy_(t.grad)   # a tensor of autograd's own (the whole gradient): moved in
-                t.grad = slot
+                slot.copy_(t.grad)
+            t.grad = slot
+
+    def _hook(self, t: torch.Tensor) -> None:
+        k, i = self._where[id(t)]
+        self._adopt(k, i)
         if self._armed:
             self._seen[k].add(i)
             if len(self._seen[k]) == len(self.buckets[k][1]):
@@ -275,15 +281,10 @@ class GradBuckets:
 
     def _launch(self, k: int) -> None:
         axes, ts = self.buckets[k]
-        flat = self._buffer(k)
-        with torch.no_grad():
-            for i, t in enumerate(ts):   # one given a gradient outside a backward: moved in
-                slot = self._slot(k, i, flat)
-                if t.grad is not None and t.grad.data_ptr() != slot.data_ptr():
-                    slot.copy_(t.grad)
-                t.grad = slot
-        self._pending.append((k, self.comm.all_reduce_async(flat, axes, phase="update",
-                                                            scratch=True)))
+        for i in range(len(ts)):   # those without a gradient, or given one outside a backward
+            self._adopt(k, i)
+        self._pending.append((k, self.comm.all_reduce_async(self._buffer(k), axes,
+                                                            phase="update", scratch=True)))
 
     def finish(self) -> None:
         """Every bucket synchronized into its tensors' ``.grad`` (missing ones as zeros)."""
