@@ -371,3 +371,38 @@ def test_the_deep_variant_is_lean_with_an_early_stages_micro_batches(program) ->
                 assert held["deep"] <= 1.05 * min(held.values()) * (1 + 1e-9)
                 leaner += held["deep"] < held["lean"] * (1 - 1e-6)
     assert leaner   # somewhere "lean" (one micro-batch) is not the leanest at k
+
+
+def test_each_stage_says_what_it_gave_up_for_memory(tmp_path) -> None:
+    """Issue 27.2: a pipeline's stages record what they chose for memory, and `explain`
+    says what each choice saved and cost: the replay's bytes per device and seconds a step,
+    the parameters under ZeRO-2/3 and the state that saves (`StageProfiler.tradeoffs`).
+    Wide layers and short sequences under a tight budget: both ZeRO and recomputation."""
+    from meshplan.plan.plan import load_plan
+    w = build_workload("gpt:hidden=256,layers=4,heads=4,seq=8,vocab=256,batch=16",
+                       device="meta")
+    plan = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x8",
+                    microbatches=4, memory_budget_gb=12 / 1024, num_layers=4,
+                    method="inter-only")
+    assert plan.num_stages > 1
+    step = plan.predicted["step_time_s"]
+    for s in plan.stages:
+        t = s.tradeoffs
+        assert ("recompute_saved_bytes" in t) == s.recompute
+        if s.recompute:
+            assert 0 < t["recompute_saved_bytes"] < s.memory_bytes
+            assert 0 < t["recompute_cost_s"] < step
+        # The counts are the stage plan's own parameters by update mode.
+        updates = [p.update for p in s.plan.params]
+        for mode in ("zero2", "zero3"):
+            assert t.get(f"{mode}_params", 0) == updates.count(mode), (mode, updates)
+        if updates.count("zero2") + updates.count("zero3"):
+            assert t["zero_saved_bytes"] > 0
+    assert any(s.recompute for s in plan.stages)
+    assert any(s.tradeoffs.get("zero2_params") for s in plan.stages)
+    lines = [l for l in plan.explain().splitlines() if l.startswith("    for memory: ")]
+    assert len(lines) == sum(bool(s.tradeoffs) for s in plan.stages)
+    assert any("the replay saves" in l and "ZeRO-2 on" in l for l in lines)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert [s.tradeoffs for s in load_plan(path).stages] == [s.tradeoffs for s in plan.stages]

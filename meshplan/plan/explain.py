@@ -160,7 +160,27 @@ def stages_table(plan: Plan) -> list[str]:
                    f"{s.mesh_shape[0]}x{s.mesh_shape[1]}){', ' + replay_text(s) if s.recompute else ''}"
                    f", {s.in_flight} in flight, {s.latency_s * 1e3:,.3f} ms, "
                    f"{format_bytes(s.memory_bytes)}")
+        if s.tradeoffs:
+            out.append(f"    for memory: {tradeoffs_text(s.tradeoffs)}")
     return out
+
+
+def _seconds(x: float) -> str:
+    return f"{x:,.3f} s" if x >= 1 else f"{x * 1e3:,.3f} ms"
+
+
+def tradeoffs_text(t: dict[str, float]) -> str:
+    """What a stage gave up for memory and what it bought (`StagePlan.tradeoffs`)."""
+    parts = []
+    if "recompute_saved_bytes" in t:
+        parts.append(f"the replay saves {format_bytes(t['recompute_saved_bytes'])} per device "
+                     f"and costs {_seconds(t['recompute_cost_s'])} a step")
+    modes = [f"ZeRO-{k[4]} on {int(t[k])} parameter{'s' * (int(t[k]) != 1)}"
+             for k in ("zero3_params", "zero2_params") if t.get(k)]
+    if modes:
+        parts.append(f"{' and '.join(modes)} save {format_bytes(t['zero_saved_bytes'])} of "
+                     "state per device against replicated updates")
+    return "; ".join(parts)
 
 
 def device_runs(devices: tuple[int, ...]) -> str:

@@ -144,6 +144,9 @@ class StagePlan:
     plan: "Plan | None" = None
     recompute_scope: str = "layers"
     recompute_layers: int | None = None
+    # What the stage gave up for memory and what that bought (`StageProfiler.tradeoffs`):
+    # the replay's bytes saved and seconds per step, ZeRO's parameters and state saved.
+    tradeoffs: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -682,6 +682,46 @@ class StageProfiler:
         extra = transient_bytes(s, segments, peak, in_flight) if transients else 0.0
         return latency, peak + extra
 
+    def tradeoffs(self, s: StageSolution, start: int, end: int, label: StageLabel,
+                  in_flight: int) -> dict[str, float]:
+        """What the solved stage ``s`` of ``[start, end)`` gave up for memory, as `explain`
+        states it: recomputed, the bytes per device its replay saves at ``in_flight``
+        micro-batches against keeping its activations under the same plan
+        (``recompute_saved_bytes``) and the seconds the replay adds to a step
+        (``recompute_cost_s``); its parameters updated by ZeRO-2 and ZeRO-3
+        (``zero2_params``, ``zero3_params``) and the bytes of state per device that saves
+        against replicated updates of the same layouts, less ZeRO-3's gathered working set
+        (``zero_saved_bytes``)."""
+        out: dict[str, float] = {}
+        choices = s.solution.choices
+        segments = self.segments(s.graph, end - start, label)
+        if segments is not None:
+            kept = _in_flight_problem(s.form, s.graph, None, in_flight)
+            replayed = _in_flight_problem(s.form, s.graph, segments, in_flight)
+            out["recompute_saved_bytes"] = peak_memory(kept, choices) - peak_memory(replayed,
+                                                                                    choices)
+            replay = self._recompute_latency(s, None if replay_of(label.kind, end - start)
+                                             == FULL else frozenset(segments))
+            out["recompute_cost_s"] = (replay - self._latency(s)) * self.microbatches
+        mem, saved = s.form.problem.node_memory, 0.0
+        counts = {"zero2": 0, "zero3": 0}
+        for i, r in enumerate(s.form.roots):
+            if s.graph.by_name[r].role != "param":
+                continue
+            options = s.form.choices.choices[r]
+            chosen = options[choices[i]]
+            if chosen.mode not in counts:
+                continue
+            counts[chosen.mode] += 1
+            whole = next((j for j, o in enumerate(options)
+                          if o.strategy == chosen.strategy and o.mode == "replicated"), None)
+            if whole is not None:
+                saved += mem[i][whole] - mem[i][choices[i]]
+        if counts["zero2"] or counts["zero3"]:
+            out.update(zero2_params=counts["zero2"], zero3_params=counts["zero3"],
+                       zero_saved_bytes=saved - working_peak(s.form.problem, choices))
+        return out
+
     def segments(self, stage: Graph, num_layers: int, label: StageLabel
                  ) -> dict[str, int] | None:
         """What the stage program ``stage`` of ``num_layers`` layers replays under ``label``

@@ -127,7 +127,9 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                                 label.recompute, s.in_flight, solved.latency,
                                 solved.memory_bytes, plan,
                                 recompute_scope=(replay or FULL).scope,
-                                recompute_layers=(replay or FULL).layers))
+                                recompute_layers=(replay or FULL).layers,
+                                tradeoffs=prof.tradeoffs(solved, s.start, s.end, label,
+                                                         s.in_flight)))
     # The stages solved whole: their own latencies give the step time, not the DP's
     # estimates by parts.
     compute, transfers = _split(prof, sol.stages, [s.latency_s for s in stages], discounts)
