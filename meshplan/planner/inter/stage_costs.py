@@ -582,8 +582,8 @@ class StageProfiler:
 
     def _formulate(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                    tp: bool = False) -> Formulation:
-        options = replace(self.options, force_batch_axis=0, tensor_axis=1, full_split=True) \
-            if tp else self.options
+        options = replace(self.options, force_batch_axis=0, tensor_axis=1, full_split=True,
+                          tensor_weights=True) if tp else self.options
         form = formulate(resolve_choices(self.stage(start, end), shape, options),
                          self._context(submesh, shape), 0.0,
                          share_blocks=self.options.share_blocks)

@@ -44,6 +44,9 @@ class IntraOptions:
     ``sfb``: sufficient-factor broadcasting (`sfb.py`) for the weights it applies to: "off",
     "auto" (one more update mode of a weight kept whole, which the search weighs) or "force"
     (every weight it applies to is kept whole and updated so).
+    ``tensor_weights``: every parameter of two or more dims is split over ``tensor_axis``
+    where some even split allows it, as Megatron-LM keeps its weights (without it, splitting
+    the sequence over that axis with the weights replicated is also tensor-axis work).
     """
 
     force_data_parallel: bool = False
@@ -58,6 +61,7 @@ class IntraOptions:
     optimizer: str = "adamw"
     replicated_updates: frozenset[str] = frozenset()
     sfb: str = "off"
+    tensor_weights: bool = False
 
     @property
     def heavy_full_split(self) -> bool:
@@ -209,6 +213,9 @@ def _source_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: I
     # one list of collectives then holds on every rank, whose update buckets carry its pieces.
     layouts = [l for l in layouts if all(n % math.prod(mesh_shape[a] for a in ax) == 0
                                          for n, ax in zip(shape, l.dims))]
+    t = opts.tensor_axis
+    if opts.tensor_weights and t is not None and t in axes and len(shape) >= 2:
+        layouts = [l for l in layouts if t in l.split_axes] or layouts
     sfb = sfb and bool(axes) and node.name not in opts.replicated_updates
     if sfb and opts.sfb == "force":   # kept whole, its gradient from the gathered factors
         return [Choice(_source_strategy(Layout.replicated(len(shape))), "sfb")]
