@@ -9,17 +9,24 @@ attention those runs used (scores materialized: ``flash=0``), then simulated
 (recomputation included). Each row is planned within its device's memory, recomputed layer by
 layer as Megatron-LM's full recomputation is; ``peak GiB`` is the simulated peak per device.
 
+With ``--auto`` (issue 27.5), each row is also planned by ``auto`` on the same model, cluster,
+batch and dtype (its own recomputation, ZeRO, stages and micro-batches), in a fresh process
+with ``--timeout`` seconds, and both plans' simulated steps are listed side by side.
+
 Usage: python benchmarks/published_runs.py [--row NAME ...] [--json PATH]
+       [--auto [--timeout S] [--jobs N]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 # name: (preset, cluster, dp, tp, pp, global batch, micro-batch size, virtual, published TF/s)
 ROWS = {
@@ -38,6 +45,13 @@ ROWS = {
 }
 
 
+def workload_spec(name: str) -> str:
+    """The zoo spec of row ``name``'s model: the preset, the global batch, scores
+    materialized."""
+    preset, batch = ROWS[name][0], ROWS[name][5]
+    return f"gpt:preset={preset},batch={batch},flash=0"
+
+
 def run_row(name: str, device: object = None) -> dict:
     """Plan and simulate one row; ``device`` (a `DeviceType`) replaces the preset cluster's
     device type (what `calibrate_devices.py` varies)."""
@@ -51,7 +65,7 @@ def run_row(name: str, device: object = None) -> dict:
     cluster = parse_cluster_spec(spec)
     if device is not None:
         cluster = dataclasses.replace(cluster, device=device)
-    w = build_workload(f"gpt:preset={preset},batch={batch},flash=0", device="meta")
+    w = build_workload(workload_spec(name), device="meta")
     method = f"megatron:dp={dp},tp={tp},pp={pp},mb={mb}" + (f",virtual={virtual}"
                                                           if virtual > 1 else "")
     t0 = time.perf_counter()
@@ -70,10 +84,47 @@ def run_row(name: str, device: object = None) -> dict:
             "device_gib": cluster.device.memory_bytes / 2**30}
 
 
+def run_auto(name: str, timeout_s: float) -> dict:
+    """Row ``name`` planned by ``auto`` (Adam, fp16, the planner's own recomputation and
+    layers) and simulated, in a fresh process (`weak_scaling._ONE_PLAN`): its record, or a
+    timeout / error record."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plan_quality as pq
+    import weak_scaling as ws
+    return pq.run_child([ws._ONE_PLAN, workload_spec(name), ROWS[name][1], "auto", "fp16",
+                         json.dumps({"kind": "adam"}), "-"], timeout_s)
+
+
+def auto_table(records: list[dict], autos: dict[str, dict]) -> list[str]:
+    """The published plan and auto's, each simulated, side by side (markdown rows)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import weak_scaling as ws
+    lines = ["| row | GPUs | published plan | its simulated step s | auto's plan | auto simulated "
+             "step s | published / auto | auto peak GiB | auto search s |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in records:
+        a = autos[r["row"]]
+        gpus = ROWS[r["row"]][2] * ROWS[r["row"]][3] * ROWS[r["row"]][4]
+        head = f"| {r['row']} | {gpus} | {r['method']}, B={r['microbatches']} | {r['step_s']:.3f} | "
+        if a.get("status") != "ok":
+            lines.append(head + f"{a.get('status')}: {a.get('error', '')[:120]} | – | – | – | "
+                         f"{a.get('search_s', a.get('wall_s', 0)):.0f} |")
+            continue
+        lines.append(head + f"{ws.stages_text(a)} | {a['step_s']:.3f} | "
+                     f"{r['step_s'] / a['step_s']:.3f} | {a['sim_peak_gib']:.1f} of "
+                     f"{a['device_gib']:.0f} | {a['search_s']:.0f} |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", action="append", choices=sorted(ROWS))
     ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    ap.add_argument("--auto", action="store_true",
+                    help="also plan each row with auto and list both plans side by side")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds for each auto plan (with --auto)")
+    ap.add_argument("--jobs", type=int, default=1, help="auto plans at once (with --auto)")
     args = ap.parse_args()
     rows = args.row or list(ROWS)
     print(f"python {platform.python_version()}, {len(rows)} rows", flush=True)
@@ -89,10 +140,29 @@ def main() -> int:
               f"{r['step_s']:.3f} | {r['tflops']:.1f} | {r['published_tflops']:.1f} | "
               f"{r['ratio']:.3f} | {r['bubble']:.3f} | {r['peak_gib']:.1f} of "
               f"{r['device_gib']:.0f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    _write(args.json, records)
+    if args.auto:
+        # The fewest GPUs first (the quickest searches); each result is kept as it comes.
+        by_size = sorted(records, key=lambda r: ROWS[r["row"]][2] * ROWS[r["row"]][3]
+                         * ROWS[r["row"]][4])
+        with ThreadPoolExecutor(args.jobs) as pool:   # threads only wait on their children
+            futures = {pool.submit(run_auto, r["row"], args.timeout): r for r in by_size}
+            for f in as_completed(futures):
+                r = futures[f]
+                r["auto"] = f.result()
+                print(f"auto {r['row']}: {r['auto'].get('status')}, "
+                      f"{r['auto'].get('wall_s', 0):.0f} s", flush=True)
+                _write(args.json, records)
+        print()
+        print("\n".join(auto_table(records, {r["row"]: r["auto"] for r in records})),
+              flush=True)
     return 0
+
+
+def _write(path: str | None, records: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
