@@ -52,6 +52,17 @@ def workload_spec(name: str) -> str:
     return f"gpt:preset={preset},batch={batch},flash=0"
 
 
+def gpus(name: str) -> int:
+    """The GPUs of row ``name``'s published plan: dp × tp × pp."""
+    return ROWS[name][2] * ROWS[name][3] * ROWS[name][4]
+
+
+def _bench(module: str):
+    """A sibling benchmark module (`plan_quality`, `weak_scaling`), imported."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    return __import__(module)
+
+
 def run_row(name: str, device: object = None) -> dict:
     """Plan and simulate one row; ``device`` (a `DeviceType`) replaces the preset cluster's
     device type (what `calibrate_devices.py` varies)."""
@@ -88,24 +99,21 @@ def run_auto(name: str, timeout_s: float) -> dict:
     """Row ``name`` planned by ``auto`` (Adam, fp16, the planner's own recomputation and
     layers) and simulated, in a fresh process (`weak_scaling._ONE_PLAN`): its record, or a
     timeout / error record."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import plan_quality as pq
-    import weak_scaling as ws
-    return pq.run_child([ws._ONE_PLAN, workload_spec(name), ROWS[name][1], "auto", "fp16",
-                         json.dumps({"kind": "adam"}), "-"], timeout_s)
+    script = _bench("weak_scaling")._ONE_PLAN
+    return _bench("plan_quality").run_child(
+        [script, workload_spec(name), ROWS[name][1], "auto", "fp16",
+         json.dumps({"kind": "adam"}), "-"], timeout_s)
 
 
 def auto_table(records: list[dict], autos: dict[str, dict]) -> list[str]:
     """The published plan and auto's, each simulated, side by side (markdown rows)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import weak_scaling as ws
+    ws = _bench("weak_scaling")
     lines = ["| row | GPUs | published plan | its simulated step s | auto's plan | auto simulated "
              "step s | published / auto | auto peak GiB | auto search s |",
              "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for r in records:
         a = autos[r["row"]]
-        gpus = ROWS[r["row"]][2] * ROWS[r["row"]][3] * ROWS[r["row"]][4]
-        head = f"| {r['row']} | {gpus} | {r['method']}, B={r['microbatches']} | {r['step_s']:.3f} | "
+        head = f"| {r['row']} | {gpus(r['row'])} | {r['method']}, B={r['microbatches']} | {r['step_s']:.3f} | "
         if a.get("status") != "ok":
             lines.append(head + f"{a.get('status')}: {a.get('error', '')[:120]} | – | – | – | "
                          f"{a.get('search_s', a.get('wall_s', 0)):.0f} |")
@@ -143,8 +151,7 @@ def main() -> int:
     _write(args.json, records)
     if args.auto:
         # The fewest GPUs first (the quickest searches); each result is kept as it comes.
-        by_size = sorted(records, key=lambda r: ROWS[r["row"]][2] * ROWS[r["row"]][3]
-                         * ROWS[r["row"]][4])
+        by_size = sorted(records, key=lambda r: gpus(r["row"]))
         with ThreadPoolExecutor(args.jobs) as pool:   # threads only wait on their children
             futures = {pool.submit(run_auto, r["row"], args.timeout): r for r in by_size}
             for f in as_completed(futures):

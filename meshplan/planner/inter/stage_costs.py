@@ -677,7 +677,7 @@ class StageProfiler:
         segments = self.segments(s.graph, end - start, label)
         weighted = _in_flight_problem(s.form, s.graph, segments, in_flight)
         latency = self._latency(s) if segments is None else self._recompute_latency(
-            s, None if replay_of(label.kind, end - start) == FULL else frozenset(segments))
+            s, _replayed(label, end - start, segments))
         peak = peak_memory(weighted, s.solution.choices)
         extra = transient_bytes(s, segments, peak, in_flight) if transients else 0.0
         return latency, peak + extra
@@ -700,8 +700,7 @@ class StageProfiler:
             replayed = _in_flight_problem(s.form, s.graph, segments, in_flight)
             out["recompute_saved_bytes"] = peak_memory(kept, choices) - peak_memory(replayed,
                                                                                     choices)
-            replay = self._recompute_latency(s, None if replay_of(label.kind, end - start)
-                                             == FULL else frozenset(segments))
+            replay = self._recompute_latency(s, _replayed(label, end - start, segments))
             out["recompute_cost_s"] = (replay - self._latency(s)) * self.microbatches
         mem, saved = s.form.problem.node_memory, 0.0
         counts = {"zero2": 0, "zero3": 0}
@@ -869,6 +868,13 @@ class StageProfiler:
             self._extras[key] = (s.form, recompute_extra_s(s.form, s.solution.choices,
                                                            s.form.ctx, replayed))
         return self._latency(s) + self._extras[key][1] / self.microbatches
+
+
+def _replayed(label: StageLabel, num_layers: int, segments: Mapping[str, int]
+              ) -> frozenset[str] | None:
+    """What `StageProfiler._recompute_latency` replays of a recomputed stage: None for its
+    whole forward, else the nodes of its replayed segments."""
+    return None if replay_of(label.kind, num_layers) == FULL else frozenset(segments)
 
 
 def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> float:
