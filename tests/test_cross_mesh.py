@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -79,7 +80,9 @@ def _slice_along(box, g, k):
 
 
 @pytest.mark.parametrize("src_shape,dst_shape", list(itertools.product(MESHES, MESHES)))
-def test_every_layout_pair_moves_exactly(src_shape, dst_shape) -> None:
+@pytest.mark.parametrize("per_host", [None, 2])
+def test_every_layout_pair_moves_exactly(src_shape, dst_shape, per_host) -> None:
+    """``per_host`` 2: the destination's ranks on hosts of two, whose replicas gather apart."""
     value = np.arange(7 * 6, dtype=np.float64).reshape(7, 6) + 1.0  # 7 rows: uneven pieces
     src = MeshRanks(src_shape, tuple(range(math.prod(src_shape))))
     dst = MeshRanks(dst_shape, tuple(range(100, 100 + math.prod(dst_shape))))
@@ -87,7 +90,8 @@ def test_every_layout_pair_moves_exactly(src_shape, dst_shape) -> None:
         sources = [src_layout] + [Layout(src_layout.dims, p) for p in ((0,), (1,))
                                   if p[0] not in src_layout.split_axes]
         for s in sources:
-            plans = {lg: plan_reshard(value.shape, 8, src, s, dst, dst_layout, local_gather=lg)
+            plans = {lg: plan_reshard(value.shape, 8, src, s, dst, dst_layout, local_gather=lg,
+                                      devices_per_host=per_host)
                      for lg in (False, True)}
             want = tiles(value.shape, dst_layout, dst)
             for plan in plans.values():
@@ -95,12 +99,38 @@ def test_every_layout_pair_moves_exactly(src_shape, dst_shape) -> None:
                 for r, box in want.items():
                     np.testing.assert_allclose(got[r], value[_slice(box)], rtol=1e-12)
             assert plans[True].cross_bytes <= plans[False].cross_bytes
-            if not s.partial:   # each distinct destination tile crosses once when it splits
-                count = {box: list(want.values()).count(box) for box in want.values()}
+            for g in plans[True].gathers:   # a gather never leaves its host
+                assert len({r // (per_host or 1000) for r in g.ranks}) == 1, g.ranks
+            if not s.partial:   # each distinct tile crosses once into each host holding it
+                count = Counter((box, r // (per_host or 1000)) for r, box in want.items())
                 once = sum(8 * math.prod(b - a for a, b in box) *
                            (1 if max(b - a for a, b in box) >= n else n)
-                           for box, n in count.items())
+                           for (box, _), n in count.items())
                 assert plans[True].cross_bytes == once
+
+
+def test_replicas_on_several_hosts_gather_host_by_host() -> None:
+    """A tile replicated on four hosts of eight crosses the network once into each host and is
+    gathered inside it: the bytes into a host are one tile, not the 6 tiles a gather across
+    the hosts would move (each device's missing three quarters)."""
+    value_shape, itemsize = (64, 32), 4
+    src = MeshRanks((8, 1), tuple(range(8)))                  # host 0
+    dst = MeshRanks((32, 1), tuple(range(8, 40)))             # hosts 1-4
+    whole = Layout(((), ()))
+    plan = plan_reshard(value_shape, itemsize, src, whole, dst, whole, devices_per_host=8)
+    tile = itemsize * math.prod(value_shape)
+    into = Counter()
+    for t in plan.transfers:
+        into[t.dst // 8] += t.nbytes
+    for g in plan.gathers:
+        extent = [b - a for a, b in g.box]
+        for k, r in enumerate(g.ranks):
+            piece = itemsize * math.prod(extent) // extent[g.dim] * (g.cuts[k + 1] - g.cuts[k])
+            for other in g.ranks:
+                if other // 8 != r // 8:
+                    into[other // 8] += piece
+    assert dict(into) == {h: tile for h in (1, 2, 3, 4)}
+    assert [sorted({r // 8 for r in g.ranks}) for g in plan.gathers] == [[1], [2], [3], [4]]
 
 
 def test_replicas_share_the_sending() -> None:

@@ -105,9 +105,9 @@ CASES = [("megatron:dp=1,tp=1,pp=2", 2), ("megatron:dp=1,tp=2,pp=2", 4),
 
 
 def _check(spec: str, method: str, devices: int, schedule: str, microbatches: int,
-           opt, **kw: Any) -> None:
+           opt, cluster: str | None = None, **kw: Any) -> api.Plan:
     w = _workload(spec)
-    plan = api.plan(w.model, w.loss_fn, opt, w.example_batch, f"local:{devices}",
+    plan = api.plan(w.model, w.loss_fn, opt, w.example_batch, cluster or f"local:{devices}",
                     method=method, dtype="fp32", memory_budget_gb=0,
                     microbatches=microbatches, schedule=schedule, name=spec, **kw)
     if kw.get("recompute") == "full":
@@ -128,6 +128,17 @@ def _check(spec: str, method: str, devices: int, schedule: str, microbatches: in
                  "interleaved": held_by_schedule(mesh)}[schedule]
         assert held == bound
     assert_matches((results[0][0], params, []), ref, plan, opt)
+    return plan
+
+
+def test_replicas_on_several_hosts_gather_host_by_host() -> None:
+    """Stages of tensor parallelism over two hosts of two: each stage receives its replicated
+    activations once into each host, whose two ranks gather them; the ranks move exactly the
+    plan's messages and train equal to one device."""
+    plan = _check(GPT, "megatron:dp=1,tp=4,pp=2", 8, "1f1b", 4, SGD,
+                  cluster="p3.16xlarge:4x2")
+    gathers = [t for t in plan.transfers if t.kind == "gather"]
+    assert gathers and all(t.src // 2 == t.dst // 2 for t in gathers)
 
 
 @pytest.mark.parametrize("method,devices,schedule",

@@ -11,9 +11,13 @@ are summed by the receiver: it gets the overlap from one rank per partial member
 Local all-gather (Alpa's optimization). When the destination replicates its tiles (k ranks
 hold the same tile), sending the whole tile to each of the k ranks moves k copies across the
 slow link between meshes. Instead the tile is cut into k slices along its longest dim, each
-replica receives one slice from the source mesh, and the k replicas all-gather the slices inside
-the destination mesh (`LocalGather`), over its fast links. Each distinct tile then crosses once.
-(A tile with fewer rows along that dim than replicas, or a partial source, is sent whole.)
+replica receives one slice from the source mesh, and the k replicas all-gather the slices
+(`LocalGather`) over the fast links inside a host. Replicas on different hosts gather apart,
+host by host: one gather across hosts would move each device's missing (H-1)/H of the tile
+over the network (d devices of a host: d(H-1)/H tiles into each host, 6 on four hosts of
+eight), where a copy per host moves one. Each distinct tile then crosses once into each host
+that holds it. (A host's replicas of a tile with fewer rows along that dim than they are, or
+of a partial source, each receive it whole.)
 
 The plan is plain data (the runtime and the simulator read it), ranks are global ranks, and
 boxes are global ``(start, stop)`` per dim: a receiver places a transfer at
@@ -116,11 +120,12 @@ def tiles(shape: Sequence[int], layout: Layout, mesh: MeshRanks) -> dict[int, Bo
 
 
 def plan_reshard(shape: Sequence[int], itemsize: int, src: MeshRanks, src_layout: Layout,
-                 dst: MeshRanks, dst_layout: Layout, *, local_gather: bool = True
-                 ) -> ReshardPlan:
+                 dst: MeshRanks, dst_layout: Layout, *, local_gather: bool = True,
+                 devices_per_host: int | None = None) -> ReshardPlan:
     """The transfers (and local all-gathers) that give every rank of ``dst`` its tile under
-    ``dst_layout`` from ``src``'s tiles under ``src_layout`` (module docstring). Raises
-    ValueError for a partial destination or layouts that do not fit the value or the meshes."""
+    ``dst_layout`` from ``src``'s tiles under ``src_layout`` (module docstring); global rank r
+    sits on host ``r // devices_per_host`` (None: all on one host). Raises ValueError for a
+    partial destination or layouts that do not fit the value or the meshes."""
     shape = tuple(int(n) for n in shape)
     if dst_layout.partial:
         raise ValueError(f"destination layout {dst_layout.spec()} is partial; a value arrives "
@@ -128,13 +133,14 @@ def plan_reshard(shape: Sequence[int], itemsize: int, src: MeshRanks, src_layout
     src_tiles, dst_tiles = tiles(shape, src_layout, src), tiles(shape, dst_layout, dst)
     holders = _holders(src, src_layout, src_tiles)
     partial = bool(src_layout.partial)
-    by_tile: dict[Box, list[int]] = {}
+    by_tile: dict[tuple[Box, int], list[int]] = {}   # a tile's receivers on one host
     for rank in dst.ranks:
-        by_tile.setdefault(dst_tiles[rank], []).append(rank)
+        host = rank // devices_per_host if devices_per_host else 0
+        by_tile.setdefault((dst_tiles[rank], host), []).append(rank)
     sent: dict[int, int] = {r: 0 for r in src.ranks}   # bytes per source, to spread replicas
     transfers: list[Transfer] = []
     gathers: list[LocalGather] = []
-    for box, receivers in by_tile.items():
+    for (box, _), receivers in by_tile.items():
         dim = max(range(len(shape)), key=lambda d: box[d][1] - box[d][0], default=None)
         split = (local_gather and len(receivers) > 1 and not partial and dim is not None
                  and box[dim][1] - box[dim][0] >= len(receivers))

@@ -3,9 +3,9 @@
 Three kinds of point-to-point traffic follow from a multi-stage plan and the traced program's
 shapes: every value an `Exchange` moves (its activation forward, its gradient back when it
 requires one), once per micro-batch, each a cross-mesh resharding plan (`cross_mesh.py`) with
-Alpa's local all-gathers among destination replicas; and, once per step, the gradient of every
-parameter several stages hold, sent from each holder to each other holder in its layout (no
-local all-gather: every rank of the receiving layout needs its own tile). The runtime moves
+Alpa's local all-gathers among the destination replicas of each host; and, once per step, the
+gradient of every parameter several stages hold, sent from each holder to each other holder in
+its layout (no local all-gather: every rank of the receiving layout needs its own tile). The runtime moves
 exactly these plans (`runtime/pipeline.py`); `step_transfers` lists them for the plan, so the
 bytes a run records can be compared with the plan's, and the simulator can price them.
 """
@@ -18,6 +18,7 @@ from math import prod
 
 import torch
 
+from meshplan.cost.cluster import cluster_from_dict
 from meshplan.ir.graph import Graph
 from meshplan.lower.cross_mesh import MeshRanks, ReshardPlan, plan_reshard
 from meshplan.lower.pipeline_program import PipelineProgram
@@ -45,14 +46,17 @@ def stage_moves(plan: Plan, program: PipelineProgram, graph: Graph, local_gather
     NotImplementedError for a shared parameter a holder keeps ZeRO-sharded (its gradient is
     then a shard of the data-parallel group, not the whole in the stage's layout)."""
     meshes = [MeshRanks(tuple(s.mesh_shape), tuple(s.devices)) for s in plan.stages]
+    per_host = cluster_from_dict(plan.cluster).devices_per_host
     exchanges = {}
     for k, e in enumerate(program.exchanges):
         shape, size = _shape_and_itemsize(graph, e.value)
         src, dst = Layout.parse(e.src_spec, len(shape)), Layout.parse(e.dst_spec, len(shape))
-        exchanges[(k, "activation")] = plan_reshard(shape, size, meshes[e.src], src,
-                                                    meshes[e.dst], dst, local_gather=local_gather)
-        exchanges[(k, "gradient")] = plan_reshard(shape, size, meshes[e.dst], dst,
-                                                  meshes[e.src], src, local_gather=local_gather)
+        exchanges[(k, "activation")] = plan_reshard(
+            shape, size, meshes[e.src], src, meshes[e.dst], dst, local_gather=local_gather,
+            devices_per_host=per_host)
+        exchanges[(k, "gradient")] = plan_reshard(
+            shape, size, meshes[e.dst], dst, meshes[e.src], src, local_gather=local_gather,
+            devices_per_host=per_host)
     holders: dict[str, list[tuple[int, ParamDecision]]] = {}
     for s in plan.stages:
         for p in s.plan.params if s.plan else ():
