@@ -1,7 +1,9 @@
 """A persistent pool of N local worker processes sharing one gloo process group.
 
-Spawning a rank costs a torch import (seconds on 2 cores), so tests and benchmarks start the N
-workers once and send them many functions. Each worker initializes torch.distributed (gloo,
+Starting a rank from nothing costs the imports of torch and meshplan (6 s of CPU on this
+2-core machine), so the workers are forked from a fork server that made those imports once
+(`_start_context`), and tests and benchmarks start the N workers once and send them many
+functions. Each worker initializes torch.distributed (gloo,
 ``tcp://127.0.0.1:PORT``, a short timeout so a lost peer fails a collective instead of hanging),
 then loops: receive ``(fn, args)``, run ``fn(rank, nprocs, *args)``, send the result back.
 
@@ -57,7 +59,7 @@ def find_free_port() -> int:
 
 
 class WorkerPool:
-    """``nprocs`` spawned worker processes with torch.distributed initialized once: rank r on
+    """``nprocs`` worker processes with torch.distributed initialized once: rank r on
     ``device`` ("auto", the default: GPU r when CUDA is available, else the CPU; "cpu";
     "cuda"), NCCL beside gloo on GPUs.
 
@@ -87,13 +89,14 @@ class WorkerPool:
         self._closed = False
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
-        ctx = get_context("spawn")
+        ctx = _start_context()
         port = find_free_port()
         for rank in range(nprocs):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, nprocs, port, float(collective_timeout_s), device, child_end),
+                args=(rank, nprocs, port, float(collective_timeout_s), device, child_end,
+                      dict(os.environ)),
                 name=f"meshplan-worker-{rank}",
                 daemon=True,
             )
@@ -266,12 +269,35 @@ def _describe_exit(code: int | None) -> str:
     return f"process exited with code {code} without a result"
 
 
+# What the fork server imports once for every worker it forks: torch, meshplan's planner and
+# runtime, and the compiler stack torch imports on a rank's first trace of its model (2.6 s of
+# CPU per rank: dynamo, AOT autograd, inductor's decompositions). Imports only: the server runs
+# no op, so it forks with no thread pool started. A task's own modules are imported by the
+# worker that first unpickles it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
+            "torch._inductor.decomposition", "meshplan.api", "meshplan.runtime.pool",
+            "meshplan.runtime.pipeline", "meshplan.runtime.parallel", "meshplan.zoo.spec"]
+
+
+def _start_context() -> Any:
+    """The multiprocessing context workers start in: "forkserver", whose server imports
+    `_PRELOAD` once (a worker forked from it starts in milliseconds, a spawned one imports
+    torch anew). The server forks before any CUDA use (importing torch initializes none), so a
+    worker may still take its own GPU; it gets the parent's environment at start, as a spawned
+    process would (`_worker_main`), not the server's."""
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)   # read when the server starts, once per process
+    return ctx
+
+
 def _worker_main(
     rank: int, nprocs: int, port: int, collective_timeout_s: float, device: str | None,
-    conn: Connection
+    conn: Connection, environ: dict[str, str]
 ) -> None:
     """Body of worker ``rank``: join the world (NCCL beside gloo on GPU ``rank``, gloo on the
     CPU), then serve tasks until told to stop."""
+    os.environ.clear()   # the parent's, as at a spawn (the fork server's dates from its start)
+    os.environ.update(environ)
     torch.set_num_threads(1)  # 2 cores shared by N workers
     # What torchrun would set: the ranks' own code (parallelize) finds its device from it.
     os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
