@@ -24,9 +24,10 @@ mesh that solves fastest, and the fastest that fits is the plan (`_solved_best`)
 
 Scale. On up to `HOST_GRANULAR_ABOVE` hosts (Alpa's testbed has 8) the submeshes are Alpa's:
 (1, 2^k) within a host and (k, M) for every k, each with every logical shape. Beyond that the
-search is host-granular: stages take whole hosts, (k, M) for k a power of two or the whole
-cluster, with the tensor axis of their logical mesh inside a host (Alpa's own default logical
-space; Megatron-LM finds tensor parallelism across hosts slow). A stage of 1536 GPUs has 30
+search is host-granular: stages take whole hosts, (k, M) for k a power of two, a divisor of
+the host count (equal stages that tile the cluster: Megatron-LM's 1T runs 64 stages of 6 hosts
+on 384) or the whole cluster, with the tensor axis of their logical mesh inside a host
+(Alpa's own default logical space; Megatron-LM finds tensor parallelism across hosts slow). A stage of 1536 GPUs has 30
 logical shapes and a cluster of 192 hosts 191 (k, M) shapes; pricing each is what would not
 scale, while a pipeline over hundreds of GPUs gains nothing from stages of a few.
 
@@ -461,7 +462,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
                              tensor_within_host=by_hosts, kinds=kinds)
     # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a
     # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
-    shape = ClusterShape(1, cl.num_hosts) if by_hosts else \
+    shape = ClusterShape(1, cl.num_hosts, divisor_widths=not kinds) if by_hosts else \
         ClusterShape(cl.num_hosts, cl.devices_per_host)
     def real(sub: Submesh) -> Submesh:
         # A stage spanning kinds is priced as the slowest device: the untyped submesh's price.

@@ -29,10 +29,13 @@ Submesh = tuple[int, ...]  # (hosts, devices per host), and a device kind on typ
 
 @dataclass(frozen=True)
 class ClusterShape:
-    """The physical ``(num_hosts, devices_per_host)`` mesh the pipeline must cover exactly."""
+    """The physical ``(num_hosts, devices_per_host)`` mesh the pipeline must cover exactly.
+    ``divisor_widths``: the submeshes inside a "host" also take every divisor of
+    ``devices_per_host`` (`submesh_shapes`)."""
 
     num_hosts: int
     devices_per_host: int
+    divisor_widths: bool = False
 
     def __post_init__(self) -> None:
         check_count(self.num_hosts, "ClusterShape.num_hosts")
@@ -111,13 +114,19 @@ def gpipe(stage_index: int, num_stages: int, num_microbatches: int) -> int:
 def submesh_shapes(cluster: ClusterShape) -> tuple[Submesh, ...]:
     """Alpa's submesh shapes: ``(1, 2^k)`` for ``2^k <= M`` (and ``(1, M)``), then ``(k, M)``.
 
-    ``k`` runs over 2..N for the multi-host shapes. Sorted by device count, no duplicates.
+    ``k`` runs over 2..N for the multi-host shapes. With ``cluster.divisor_widths`` (the
+    host-granular search, where a "device" is a whole host) ``(1, d)`` for every divisor d of
+    M as well: equal stages of d hosts tile the cluster whatever d is (Megatron-LM's 1T runs 64
+    stages of 6 DGX hosts on 384), and only such stages split a model's equal blocks evenly
+    when M / d is no power of two. Sorted by device count, no duplicates.
     """
     m = cluster.devices_per_host
-    widths = [1 << k for k in range(m.bit_length()) if (1 << k) <= m]
-    if widths[-1] != m:  # M is not a power of two: whole hosts must still be usable
-        widths.append(m)
-    return tuple((1, w) for w in widths) + tuple((k, m) for k in range(2, cluster.num_hosts + 1))
+    widths = {1 << k for k in range(m.bit_length()) if (1 << k) <= m}
+    widths.add(m)  # M need not be a power of two: whole hosts must still be usable
+    if cluster.divisor_widths:
+        widths.update(d for d in range(1, m + 1) if m % d == 0)
+    return tuple((1, w) for w in sorted(widths)) + \
+        tuple((k, m) for k in range(2, cluster.num_hosts + 1))
 
 
 @dataclass(frozen=True)
