@@ -32,7 +32,9 @@ from meshplan.planner.inter.stage_problem import (
     submesh_shapes,
 )
 
-CLUSTERS = ((1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (1, 6), (3, 2))
+# (1, H, True): the host-granular view of H hosts, stages of any divisor of H hosts too.
+CLUSTERS = ((1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (1, 6), (3, 2),
+            (1, 6, True), (1, 12, True))
 
 
 def random_problem(seed: int, max_layers: int = 6) -> PipelineProblem:
@@ -203,6 +205,23 @@ def two_layer_problem(memory: float, in_flight: InFlight = one_f_one_b) -> Pipel
     table = {(0, 1, (1, 1)): (StageOption(1.0, 0, 1),), (1, 2, (1, 1)): (StageOption(1.0, 0, 1),),
              (0, 2, (1, 2)): (StageOption(3.0, 0, 1, label="whole"),)}
     return PipelineProblem(ClusterShape(1, 2), 2, profile_from_table(table), 4, memory, in_flight)
+
+
+def test_host_granular_stages_of_any_divisor_of_the_hosts() -> None:
+    """Six hosts, two equal layers, a stage's latency its layers' work over its hosts plus a
+    cost growing with them (its gradient exchange): only stages of three hosts split the work
+    evenly (what 64 stages of 6 hosts are to Megatron-LM's 1T on 384); powers of two alone give
+    the slower 2 + 4 hosts, or one stage over all six."""
+    def profile(start: int, end: int, mesh: tuple) -> tuple:
+        return (StageOption(6.0 * (end - start) / mesh[1] + 0.5 * mesh[1], 0, 0),)
+
+    def solve(divisors: bool) -> PipelineSolution:
+        return solve_stage_dp(PipelineProblem(ClusterShape(1, 6, divisor_widths=divisors), 2,
+                                              profile, 8, None, one_f_one_b))
+
+    even = solve(True)
+    assert [s.submesh for s in even.stages] == [(1, 3), (1, 3)]
+    assert even.total_latency < solve(False).total_latency
 
 
 def test_first_stage_holds_more_micro_batches_under_1f1b() -> None:
