@@ -5,9 +5,10 @@ shapes: every value an `Exchange` moves (its activation forward, its gradient ba
 requires one), once per micro-batch, each a cross-mesh resharding plan (`cross_mesh.py`) with
 Alpa's local all-gathers among the destination replicas of each host; and, once per step, the
 gradient of every parameter several stages hold, sent from each holder to each other holder in
-its layout (no local all-gather: every rank of the receiving layout needs its own tile). The runtime moves
-exactly these plans (`runtime/pipeline.py`); `step_transfers` lists them for the plan, so the
-bytes a run records can be compared with the plan's, and the simulator can price them.
+its layout (no local all-gather: every rank of the receiving layout needs its own tile). The
+runtime moves exactly these plans (`runtime/pipeline.py`); `step_transfers` lists them for the
+plan, so the bytes a run records can be compared with the plan's, and the simulator can price
+them.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ Scale. On up to `HOST_GRANULAR_ABOVE` hosts (Alpa's testbed has 8) the submeshes
 search is host-granular: stages take whole hosts, (k, M) for k a power of two, a divisor of
 the host count (equal stages that tile the cluster: Megatron-LM's 1T runs 64 stages of 6 hosts
 on 384) or the whole cluster, with the tensor axis of their logical mesh inside a host
-(Alpa's own default logical space; Megatron-LM finds tensor parallelism across hosts slow). A stage of 1536 GPUs has 30
-logical shapes and a cluster of 192 hosts 191 (k, M) shapes; pricing each is what would not
-scale, while a pipeline over hundreds of GPUs gains nothing from stages of a few.
+(Alpa's own default logical space; Megatron-LM finds tensor parallelism across hosts slow). A
+stage of 1536 GPUs has 30 logical shapes and a cluster of 192 hosts 191 (k, M) shapes; pricing
+each is what would not scale, while a pipeline over hundreds of GPUs gains nothing from stages
+of a few.
 
 Links. Stages are laid on contiguous devices in pipeline order, so the DP knows which
 boundaries lie inside a host (the two stages share it: the transfer runs over the devices' own
