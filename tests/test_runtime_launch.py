@@ -134,6 +134,26 @@ def test_launch_returns_results_in_rank_order() -> None:
     assert launch(rank_and_sum, 2, (2.0,)) == [(0, 2.0), (1, 2.0)]
 
 
+def _environment(rank: int, nprocs: int, key: str) -> tuple[str | None, str]:
+    return os.environ.get(key), os.environ["LOCAL_RANK"]
+
+
+def test_cpu_workers_fork_from_a_server_with_the_parents_environment(monkeypatch) -> None:
+    """CPU workers fork from a fork server (imports made once) yet see the environment the
+    parent has when the pool starts, as spawned ones would; where workers may take GPUs they
+    are spawned, CUDA being unusable in a child of a process that initialized it."""
+    from meshplan.runtime import pool
+    assert pool._start_context("cpu").get_start_method() == "forkserver"
+    monkeypatch.setenv("MESHPLAN_TEST_VALUE", f"set at {time.time()}")
+    got = launch(_environment, 2, ("MESHPLAN_TEST_VALUE",))
+    assert got == [(os.environ["MESHPLAN_TEST_VALUE"], "0"),
+                   (os.environ["MESHPLAN_TEST_VALUE"], "1")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pool._start_context(None).get_start_method() == "spawn"
+    assert pool._start_context("cuda").get_start_method() == "spawn"
+    assert pool._start_context("cpu").get_start_method() == "forkserver"
+
+
 def test_launch_reports_raising_rank_quickly() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:

@@ -1,9 +1,9 @@
 """A persistent pool of N local worker processes sharing one gloo process group.
 
 Starting a rank from nothing costs the imports of torch and meshplan (6 s of CPU on this
-2-core machine), so the workers are forked from a fork server that made those imports once
-(`_start_context`), and tests and benchmarks start the N workers once and send them many
-functions. Each worker initializes torch.distributed (gloo,
+2-core machine), so CPU workers are forked from a fork server that made those imports once
+(GPU workers are spawned: `_start_context`), and tests and benchmarks start the N workers once
+and send them many functions. Each worker initializes torch.distributed (gloo,
 ``tcp://127.0.0.1:PORT``, a short timeout so a lost peer fails a collective instead of hanging),
 then loops: receive ``(fn, args)``, run ``fn(rank, nprocs, *args)``, send the result back.
 
@@ -89,7 +89,7 @@ class WorkerPool:
         self._closed = False
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
-        ctx = _start_context()
+        ctx = _start_context(device)
         port = find_free_port()
         for rank in range(nprocs):
             parent_end, child_end = ctx.Pipe()
@@ -279,12 +279,17 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot
             "meshplan.runtime.pipeline", "meshplan.runtime.parallel", "meshplan.zoo.spec"]
 
 
-def _start_context() -> Any:
-    """The multiprocessing context workers start in: "forkserver", whose server imports
-    `_PRELOAD` once (a worker forked from it starts in milliseconds, a spawned one imports
-    torch anew). The server forks before any CUDA use (importing torch initializes none), so a
-    worker may still take its own GPU; it gets the parent's environment at start, as a spawned
-    process would (`_worker_main`), not the server's."""
+def _start_context(device: str | None) -> Any:
+    """The multiprocessing context workers on ``device`` start in. On the CPU: "forkserver",
+    whose server imports `_PRELOAD` once (a worker forked from it starts in milliseconds, a
+    spawned one imports torch anew); each worker gets the parent's environment at start, as a
+    spawned process would (`_worker_main`), not the server's. Where the workers may take GPUs:
+    "spawn", as before. CUDA cannot start in a process forked from one where it was
+    initialized, and whether some preloaded module queries the driver on import is a CUDA
+    build's detail this machine cannot check."""
+    wants = device if device is not None else os.environ.get(DEVICE_ENV) or "auto"
+    if wants != "cpu" and torch.cuda.is_available():
+        return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)   # read when the server starts, once per process
     return ctx
