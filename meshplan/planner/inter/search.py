@@ -10,7 +10,9 @@ activations kept until the fixed cost c of each dominates, so T is convex in B a
 count is usually a large one for a large model. Counts are therefore tried from the most
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
 user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
-profiled. Once a micro-batch is smaller than the devices it is spread over, c grows (one sample
+profiled. Once a count's fastest pipeline is one stage, fewer micro-batches can only help
+it (no bubble to lose, larger micro-batches) until memory stops them, so the walk jumps to the
+fewest count that passes the floor and climbs back while it gains. Once a micro-batch is smaller than the devices it is spread over, c grows (one sample
 cannot be split), so the walk also starts from the most micro-batches that still give each
 device a sample, and goes both ways from there while it gains. A pipeline of one stage is
 returned as that stage's own intra-op plan.
@@ -141,7 +143,8 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     # micro-batches that still give every device a sample, and walk both ways from there.
     probe = max((i for i, b in enumerate(search.counts) if search.counts[-1] // b >=
                  req.cluster.num_devices), default=None)
-    if probe is not None and probe not in search.tried and search.fits(probe):
+    if probe is not None and probe not in search.tried and probe not in search.climbed \
+            and search.fits(probe):
         before = search.best_latency()
         if search.latency(probe) < before:
             search.walk(probe - 1, -1, search.latency(probe))
@@ -357,6 +360,9 @@ class _CountSearch:
         self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
         self._floors: dict[int, _MemoryFloor] = {}
+        # Counts a climb from the fewest covered (`_climb_from_fewest`): eq. 2 is convex
+        # there, so the probe below need not start again inside them.
+        self.climbed: set[int] = set()
 
     def fits(self, i: int) -> bool:
         """Whether count ``i`` passes the memory floor (traced at that count)."""
@@ -396,12 +402,33 @@ class _CountSearch:
 
     def walk(self, i: int, step: int, previous: float = math.inf) -> None:
         """Counts ``i``, ``i + step``, ... while each is faster than the one before. Going
-        down, a count that cannot fit ends the walk (fewer micro-batches hold more)."""
+        down, a count that cannot fit ends the walk (fewer micro-batches hold more), and a
+        count whose fastest pipeline is one stage sends the walk to the fewest micro-batches
+        that pass the memory floor, to climb back from there (`_climb_from_fewest`)."""
         while 0 <= i < len(self.counts) and i not in self.tried:
             t = self.latency(i)
             if t >= previous or (t == math.inf and step < 0):
                 return
+            if step < 0 and self.req.options.grows_with_batch and self._one_stage(i):
+                self._climb_from_fewest(i)
+                return
             previous, i = t, i + step
+
+    def _one_stage(self, i: int) -> bool:
+        searched = self.tried.get(i)
+        return searched is not None and len(searched.found.solution.stages) == 1
+
+    def _climb_from_fewest(self, i: int) -> None:
+        """One stage won at count ``i``: with fewer micro-batches it has no bubble to lose and
+        larger micro-batches to gain (its plan at ``i`` scaled is one of theirs, when the
+        options open every strategy to a larger batch: `IntraOptions.grows_with_batch`), while
+        every pipeline's bubble grows, so going down only memory can stop it. The counts below ``i`` are walked up from the fewest that passes
+        the memory floor while each is faster, instead of down one by one (Wide-ResNet-2B on
+        8 V100s: 3 of 6 counts)."""
+        low = next((j for j in range(i) if j not in self.tried and self.fits(j)), None)
+        if low is not None:
+            self.climbed.update(range(low, i))
+            self.walk(low, +1)
 
     def best_latency(self) -> float:
         return min((self.latency(i) for i in self.tried), default=math.inf)

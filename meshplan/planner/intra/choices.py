@@ -69,6 +69,14 @@ class IntraOptions:
         compute is left out; also what the hand-style methods mean by data/tensor parallel)."""
         return (not self.include_compute) if self.full_split is None else self.full_split
 
+    @property
+    def grows_with_batch(self) -> bool:
+        """Whether every strategy open to a batch is open to one k times larger (splits that
+        divide it divide k times it): no option forces a split the batch may not allow, with
+        a fallback the larger batch would not take."""
+        return not (self.force_data_parallel or self.heavy_full_split or self.tensor_weights
+                    or self.force_batch_axis is not None or self.tensor_axis is not None)
+
     def __post_init__(self) -> None:
         if self.update_mode is not None and self.update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
