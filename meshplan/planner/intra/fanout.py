@@ -140,12 +140,14 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
             if a != r and (a, r) not in out.edges:
                 out.edges[(a, r)] = [[0.0] * len(nc.choices[r]) for _ in nc.choices[a]]
             src, dst = _use_classes(costs, node, j, len(nc.choices[a]), len(nc.choices[r]))
-            memo: dict[tuple, list[Charge] | None] = {}
+            # Classes numbered once: a pair's key is two ints, not two layouts hashed again.
+            src_ids, dst_ids, width = _class_ids(src), _class_ids(dst), len(dst)
+            memo: dict[int, list[Charge] | None] = {}
             for p, q in _pairs(a, r, len(nc.choices[a]), len(nc.choices[r])):
-                k = (src[p], dst[q])
-                if k not in memo:
-                    memo[k] = use_charges(costs, node, j, p, q)
-                charges = memo[k]
+                k = src_ids[p] * width + dst_ids[q]
+                charges = memo.get(k, _UNSEEN)
+                if charges is _UNSEEN:
+                    charges = memo[k] = use_charges(costs, node, j, p, q)
                 if charges is None:
                     out.add(a, r, p, q, math.inf)
                     continue
@@ -157,6 +159,15 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
     for entries in pending.values():
         _charge_unit(out, entries)
     return out
+
+
+_UNSEEN: list[Charge] = []   # a memo's miss (None is a forbidden pair's charges)
+
+
+def _class_ids(classes: list[Hashable]) -> list[int]:
+    """Each class numbered by first appearance."""
+    ids: dict[Hashable, int] = {}
+    return [ids.setdefault(c, len(ids)) for c in classes]
 
 
 def _use_classes(costs: OpCosts, node: Node, j: int, num_a: int, num_r: int

@@ -22,6 +22,15 @@ class Layout:
     dims: tuple[Axes, ...]
     partial: Axes = ()
 
+    def __hash__(self) -> int:
+        # Remembered: layouts key the planner's caches (reshard recipes, operand classes) and
+        # are hashed millions of times. Of ints only, so the same in every process.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @staticmethod
     def replicated(ndim: int) -> Layout:
         return Layout(((),) * ndim)
