@@ -10,11 +10,12 @@ activations kept until the fixed cost c of each dominates, so T is convex in B a
 count is usually a large one for a large model. Counts are therefore tried from the most
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
 user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
-profiled. Once a count's fastest pipeline is one stage, fewer micro-batches can only help
-it (no bubble to lose, larger micro-batches) until memory stops them, so the walk jumps to the
-fewest count that passes the floor and climbs back while it gains. Once a micro-batch is smaller than the devices it is spread over, c grows (one sample
-cannot be split), so the walk also starts from the most micro-batches that still give each
-device a sample, and goes both ways from there while it gains. A pipeline of one stage is
+profiled. Under "auto", a count whose fastest pipeline is one stage ends the walk down: fewer
+micro-batches only grow the pipelines' bubbles, and one stage at the fewest count that fits
+is weighed beside the search (`api._weighs_intra_only`). Once a micro-batch is smaller than
+the devices it is spread over, c grows (one sample cannot be split), so the walk also starts
+from the most micro-batches that still give each device a sample, and goes both ways from
+there while it gains. A pipeline of one stage is
 returned as that stage's own intra-op plan.
 
 Estimates and whole solves. The DP prices a long stage as the sum of its one-layer plans, which
@@ -143,7 +144,7 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     # micro-batches that still give every device a sample, and walk both ways from there.
     probe = max((i for i, b in enumerate(search.counts) if search.counts[-1] // b >=
                  req.cluster.num_devices), default=None)
-    if probe is not None and probe not in search.tried and probe not in search.climbed \
+    if probe is not None and probe not in search.tried and probe not in search.left_to_one_stage \
             and search.fits(probe):
         before = search.best_latency()
         if search.latency(probe) < before:
@@ -360,9 +361,8 @@ class _CountSearch:
         self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
         self._floors: dict[int, _MemoryFloor] = {}
-        # Counts a climb from the fewest covered (`_climb_from_fewest`): eq. 2 is convex
-        # there, so the probe below need not start again inside them.
-        self.climbed: set[int] = set()
+        # Counts left to one stage's own plan (`_one_stage_ends`).
+        self.left_to_one_stage: set[int] = set()
 
     def fits(self, i: int) -> bool:
         """Whether count ``i`` passes the memory floor (traced at that count)."""
@@ -402,33 +402,30 @@ class _CountSearch:
 
     def walk(self, i: int, step: int, previous: float = math.inf) -> None:
         """Counts ``i``, ``i + step``, ... while each is faster than the one before. Going
-        down, a count that cannot fit ends the walk (fewer micro-batches hold more), and a
-        count whose fastest pipeline is one stage sends the walk to the fewest micro-batches
-        that pass the memory floor, to climb back from there (`_climb_from_fewest`)."""
+        down, a count that cannot fit ends the walk (fewer micro-batches hold more), and so
+        does one whose fastest pipeline is one stage where one stage at fewer micro-batches
+        is weighed anyway (`_one_stage_ends`)."""
         while 0 <= i < len(self.counts) and i not in self.tried:
             t = self.latency(i)
             if t >= previous or (t == math.inf and step < 0):
                 return
-            if step < 0 and self.req.options.grows_with_batch and self._one_stage(i):
-                self._climb_from_fewest(i)
+            if step < 0 and self._one_stage_ends(i):
                 return
             previous, i = t, i + step
 
-    def _one_stage(self, i: int) -> bool:
+    def _one_stage_ends(self, i: int) -> bool:
+        """Whether one stage won at count ``i`` under "auto", whose one stage at the fewest
+        micro-batches that fit is weighed beside the search (`api._weighs_intra_only`): going
+        down, every pipeline's bubble grows while one stage has none to lose, so the counts
+        below ``i`` are left to that plan (when the options open every strategy to a larger
+        batch: `IntraOptions.grows_with_batch`), not searched one by one (Wide-ResNet-2B on
+        8 V100s: 2 of 6 counts). The probe below is skipped inside them too."""
         searched = self.tried.get(i)
-        return searched is not None and len(searched.found.solution.stages) == 1
-
-    def _climb_from_fewest(self, i: int) -> None:
-        """One stage won at count ``i``: with fewer micro-batches it has no bubble to lose and
-        larger micro-batches to gain (its plan at ``i`` scaled is one of theirs, when the
-        options open every strategy to a larger batch: `IntraOptions.grows_with_batch`), while
-        every pipeline's bubble grows, so going down only memory can stop it. The counts below ``i`` are walked up from the fewest that passes
-        the memory floor while each is faster, instead of down one by one (Wide-ResNet-2B on
-        8 V100s: 3 of 6 counts)."""
-        low = next((j for j in range(i) if j not in self.tried and self.fits(j)), None)
-        if low is not None:
-            self.climbed.update(range(low, i))
-            self.walk(low, +1)
+        if self.req.method != "auto" or not self.req.options.grows_with_batch or \
+                searched is None or len(searched.found.solution.stages) != 1:
+            return False
+        self.left_to_one_stage.update(range(i))
+        return True
 
     def best_latency(self) -> float:
         return min((self.latency(i) for i in self.tried), default=math.inf)
