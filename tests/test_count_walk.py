@@ -1,6 +1,7 @@
 """The walk over micro-batch counts (`search._CountSearch`): under "auto", a count whose fastest
 pipeline is one stage ends the walk down, the fewer micro-batches left to one stage's own plan
-(`api._weighs_intra_only`) — and auto's plan is still as fast as the best of planning each
+(`api._weighs_intra_only`) and to the probe where a micro-batch gives each device a sample —
+and auto's plan is still as fast as the best of planning each
 count alone. Methods whose strategies depend on the batch dividing the devices (inter-only's
 data parallelism) walk the counts down as before."""
 
@@ -17,7 +18,8 @@ SGD = OptimizerSpec("sgd", lr=0.1)
 
 
 @pytest.mark.parametrize("spec,cluster,method,searched_counts", [
-    ("mlp:layers=4,hidden=256,batch=16", "p3.16xlarge:2x2", "auto", [16]),
+    # 4 samples on 8 devices: no count gives every device one, so there is no probe.
+    ("mlp:layers=2,hidden=64,batch=4", "p3.16xlarge:1x8", "auto", [4]),
     # Micro-batches of fewer samples than devices cannot be data parallel: inter-only's
     # one stage is then replicated, with no gradient all-reduce across hosts, and fastest
     # at 8 of 16 counts; its strategies do not grow with the batch, so it walks down.
