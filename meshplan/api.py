@@ -577,9 +577,10 @@ def _weighs_intra_only(piped: Plan, cl: Cluster) -> bool:
     weak-scaling suite by 4-100x), only when the search itself answered one stage (GPT-6.7B's
     hidden size, 4 layers, batch 64 on 16 V100: 0.706 s at 64 micro-batches, 0.624 s at
     one); the search leaves the counts below such an answer to this plan
-    (`search._CountSearch`). Even at the same count the two differ: the search solves its one
-    stage whole under the memory variant its by-parts estimate chose (GPT-15B's widths, 2
-    layers, on 32 V100s at one micro-batch: 0.1449 s simulated, intra-only's 0.1421)."""
+    (`search._CountSearch`). Even at the same count the two differ: the search prices its one
+    stage through its own options, by parts then whole (GPT-15B's widths, 2 layers, on 32
+    V100s at one micro-batch, both on a (4, 8) mesh: 0.1449 s simulated, intra-only's
+    0.1421)."""
     return cl.num_hosts == 1 or piped.num_stages == 1
 
 

@@ -351,8 +351,8 @@ def test_auto_weighs_intra_only_on_one_host_or_where_it_answered_one_stage() -> 
     """When "auto" also plans intra-only's single stage (`api._weighs_intra_only`): on one
     host always; across hosts only when the search answered one stage (GPT-6.7B's widths, 4
     layers, batch 64 on 16 V100: one stage at 64 micro-batches 0.706 s, at one 0.624 s),
-    even at the fewest micro-batches (its one stage is solved under the memory variant its
-    estimate chose: GPT-15B's widths on 32 V100s, 0.1449 s against intra-only's 0.1421)."""
+    even at the fewest micro-batches (the search's one stage is not intra-only's plan: GPT-15B's
+    widths on 32 V100s, 0.1449 s against intra-only's 0.1421)."""
     from types import SimpleNamespace as NS
     one_host, two_hosts = NS(num_hosts=1), NS(num_hosts=2)
     for stages, micro, cluster, weighs in [(3, 8, one_host, True), (1, 8, one_host, True),
