@@ -161,7 +161,7 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
     return out
 
 
-_UNSEEN: list[Charge] = []   # a memo's miss (None is a forbidden pair's charges)
+_UNSEEN = object()   # a memo's miss (None is a forbidden pair's charges)
 
 
 def _class_ids(classes: list[Hashable]) -> list[int]:
