@@ -55,6 +55,9 @@ check_torch()
 (make_fx, get_proxy_mode, get_proxy_slot) = _private(
     "torch.fx.experimental.proxy_tensor", "make_fx get_proxy_mode get_proxy_slot")
 (OpOverload,) = _private("torch._ops", "OpOverload")
+# Graph modules whose Python code is generated when first run, not on every edit: capture's
+# passes edit graphs of thousands of nodes that planning only reads.
+(lazy_graph_modules,) = _private("torch.fx._lazy_graph_module", "_use_lazy_graph_module")
 
 # Equal-size collectives into one tensor: torch 2.13 renamed them (the old names warn).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

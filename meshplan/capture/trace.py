@@ -33,7 +33,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.func import functionalize
 
-from meshplan.torch_api import FakeTensorMode, OpOverload, make_fx
+from meshplan.torch_api import FakeTensorMode, OpOverload, lazy_graph_modules, make_fx
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
 from meshplan.capture.in_place import make_pure, pure_forms
@@ -211,7 +211,10 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
             out = model(*args, **kwargs)
         return step_loss(loss_fn, out, target)
 
-    with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules:
+    # Lazy graph modules: the passes below (and make_fx itself) would each regenerate the
+    # program's Python code, a second per pass at Llama-70B's 6,800 nodes; the code is made
+    # once, when the program first runs.
+    with _TRACE_LOCK, _as_a_tracer(), ModuleStack() as modules, lazy_graph_modules(True):
         try:
             gm, saved = _make_fx(step, mode, list(fake_state.values()), fake_batch)
         except (TypeError, ValueError):
