@@ -167,14 +167,21 @@ TINY_LLAMA = ("hf:llama-3-8b,batch=2,seq=16,num_hidden_layers=2,hidden_size=64,"
               "intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,vocab_size=128")
 
 
-def test_an_unseen_in_place_write_is_made_pure_without_a_retrace(monkeypatch) -> None:
+# GPT-2 in training mode: every dropout decomposes into a fresh tensor filled in place by
+# bernoulli_ (whose pure overload is bernoulli.p) and scaled in place by div_.
+TINY_GPT2 = "hf:gpt2,batch=2,seq=16,n_layer=2,n_embd=64,n_head=4,vocab_size=128,n_positions=16"
+
+
+@pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2-dropout"])
+def test_an_unseen_in_place_write_is_made_pure_without_a_retrace(monkeypatch, spec) -> None:
     """Hugging Face's mask helpers shift a fresh arange in place, the one write of a Llama's
-    trace: it is made pure where it stands (no second trace, half the tracing time) and the
-    program reads as the retraced one: same nodes, names, saved values and fingerprint."""
+    trace; GPT-2's dropouts chain two writes into a fresh tensor. Each is made pure where it
+    stands (no second trace, half the tracing time) and the program reads as the retraced
+    one: same nodes, names, saved values and fingerprint."""
     import meshplan.capture.trace as trace_module
     from meshplan.capture.to_ir import _capture_now   # past capture()'s memo: traced anew
     from meshplan.zoo.spec import build_workload
-    w = build_workload(TINY_LLAMA, device="meta")
+    w = build_workload(spec, device="meta")
     retraces = []
     functionalize = trace_module.functionalize
     monkeypatch.setattr(trace_module, "functionalize",
