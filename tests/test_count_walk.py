@@ -45,3 +45,38 @@ def test_one_stage_ends_the_walk_down(spec: str, cluster: str, method: str,
                         microbatches=b).predicted["step_time_s"] for b in counts}
     assert plan.predicted["step_time_s"] <= min(each.values()) * (1 + 1e-9), (plan.microbatches,
                                                                               each)
+
+
+@pytest.mark.parametrize("first_solves_to,second_solved", [
+    (9.0, False),    # 10.5 is within 8 % of the first estimate (10.0) but not of 9.0
+    (10.0, True),    # ... and within 8 % of 10.0: still solved whole
+])
+def test_a_count_is_solved_whole_only_within_the_margin_of_the_best_solved_plan(
+        first_solves_to: float, second_solved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts are solved whole fastest estimate first; a further count only while its
+    estimate is within `REFINE_MARGIN` of the best plan solved so far that fits (an
+    estimate by parts misjudges by up to that margin, and what it must beat is known)."""
+    from types import SimpleNamespace
+
+    from meshplan.planner.inter.to_plan import FoundPipeline
+
+    def searched(count: int, estimate: float, solves_to: float) -> search._Searched:
+        profiler = SimpleNamespace(count=count, solves_to=solves_to)
+        found = FoundPipeline(SimpleNamespace(total_latency=estimate), profiler, "f", ())
+        return search._Searched(found, ())
+
+    solved: list[int] = []
+
+    def solved_whole(profiler, round_, req):   # noqa: ANN001 - the search's own signature
+        solved.append(profiler.count)
+        return SimpleNamespace(total_latency=profiler.solves_to), True
+
+    monkeypatch.setattr(search, "_whole_round", lambda profiler, candidates, req: None)
+    monkeypatch.setattr(search, "_solved_whole", solved_whole)
+    counts = SimpleNamespace(tried={8: searched(8, 10.0, first_solves_to),
+                                    4: searched(4, 10.5, 9.5), 2: None})
+    assert search.REFINE_MARGIN == 0.08
+    best = search._solved_best(counts, SimpleNamespace(method="equal-layer", budget=None))
+    assert solved == ([8, 4] if second_solved else [8])
+    assert best.solution.total_latency == min(first_solves_to, 9.5 if second_solved else 99)
+    assert best.estimated_s == (10.5 if second_solved and first_solves_to > 9.5 else 10.0)
