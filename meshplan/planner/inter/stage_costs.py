@@ -731,8 +731,17 @@ class StageProfiler:
     def prefetch_whole_costs(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
                              workers: int | None = None) -> None:
         """`whole_cost` of each ``(start, end, submesh, label, in_flight)`` ahead of time, the
-        distinct uncached ones on forked workers (`prefetch_whole_costs_of`)."""
-        prefetch_whole_costs_of([(self, stages)], workers)
+        distinct uncached ones on forked workers, likely longest first, so that two long ones
+        do not end up one after the other on a worker: more layers, more micro-batches in
+        flight (a tighter memory bound) and a 2-D logical mesh make a whole solve slower."""
+        tasks = sorted(self._whole_tasks(stages).items(),
+                       key=lambda t: -(t[1][1] - t[1][0]) * t[1][4] *
+                       sum(n > 1 for n in t[1][3].logical_shape))
+        done = _run_tasks((self,), [(0, "_whole_cost_task", stage) for _, stage in tasks],
+                          workers, WHOLE_PARALLEL_FROM)
+        for (key, _), (sol, cost, solves) in zip(tasks, done):
+            self._wholes[key], self._whole_costs[key] = sol, cost
+            self.solves += solves
 
     def _whole_tasks(self, stages: list[tuple[int, int, Submesh, StageLabel, int]]
                      ) -> dict[tuple, tuple]:
@@ -897,27 +906,6 @@ PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.
 WHOLE_PARALLEL_FROM = 2
 _FORKED: tuple[StageProfiler, ...] = ()   # the profilers forked workers price for
-
-
-def prefetch_whole_costs_of(jobs: list[tuple[StageProfiler, list[tuple]]],
-                            workers: int | None = None) -> None:
-    """`StageProfiler.prefetch_whole_costs` of several profilers (one per micro-batch count)
-    in one pool: the longest solves of one count then run beside another's instead of after
-    them."""
-    tasks = [(i, key, stage) for i, (prof, stages) in enumerate(jobs)
-             for key, stage in prof._whole_tasks(stages).items()]
-    # Likely longest first, so that two long ones do not end up one after the other on a
-    # worker: more layers, more micro-batches in flight (a tighter memory bound) and a 2-D
-    # logical mesh make a whole solve slower.
-    tasks.sort(key=lambda t: -(t[2][1] - t[2][0]) * t[2][4] *
-               sum(n > 1 for n in t[2][3].logical_shape))
-    done = _run_tasks(tuple(prof for prof, _ in jobs),
-                      [(i, "_whole_cost_task", stage) for i, _, stage in tasks], workers,
-                      WHOLE_PARALLEL_FROM)
-    for (i, key, _), (sol, cost, solves) in zip(tasks, done):
-        prof = jobs[i][0]
-        prof._wholes[key], prof._whole_costs[key] = sol, cost
-        prof.solves += solves
 
 
 def _run_tasks(profilers: tuple[StageProfiler, ...], jobs: list[tuple[int, str, tuple]],
