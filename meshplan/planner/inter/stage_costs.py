@@ -737,8 +737,8 @@ class StageProfiler:
         tasks = sorted(self._whole_tasks(stages).items(),
                        key=lambda t: -(t[1][1] - t[1][0]) * t[1][4] *
                        sum(n > 1 for n in t[1][3].logical_shape))
-        done = _run_tasks((self,), [(0, "_whole_cost_task", stage) for _, stage in tasks],
-                          workers, WHOLE_PARALLEL_FROM)
+        done = self._map("_whole_cost_task", [stage for _, stage in tasks], workers,
+                         parallel_from=WHOLE_PARALLEL_FROM)
         for (key, _), (sol, cost, solves) in zip(tasks, done):
             self._wholes[key], self._whole_costs[key] = sol, cost
             self.solves += solves
