@@ -59,3 +59,26 @@ def test_calibrate_writes_a_profile_that_predicts_all_reduce(
 def test_calibrate_needs_two_processes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["calibrate", "--nproc", "1", "-o", str(tmp_path / "x.yaml")]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_a_slow_dtype_is_measured_on_smaller_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU without bf16 units took 2.6 s a 1024-square product and 16 s of a
+    calibration: products grow from the smallest only while one stays under the bound."""
+    import torch
+
+    from meshplan.cost import calibrate
+    sizes: list[int] = []
+    randn = torch.randn
+
+    def recorded(*shape: int, **kw: object) -> torch.Tensor:
+        sizes.append(shape[0])
+        return randn(*shape, **kw)
+
+    monkeypatch.setattr(torch, "randn", recorded)
+    monkeypatch.setattr(calibrate, "PRODUCT_SECONDS", 0.0)   # every product is too slow
+    assert calibrate.matmul_tflops(torch.float32, 1024, 1) > 0
+    assert set(sizes) == {calibrate.SMALLEST_PRODUCT}
+    sizes.clear()
+    monkeypatch.setattr(calibrate, "PRODUCT_SECONDS", 1e9)   # none is
+    assert calibrate.matmul_tflops(torch.float32, 512, 1) > 0
+    assert sizes[-1] == 512 and sorted(set(sizes)) == [128, 256, 512]

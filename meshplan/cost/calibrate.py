@@ -41,13 +41,32 @@ def _median_seconds(fn: Any, reps: int, device: torch.device = torch.device("cpu
     return statistics.median(times)
 
 
+# One product measured takes at most about this long: a dtype the device computes slowly (bf16
+# on a CPU without bf16 units: about 1 GFLOP/s here, 2.6 s for a 1024-square product, 16 s of
+# `calibrate`'s run) is measured on a smaller product, the largest power-of-two step from
+# `SMALLEST_PRODUCT` whose time stays under it. So slow a unit is far from the sizes where its
+# throughput falls; a fast one reaches the size asked.
+PRODUCT_SECONDS = 0.1
+SMALLEST_PRODUCT = 128
+
+
 def matmul_tflops(dtype: torch.dtype, n: int = 1024, reps: int = 5,
                   device: torch.device | str = "cpu") -> float:
-    """Dense matmul throughput of this process at ``dtype`` on ``device``, TFLOP/s."""
+    """Dense matmul throughput of this process at ``dtype`` on ``device``, TFLOP/s, on
+    products of ``n`` squared, or smaller ones where those take over `PRODUCT_SECONDS`."""
     dev = torch.device(device)
-    a = torch.randn(n, n, device=dev).to(dtype)
-    b = torch.randn(n, n, device=dev).to(dtype)
-    return 2 * n ** 3 / _median_seconds(lambda: a @ b, reps, dev) / 1e12
+
+    def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(size, size, device=dev).to(dtype),
+                torch.randn(size, size, device=dev).to(dtype))
+
+    size = min(n, SMALLEST_PRODUCT)
+    a, b = operands(size)
+    # A product 8 times as long follows while this size's takes an eighth of the bound.
+    while size < n and _median_seconds(lambda: a @ b, 2, dev) * 8 <= PRODUCT_SECONDS:
+        size = min(2 * size, n)
+        a, b = operands(size)
+    return 2 * size ** 3 / _median_seconds(lambda: a @ b, reps, dev) / 1e12
 
 
 def copy_gbps(nbytes: int = 64 * 2 ** 20, reps: int = 5,

@@ -504,7 +504,7 @@ class StageProfiler:
         count), lazily and in order, on ``workers`` forked processes (default: the usable
         cores) when there are at least ``parallel_from`` tasks (default `PARALLEL_FROM_TASKS`):
         fork shares the program and the caches without pickling."""
-        return _run_tasks((self,), [(0, method, t) for t in tasks], workers, parallel_from)
+        return _run_tasks(self, [(method, t) for t in tasks], workers, parallel_from)
 
     def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
                    ) -> tuple[tuple[_Costed | None, ...], int]:
@@ -905,38 +905,37 @@ def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> flo
 PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.
 WHOLE_PARALLEL_FROM = 2
-_FORKED: tuple[StageProfiler, ...] = ()   # the profilers forked workers price for
+_FORKED: StageProfiler | None = None   # the profiler forked workers price for
 
 
-def _run_tasks(profilers: tuple[StageProfiler, ...], jobs: list[tuple[int, str, tuple]],
-               workers: int | None, parallel_from: int | None = None) -> Iterator:
-    """``profilers[i].<method>(*args)`` for each job ``(i, method, args)`` (returning its
-    result and its solve count), lazily and in order; on ``workers`` forked processes (default:
-    the usable cores) when there are at least ``parallel_from`` jobs (default
-    `PARALLEL_FROM_TASKS`): fork shares the programs and the caches without pickling."""
+def _run_tasks(prof: StageProfiler, jobs: list[tuple[str, tuple]], workers: int | None,
+               parallel_from: int | None = None) -> Iterator:
+    """``prof.<method>(*args)`` for each job ``(method, args)`` (returning its result and its
+    solve count), lazily and in order; on ``workers`` forked processes (default: the usable
+    cores) when there are at least ``parallel_from`` jobs (default `PARALLEL_FROM_TASKS`):
+    fork shares the program and the caches without pickling."""
     workers = workers or _usable_cores()
     if workers < 2 or len(jobs) < (parallel_from or PARALLEL_FROM_TASKS):
-        for i, method, args in jobs:
-            prof = profilers[i]
+        for method, args in jobs:
             before = prof.solves
             out = getattr(prof, method)(*args)
             prof.solves = before  # the tasks report their solves, as forked ones must
             yield out
         return
     global _FORKED
-    _FORKED = profilers
+    _FORKED = prof
     try:
         with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
             yield from pool.map(_call_forked, jobs,
                                 chunksize=max(1, len(jobs) // (16 * workers)))
     finally:
-        _FORKED = ()
+        _FORKED = None
 
 
-def _call_forked(job: tuple[int, str, tuple]) -> object:
-    assert _FORKED, "_run_tasks sets the profilers before forking"
-    i, method, args = job
-    return getattr(_FORKED[i], method)(*args)
+def _call_forked(job: tuple[str, tuple]) -> object:
+    assert _FORKED is not None, "_run_tasks sets the profiler before forking"
+    method, args = job
+    return getattr(_FORKED, method)(*args)
 
 
 def _usable_cores() -> int:
