@@ -262,7 +262,9 @@ def test_a_pipeline_that_fits_only_by_parts_is_searched_again(monkeypatch) -> No
     from meshplan.sim.simulate import simulate
     w = build_workload(GPT.replace("seq=16", "seq=64").replace("hidden=64", "hidden=32"),
                        device="meta")
-    budget = 1268736   # 0.8 of the smallest budget a pipeline without recomputation meets
+    # Where the DP's pick solved whole is over as simulated and the refit's fits: 1.18-1.24 MB
+    # here (1.24 MB runs the DP's pick, 1.13 MB the refit's).
+    budget = 1205299
 
     def peak() -> float:
         p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x4",
@@ -358,7 +360,9 @@ def test_the_deep_variant_is_lean_with_an_early_stages_micro_batches(program) ->
     micro-batches kept (one stage per submesh of the cluster, at most the step's count):
     never more memory at that count than "lean", and listed only where a stage on the
     submesh can keep more than one."""
-    prof = _profiler(program, "p3.16xlarge:1x8")
+    # Layer by layer as solved (not the end layers' parts, `layer_parts.py`): here only the
+    # end layers, the embedding's and the head's, have a "deep" plan unlike "lean".
+    prof = _profiler(program, "p3.16xlarge:1x8", in_parts=False)
     assert prof.deep_in_flight((1, 2)) == min(prof.microbatches, 4)
     assert "deep" not in prof.variants((1, 8), (1, 8))    # one stage: one micro-batch
     leaner = 0

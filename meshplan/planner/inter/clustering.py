@@ -448,11 +448,21 @@ def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarr
 def _assemble(graph: Graph, ops: _Ops, cuts: list[int], delta: float, requested: float
               ) -> Layering:
     bounds = [*cuts, len(ops.names)]
-    layer_of = {name: j for j in range(len(cuts)) for name in ops.names[bounds[j]:bounds[j + 1]]}
-    for name in ops.names:  # sources join their first consumer's layer
-        for x in graph.by_name[name].inputs:
-            layer_of.setdefault(x, layer_of[name])
-    members: list[list[str]] = [[] for _ in cuts]
+    return layering_of(graph, {name: j for j in range(len(cuts))
+                               for name in ops.names[bounds[j]:bounds[j + 1]]},
+                       len(cuts), delta, requested)
+
+
+def layering_of(graph: Graph, op_layer: Mapping[str, int], num_layers: int,
+                delta: float = DEFAULT_DELTA, requested: float = DEFAULT_DELTA) -> Layering:
+    """The `Layering` whose ops are in the layers ``op_layer`` gives (op name -> layer, every
+    op of ``graph``); each source joins its first consumer's layer."""
+    layer_of = dict(op_layer)
+    for n in graph.nodes:   # sources join their first consumer's layer
+        if n.role == "op":
+            for x in n.inputs:
+                layer_of.setdefault(x, layer_of[n.name])
+    members: list[list[str]] = [[] for _ in range(num_layers)]
     for n in graph.nodes:
         members[layer_of.get(n.name, 0)].append(n.name)
     inbound = tuple(_inbound_bytes(graph, names) for names in members)

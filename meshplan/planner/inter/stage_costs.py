@@ -47,6 +47,7 @@ from meshplan.cost.mesh import factor_pairs, logical_mesh
 from meshplan.errors import InfeasibleIlpError
 from meshplan.ir.graph import Graph
 from meshplan.planner.inter.clustering import Layering
+from meshplan.planner.inter.layer_parts import LayerParts, split_layers
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Submesh,
                                                   triple_index)
@@ -141,6 +142,19 @@ class _Costed:
     zero3: bool = False
 
 
+def _summed(parts: list[_Costed]) -> _Costed:
+    """A layer priced as its parts in order, as a range of layers is (`_slot_columns`): what
+    a later part receives from an earlier one is kept with the layer's activations, and the
+    layer's inputs are what its first part receives (all a recomputed layer keeps)."""
+    inner = sum(c.inputs for c in parts[1:])
+    return _Costed(sum(c.latency for c in parts), sum(c.recompute_latency for c in parts),
+                   sum(c.state for c in parts), sum(c.act for c in parts) + inner,
+                   parts[0].inputs, sum(c.selective_latency for c in parts),
+                   sum(c.selective_act for c in parts) + inner,
+                   max(c.selective_work for c in parts), sum(c.cores for c in parts),
+                   any(c.zero3 for c in parts))
+
+
 def shared_params(graph: Graph, layering: Layering) -> frozenset[str]:
     """The parameters (node names) that ops of more than one layer of ``layering`` use."""
     layer_of = {name: j for j, names in enumerate(layering.layers) for name in names}
@@ -180,6 +194,8 @@ class StageProfiler:
     # ``kinds[k]``, k == len(kinds) (mixed) and an untyped one on the cluster's slowest.
     kinds: tuple[DeviceType, ...] = ()
     solves: int = 0
+    # Price an end layer holding a repeated layer as its parts (`layer_parts.py`).
+    in_parts: bool = True
 
     def __post_init__(self) -> None:
         # A parameter used by several layers may be held by several stages, which sum its
@@ -202,6 +218,21 @@ class StageProfiler:
         self._free: dict[tuple, StageSolution | None] = {}   # "free" one-layer solves
         self._extras: dict[tuple, tuple] = {}   # `_recompute_latency` by (formulation, plan)
         self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
+        self._parts: tuple[LayerParts, StageProfiler] | None = None
+        if self.in_parts and self.layering.num_layers > 2:
+            self._parts = self._part_pricer()
+
+    def _part_pricer(self) -> tuple[LayerParts, "StageProfiler"] | None:
+        """The layering's parts (`layer_parts.py`) and the profiler that prices one-layer
+        ranges by them, or None when no layer splits."""
+        n = self.layering.num_layers
+        parts = split_layers(self.graph, self.layering, [self.key(m, m + 1) for m in range(n)],
+                             lambda m: self.stage(m, m + 1))
+        if parts is None:
+            return None
+        pricer = replace(self, layering=parts.parts, in_parts=False, solves=0)
+        pricer._graphs.update(parts.programs)
+        return parts, pricer
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -484,6 +515,12 @@ class StageProfiler:
         the DP, which asks for all of them anyway. The solves are independent, so with many of
         them they run on ``workers`` forked processes (default: the usable cores; fork shares
         the program without pickling it); results are identical to pricing on demand."""
+        if self._parts is not None:   # one-layer ranges are priced by their parts
+            pricer = self._parts[1]
+            before = pricer.solves
+            pricer.prefetch(submeshes, workers)
+            self.solves += pricer.solves - before
+            return
         firsts: dict[str, int] = {}
         for m in range(self.layering.num_layers):
             firsts.setdefault(self.key(m, m + 1), m)
@@ -517,8 +554,22 @@ class StageProfiler:
                budget: str) -> _Costed | None:
         key = (self.key(start, end), submesh, shape, budget)
         if key not in self._costed:
-            self._costed[key] = self._price(start, end, submesh, shape, budget)
+            self._costed[key] = self._price(start, end, submesh, shape, budget) \
+                if self._parts is None or end - start > 1 else \
+                self._priced_in_parts(start, submesh, shape, budget)
         return self._costed[key]
+
+    def _priced_in_parts(self, m: int, submesh: Submesh, shape: tuple[int, int],
+                         budget: str) -> _Costed | None:
+        """Layer ``m`` priced as the sum of its parts (`layer_parts.py`), None when a part
+        has no plan."""
+        assert self._parts is not None
+        parts, pricer = self._parts
+        before = pricer.solves
+        costs = [pricer._exact(p, p + 1, submesh, shape, budget)
+                 for p in range(*parts.spans[m])]
+        self.solves += pricer.solves - before
+        return None if any(c is None for c in costs) else _summed(costs)
 
     def transfer_time(self, start: int) -> float:
         """Receiving a stage's activations and sending their gradients back, per micro-batch,
@@ -595,6 +646,9 @@ class StageProfiler:
         within 5 % of the smallest memory any plan of it needs: ZeRO, tensor parallelism) or
         "deep" (the same with `deep_in_flight` micro-batches kept)."""
         form = self._form(start, end, submesh, shape, budget == "tp")
+        # Priced on the range the structure's formulation names (any range of it may ask
+        # first), so that its solutions name the nodes of the program they are read with.
+        start, end = self._form_ranges[(self.key(start, end), submesh, shape, budget == "tp")]
         free = (self.key(start, end), submesh, shape)
         if budget not in ("lean", "deep"):
             s = self._solve(start, end, form, replace(form.problem, live_sets=()),
