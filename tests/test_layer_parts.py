@@ -3,6 +3,7 @@ repeated layer shares its solves, and the layer's price is the sum of its parts'
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from meshplan.cost.memory import OptimizerState
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.layer_parts import split_layers
+from meshplan.planner.inter import stage_costs
 from meshplan.planner.inter.stage_costs import StageProfiler, _summed
 from meshplan.planner.inter.stage_graph import cut_stage, stage_graph, structure_key
 from meshplan.planner.intra.choices import IntraOptions
@@ -95,12 +97,14 @@ def _profiler(program, in_parts: bool) -> StageProfiler:
 
 
 @pytest.mark.parametrize("which", ["gpt", "llama"])
-def test_a_split_layer_is_priced_as_its_parts_and_the_others_as_before(request,
+def test_a_split_layer_is_priced_as_its_parts_and_the_others_as_before(request, monkeypatch,
                                                                        which: str) -> None:
-    """A split layer's price is the sum of its parts' (what the second part receives kept
-    with the activations, the layer's inputs what the first receives); the part equal to the
-    repeated layer costs what that layer does; every other layer's price is bit for bit what
-    pricing without parts gives. The parts' solves are counted."""
+    """A split layer's price (where its parts price it: forced here) is the sum of its parts'
+    (what the second part receives kept with the activations, the layer's inputs what the
+    first receives); the part equal to the repeated layer costs what that layer does; every
+    other layer's price is bit for bit what pricing without parts gives."""
+    monkeypatch.setattr(stage_costs, "PARTS_BELOW", math.inf)
+    monkeypatch.setattr(stage_costs, "PARTS_ABOVE", math.inf)
     program = request.getfixturevalue(which)
     by_parts, whole = _profiler(program, True), _profiler(program, False)
     assert by_parts._parts is not None and whole._parts is None
@@ -125,4 +129,36 @@ def test_a_split_layer_is_priced_as_its_parts_and_the_others_as_before(request,
                                 and pricer.key(aa, bb) == pricer.key(twin, twin + 1))
                 assert pricer._exact(twin, twin + 1, sub, shape, budget) == \
                     whole._exact(repeated, repeated + 1, sub, shape, budget)
-    assert by_parts.solves > 0 and by_parts.solves == pricer.solves
+    assert by_parts.solves > 0
+
+
+def test_small_layers_whose_parts_misprice_them_are_priced_whole(gpt) -> None:
+    """In a 64-wide GPT the parts' free boundary decides the plan (the head's layer is 35 %
+    cheaper by parts on (1, 2)): the end layers are checked, found apart, and priced whole,
+    bit for bit as without parts."""
+    by_parts, whole = _profiler(gpt, True), _profiler(gpt, False)
+    assert not by_parts._by_parts(0) and not by_parts._by_parts(5)
+    assert all(by_parts._by_parts(m) for m in range(1, 5))
+    sub = (1, 4)
+    for shape in by_parts.shapes(sub):
+        for budget in by_parts.variants(sub, shape):
+            for m in range(6):
+                assert by_parts._exact(m, m + 1, sub, shape, budget) == \
+                    whole._exact(m, m + 1, sub, shape, budget)
+
+
+def test_a_large_layer_is_priced_by_parts_that_agree_with_its_whole_solve() -> None:
+    """GPT-39B's widths: its first layer (embedding and a block) by parts within the bounds
+    of its whole solve on the sample mesh, so by parts everywhere."""
+    program = _program("gpt:preset=39b,batch=2,layers=4", 4)
+    prof = StageProfiler(*program, parse_cluster_spec("p3.16xlarge:1x8"),
+                         IntraOptions(optimizer="adamw", memory_budget=16 * 2**30),
+                         OptimizerState(), 2, 16 * 2**30)
+    assert prof._parts is not None and prof._parts[0].spans[0] == (0, 2)
+    assert prof._by_parts(0)
+    sample = ((1, 2), prof.shapes((1, 2))[0])
+    whole = prof._price(0, 1, *sample, "free")
+    parts = prof._exact(0, 1, *sample, "free")
+    assert (1 - stage_costs.PARTS_BELOW) * whole.latency <= parts.latency <= \
+        (1 + stage_costs.PARTS_ABOVE) * whole.latency
+    assert parts != whole

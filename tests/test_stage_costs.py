@@ -104,8 +104,15 @@ def test_identical_layers_share_their_stage_ilps(program,
     prof.prefetch((sub,), workers=1)
     keys = {prof.key(m, m + 1) for m in range(prof.layering.num_layers)}
     assert len(keys) == 3   # the embedding's layer, the blocks, the head's
-    per_key = sum(len(prof.variants(sub, shape)) for shape in prof.shapes(sub))
-    assert len(priced) == len(set(priced)) == len(keys) * per_key
+    per_key = {(sub, shape, b) for shape in prof.shapes(sub) for b in prof.variants(sub, shape)}
+    assert len(priced) == len(set(priced))
+    for key in keys:
+        assert {(s, shape, b) for k, s, shape, b in priced if k == key} == per_key
+    # Besides: the end layers' other parts, each priced once to check whether their parts
+    # price them (`layer_parts.py`; here they do not, so they are priced whole).
+    parts = [p for p in priced if p[0] not in keys]
+    assert len(parts) == 2 and all(p[3] == "free" for p in parts)
+    assert not prof._by_parts(0) and not prof._by_parts(5)
 
 
 def test_a_whole_stage_problem_is_solved_once(program, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -219,6 +219,7 @@ class StageProfiler:
         self._extras: dict[tuple, tuple] = {}   # `_recompute_latency` by (formulation, plan)
         self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
         self._parts: tuple[LayerParts, StageProfiler] | None = None
+        self._gates: dict[int, bool] = {}   # `_by_parts`
         if self.in_parts and self.layering.num_layers > 2:
             self._parts = self._part_pricer()
 
@@ -510,23 +511,31 @@ class StageProfiler:
                                np.concatenate([[0], np.cumsum(bad)]), act_max, sel_max)
         return self._sums[key]
 
-    def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None) -> None:
+    def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None,
+                 skip: frozenset[int] = frozenset()) -> None:
         """Price every distinct one-layer structure on every submesh and logical shape ahead of
-        the DP, which asks for all of them anyway. The solves are independent, so with many of
-        them they run on ``workers`` forked processes (default: the usable cores; fork shares
-        the program without pickling it); results are identical to pricing on demand."""
-        if self._parts is not None:   # one-layer ranges are priced by their parts
-            pricer = self._parts[1]
-            before = pricer.solves
-            pricer.prefetch(submeshes, workers)
-            self.solves += pricer.solves - before
-            return
+        the DP, which asks for all of them anyway (but the layers of ``skip``). The solves are
+        independent, so with many of them they run on ``workers`` forked processes (default:
+        the usable cores; fork shares the program without pickling it); results are identical
+        to pricing on demand. Layers with parts are priced by them (`_by_parts`, checked
+        first, so that a part only its layer needs is not priced where the layer is whole)."""
         firsts: dict[str, int] = {}
         for m in range(self.layering.num_layers):
-            firsts.setdefault(self.key(m, m + 1), m)
+            if m not in skip:
+                firsts.setdefault(self.key(m, m + 1), m)
+        if self._parts is not None:
+            parts, pricer = self._parts
+            whole = {m for m, (a, b) in enumerate(parts.spans) if not self._by_parts(m)}
+            rest = frozenset(p for m in whole for p in range(*parts.spans[m])
+                             if (p, p + 1) not in parts.programs)
+            before = pricer.solves
+            pricer.prefetch(submeshes, workers, rest)
+            self.solves += pricer.solves - before
+            firsts = {k: m for k, m in firsts.items() if m in whole}
         tasks = [(m, sub, shape) for m in firsts.values() for sub in submeshes
                  for shape in self.shapes(sub)
-                 if (self.key(m, m + 1), sub, shape, "free") not in self._costed]
+                 if any((self.key(m, m + 1), sub, shape, b) not in self._costed
+                        for b in self.variants(sub, shape))]
         priced = progress(self._map("_price_all", tasks, workers), total=len(tasks),
                           desc=f"stage costs, {self.microbatches} micro-batches",
                           enabled=self.show_progress)
@@ -554,10 +563,48 @@ class StageProfiler:
                budget: str) -> _Costed | None:
         key = (self.key(start, end), submesh, shape, budget)
         if key not in self._costed:
-            self._costed[key] = self._price(start, end, submesh, shape, budget) \
-                if self._parts is None or end - start > 1 else \
-                self._priced_in_parts(start, submesh, shape, budget)
+            self._costed[key] = self._priced_in_parts(start, submesh, shape, budget) \
+                if end - start == 1 and self._by_parts(start) else \
+                self._price(start, end, submesh, shape, budget)
         return self._costed[key]
+
+    def _by_parts(self, m: int) -> bool:
+        """Whether layer ``m`` is priced by its parts (`layer_parts.py`; a layer of one part
+        is that part). By parts the layer lays out the values one part hands the other for
+        free, as a range of layers does at its inner boundaries; in a large layer that is
+        little beside its work (GPT-39B's first layer: the same latency to 0.1 % on a host's
+        meshes, 0.5-0.9 % over on (1, 2)), in a small one the layouts either side decide the
+        plan (a 64-wide GPT's head layer: 27-35 % cheaper by parts, and a test's search 16 ->
+        106 s on the whole solves it drew). So a split layer is checked once, on the smallest
+        submesh of several devices: priced whole ("free") and by parts, it is priced by parts
+        everywhere when its latency by parts is at most `PARTS_BELOW` under the whole's and
+        at most `PARTS_ABOVE` over it, else whole everywhere. Under is what misleads: the DP
+        then favours the stage, and its whole solve finds it slower; over, by parts prices
+        what the parts hand each other too (each reduces what it sends), and the layer is one
+        of a stage's several (Llama-3-70B's first: 2.5 % over on (1, 2), the same plan).
+        """
+        if self._parts is None:
+            return False
+        parts, pricer = self._parts
+        a, b = parts.spans[m]
+        if b - a == 1:
+            return True
+        if m not in self._gates:
+            per_host = self.cluster.devices_per_host
+            sub = (1, 2) if per_host >= 2 else (min(2, self.cluster.num_hosts), 1)
+            sample = self.shapes(sub)[0]
+            key = (self.key(m, m + 1), sub, sample, "free")
+            whole = self._costed.get(key) or self._price(m, m + 1, sub, sample, "free")
+            before = pricer.solves
+            costs = [pricer._exact(p, p + 1, sub, sample, "free") for p in range(a, b)]
+            self.solves += pricer.solves - before
+            by_parts = None if any(c is None for c in costs) else _summed(costs)
+            self._gates[m] = whole is not None and by_parts is not None and \
+                (1 - PARTS_BELOW) * whole.latency <= by_parts.latency <= \
+                (1 + PARTS_ABOVE) * whole.latency
+            if not self._gates[m]:   # priced whole: this solve is its price
+                self._costed[key] = whole
+        return self._gates[m]
 
     def _priced_in_parts(self, m: int, submesh: Submesh, shape: tuple[int, int],
                          budget: str) -> _Costed | None:
@@ -955,6 +1002,10 @@ def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> flo
     return min(across, own.latency + nbytes / inside / own.effective_bandwidth)
 
 
+# A split layer is priced by its parts where, on a sample mesh, they price it at most this
+# much under and over its whole solve (`StageProfiler._by_parts`).
+PARTS_BELOW = 0.01
+PARTS_ABOVE = 0.05
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.
