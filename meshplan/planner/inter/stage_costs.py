@@ -576,7 +576,7 @@ class StageProfiler:
         meshes, 0.5-0.9 % over on (1, 2)), in a small one the layouts either side decide the
         plan (a 64-wide GPT's head layer: 27-35 % cheaper by parts, and a test's search 16 ->
         106 s on the whole solves it drew). So a split layer is checked once, on the smallest
-        submesh of several devices: priced whole ("free") and by parts, it is priced by parts
+        submesh of several devices that this profiler prices (`_sample_mesh`): priced whole ("free") and by parts, it is priced by parts
         everywhere when its latency by parts is at most `PARTS_BELOW` under the whole's and
         at most `PARTS_ABOVE` over it, else whole everywhere. Under is what misleads: the DP
         then favours the stage, and its whole solve finds it slower; over, by parts prices
@@ -590,9 +590,11 @@ class StageProfiler:
         if b - a == 1:
             return True
         if m not in self._gates:
-            per_host = self.cluster.devices_per_host
-            sub = (1, 2) if per_host >= 2 else (min(2, self.cluster.num_hosts), 1)
-            sample = self.shapes(sub)[0]
+            where = self._sample_mesh()
+            if where is None:
+                self._gates[m] = False
+                return False
+            sub, sample = where
             key = (self.key(m, m + 1), sub, sample, "free")
             whole = self._costed.get(key) or self._price(m, m + 1, sub, sample, "free")
             before = pricer.solves
@@ -605,6 +607,15 @@ class StageProfiler:
             if not self._gates[m]:   # priced whole: this solve is its price
                 self._costed[key] = whole
         return self._gates[m]
+
+    def _sample_mesh(self) -> tuple[Submesh, tuple[int, int]] | None:
+        """Where `_by_parts` compares: the smallest submesh of several devices (else one
+        device) with a logical shape this profiler prices (a hand-style method allows few),
+        and the first such shape; None if there is none."""
+        per_host, hosts = self.cluster.devices_per_host, self.cluster.num_hosts
+        subs = [(1, 2 ** j) for j in range(1, per_host.bit_length())] \
+            + [(h, per_host) for h in range(2, hosts + 1)] + [(1, 1)]
+        return next(((sub, self.shapes(sub)[0]) for sub in subs if self.shapes(sub)), None)
 
     def _priced_in_parts(self, m: int, submesh: Submesh, shape: tuple[int, int],
                          budget: str) -> _Costed | None:
