@@ -23,7 +23,10 @@ The DP uses these where memory demands it.
 Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved once
 per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
 than ``exact_up_to`` layers are priced as sums of one-layer solves (`_slot_columns`), so the solves
-grow with the distinct layers, not with L². The stages the DP picks are then solved whole
+grow with the distinct layers, not with L². An end layer holding a repeated layer and more
+(the embedding with the first block) is priced by its parts, the one equal to the repeated layer
+sharing its solves, where that prices it as its whole solve does (`layer_parts.py`,
+`StageProfiler._by_parts`). The stages the DP picks are then solved whole
 (`solution`) with memory counted as the pipeline holds it, in-flight micro-batches included
 and, for a plain stage, the op-by-op transients the simulator holds beyond the ILP's live sets
 (`transient_bytes`), and their real latency and peak memory replace the estimates.
@@ -576,9 +579,10 @@ class StageProfiler:
         meshes, 0.5-0.9 % over on (1, 2)), in a small one the layouts either side decide the
         plan (a 64-wide GPT's head layer: 27-35 % cheaper by parts, and a test's search 16 ->
         106 s on the whole solves it drew). So a split layer is checked once, on the smallest
-        submesh of several devices that this profiler prices (`_sample_mesh`): priced whole ("free") and by parts, it is priced by parts
-        everywhere when its latency by parts is at most `PARTS_BELOW` under the whole's and
-        at most `PARTS_ABOVE` over it, else whole everywhere. Under is what misleads: the DP
+        submesh of several devices that this profiler prices (`_sample_mesh`): priced whole
+        ("free") and by parts, it is priced by parts everywhere when its latency by parts is
+        at most `PARTS_BELOW` under the whole's and at most `PARTS_ABOVE` over it, else whole
+        everywhere. Under is what misleads: the DP
         then favours the stage, and its whole solve finds it slower; over, by parts prices
         what the parts hand each other too (each reduces what it sends), and the layer is one
         of a stage's several (Llama-3-70B's first: 2.5 % over on (1, 2), the same plan).
