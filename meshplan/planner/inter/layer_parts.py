@@ -26,6 +26,7 @@ the DP picks are solved whole, as ever.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -50,9 +51,7 @@ def split_layers(graph: Graph, layering: Layering, keys: list[str],
     """The layers of ``layering`` whose structure occurs once split where a part proves equal
     to a repeated layer (module docstring), or None when none is. ``keys[m]`` is layer m's
     `structure_key`, ``stage(m)`` its program."""
-    counts: dict[str, int] = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
+    counts = Counter(keys)
     repeated = {}   # key -> its first layer, the commonest first
     for m in sorted(range(len(keys)), key=lambda m: -counts[keys[m]]):
         if counts[keys[m]] > 1:

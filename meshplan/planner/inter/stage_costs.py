@@ -589,8 +589,7 @@ class StageProfiler:
         """
         if self._parts is None:
             return False
-        parts, pricer = self._parts
-        a, b = parts.spans[m]
+        a, b = self._parts[0].spans[m]
         if b - a == 1:
             return True
         if m not in self._gates:
@@ -601,10 +600,7 @@ class StageProfiler:
             sub, sample = where
             key = (self.key(m, m + 1), sub, sample, "free")
             whole = self._costed.get(key) or self._price(m, m + 1, sub, sample, "free")
-            before = pricer.solves
-            costs = [pricer._exact(p, p + 1, sub, sample, "free") for p in range(a, b)]
-            self.solves += pricer.solves - before
-            by_parts = None if any(c is None for c in costs) else _summed(costs)
+            by_parts = self._priced_in_parts(m, sub, sample, "free")
             self._gates[m] = whole is not None and by_parts is not None and \
                 (1 - PARTS_BELOW) * whole.latency <= by_parts.latency <= \
                 (1 + PARTS_ABOVE) * whole.latency
