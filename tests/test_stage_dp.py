@@ -364,3 +364,30 @@ def test_speed_48_layers_on_16x8(make: Callable[[float | None], PipelineProblem]
           f"{len(solution.stages)} stages, T = {solution.total_latency:.6g}")
     assert_valid(problem, solution)
     assert seconds < 20
+
+
+def test_best_fitting_option_of_every_count_at_once_is_each_counts_own() -> None:
+    """`stage_tables._best_fitting` answers all in-flight counts in one pass: per count and
+    triple, the fastest option whose state + activations x count fits, as filtering the options
+    count by count finds it (ties in latency keep the first listed; needs exactly at the
+    budget fit; options that fit no count, or every count)."""
+    from meshplan.planner.inter.stage_tables import _best_fitting
+    rng = np.random.default_rng(7)
+    shape, n = (3, 4, 2), 4000
+    flat = {"latency": rng.choice([0.5, 1.0, 1.5, 2.0, np.inf], n) * rng.integers(1, 4, n),
+            "state": rng.integers(0, 12, n).astype(np.float64),
+            "activation": rng.choice([0.0, 0.5, 1.0, 3.0], n),
+            "triple": rng.integers(0, math.prod(shape), n),
+            "position": rng.integers(0, 9, n)}
+    order = np.lexsort((flat["latency"], flat["triple"]))
+    counts = [1, 2, 3, 3, 5, 8, 13]
+    for memory in (None, 0.0, 7.0, 12.5, 100.0):
+        got = _best_fitting(flat, order, counts, memory, shape)
+        assert sorted(got) == sorted(set(counts))
+        for c in set(counts):
+            latency, choice = np.full(shape, np.inf), np.full(shape, -1)
+            for o in order[::-1]:   # the first fitting one in order writes last
+                if memory is None or flat["state"][o] + flat["activation"][o] * c <= memory:
+                    latency.flat[flat["triple"][o]] = flat["latency"][o]
+                    choice.flat[flat["triple"][o]] = flat["position"][o]
+            assert np.array_equal(got[c][0], latency) and np.array_equal(got[c][1], choice)

@@ -397,6 +397,7 @@ class StageProfiler:
         k, i = k[keep], i[keep]
         transfer = np.array([self.transfer_time(s) for s in range(n)])[k]
         kinds = self._kinds()
+        plain = kinds.index("plain") if "plain" in kinds else None
         cols: list[list[np.ndarray]] = [[], [], [], [], []]
         for m, sub in enumerate(submeshes):
             special = np.flatnonzero(i - k <= self.exact_up_to)
@@ -405,15 +406,17 @@ class StageProfiler:
             for shape in self.shapes(sub):
                 for budget in self.variants(sub, shape):
                     valid, columns = self._slot_columns(k, i, sub, shape, budget, transfer)
+                    # Ranges solved as they are: what `_slot` lists of them.
                     for j in special.tolist():
-                        opts = {o.label.kind: o for o in self._slot(
-                            int(k[j]), int(i[j]), sub, shape, budget, float(transfer[j]))}
-                        for q, kind in enumerate(kinds):
-                            valid[q][j] = kind in opts
-                            if kind in opts:
-                                o = opts[kind]
-                                columns[q][0][j], columns[q][1][j], columns[q][2][j] = \
-                                    o.latency, o.state_bytes, o.activation_bytes
+                        c = self._exact(int(k[j]), int(i[j]), sub, shape, budget)
+                        if c is None:
+                            for ok in valid:
+                                ok[j] = False
+                        elif plain is not None:
+                            valid[plain][j] = True
+                            lat, state, kept = columns[plain]
+                            lat[j], state[j], kept[j] = \
+                                max(c.latency + transfer[j], 0.0), c.state, c.act + c.inputs
                     for q, kind_columns in enumerate(columns):
                         rows = np.flatnonzero(valid[q])
                         for c, values in zip(cols, kind_columns):

@@ -88,6 +88,8 @@ class _Search:
     problem: PipelineProblem
     tables: StageTables
     candidates: np.ndarray  # distinct usable latencies, increasing
+    # With links: every latency less its inbound discount inside a host.
+    discounted: np.ndarray | None = None
     total: float = math.inf
     stages: tuple[StagePlacement, ...] = ()
     num_tried: int = 0
@@ -116,11 +118,12 @@ def solve_stage_dp(problem: PipelineProblem, *, epsilon: float = 0.0,
     finite = tables.latency[np.isfinite(tables.latency)]
     if finite.size == 0:
         raise _no_pipeline(problem, tables)
+    discounted = None
     if tables.discount is not None:
         # A stage inside a host may be the slowest at its discounted latency.
-        inside = tables.latency - tables.discount[None, :, None, :]
-        finite = np.concatenate([finite, inside[np.isfinite(inside)]])
-    state = _Search(problem, tables, np.unique(finite))
+        discounted = tables.latency - tables.discount[None, :, None, :]
+        finite = np.concatenate([finite, discounted[np.isfinite(discounted)]])
+    state = _Search(problem, tables, np.unique(finite), discounted)
     {"bisect": _search_bisect, "scan": _search_scan, "all": _search_all}[search](
         state, float(epsilon))
     if not state.stages:
@@ -196,11 +199,10 @@ def _evaluate(state: _Search, t_max: float) -> tuple[float, int]:
     cost = np.where(tables.latency <= t_max, tables.latency, np.inf)
     links = None
     if tables.discount is not None:
-        assert tables.inside is not None
+        assert tables.inside is not None and state.discounted is not None
         # Stages inside a host: within t_max at their discounted latency (the same float
         # operation as the candidates and `_placements`).
-        inside = np.where(tables.latency - tables.discount[None, :, None, :] <= t_max,
-                          tables.latency, np.inf)
+        inside = np.where(state.discounted <= t_max, tables.latency, np.inf)
         links = (inside, tables.discount, tables.inside)
     f, p = sweep(cost, tables.sizes, problem.cluster.num_devices, mask=tables.mask,
                  links=links)
