@@ -80,10 +80,11 @@ def reduce_shared(shared: tuple[tuple[float, tuple], ...], group_of_node: np.nda
                   costs: list[np.ndarray]) -> tuple[tuple, float]:
     """Shared costs over free groups (see ``ReducedIlp.shared``) and the always-paid total."""
     terms, offset = [], 0.0
+    allowed: dict[int, np.ndarray] = {}   # per group, once: blocks name the same groups often
     for cost, blocks in shared:
         kept, always = [], False
         for block in blocks:
-            conds = _reduce_block(block, group_of_node, costs)
+            conds = _reduce_block(block, group_of_node, costs, allowed)
             if conds is None:
                 continue
             if not conds:
@@ -97,10 +98,12 @@ def reduce_shared(shared: tuple[tuple[float, tuple], ...], group_of_node: np.nda
     return tuple(terms), offset
 
 
-def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarray]
+def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarray],
+                  allowed_of: dict[int, np.ndarray]
                   ) -> tuple[tuple[tuple[int, np.ndarray], ...], ...] | None:
     """A block's clauses over free groups, each a tuple of ``(group, positions into its allowed
-    strategies)``; ``()`` when the block always holds, None when it never can."""
+    strategies)``; ``()`` when the block always holds, None when it never can.
+    ``allowed_of`` caches each group's allowed strategies."""
     clauses = []
     for clause in block:
         wanted: dict[int, set[int]] = defaultdict(set)
@@ -108,8 +111,10 @@ def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarra
             wanted[int(group_of_node[v])].update(strategies)
         alternatives, always = [], False
         for g, strategies in wanted.items():
-            allowed = np.flatnonzero(np.isfinite(costs[g]))
-            hit = np.flatnonzero(np.isin(allowed, sorted(strategies)))
+            allowed = allowed_of.get(g)
+            if allowed is None:
+                allowed = allowed_of[g] = np.flatnonzero(np.isfinite(costs[g]))
+            hit = _positions(allowed, strategies)
             if hit.size == 0:
                 continue
             if allowed.size == 1:
@@ -122,6 +127,16 @@ def _reduce_block(block: tuple, group_of_node: np.ndarray, costs: list[np.ndarra
             return None
         clauses.append(tuple(alternatives))
     return tuple(clauses)
+
+
+def _positions(allowed: np.ndarray, strategies: set[int]) -> np.ndarray:
+    """The positions in ``allowed`` (sorted) of the ``strategies`` it holds, increasing (what
+    ``np.flatnonzero(np.isin(allowed, ...))`` gives, without its sort of both)."""
+    wanted = np.fromiter(sorted(strategies), dtype=np.int64, count=len(strategies))
+    at = np.searchsorted(allowed, wanted)
+    inside = at < allowed.size
+    at, wanted = at[inside], wanted[inside]
+    return at[allowed[at] == wanted]
 
 
 def merge_aliases(num_nodes: int, aliases: tuple[tuple[int, int], ...]) -> np.ndarray:
