@@ -13,13 +13,14 @@ compute (`AsyncEntry`) is worked out here, from each op's own times, and priced 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
+from meshplan.ir.graph import Node
 from meshplan.lower import overlap as ov
 from meshplan.lower.factored_stats import factored_buckets, update_dims
-from meshplan.planner.intra.choices import NodeChoices
+from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.fanout import param_sync, use_charges
 from meshplan.planner.intra.formulate import Formulation
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, is_kept, local_bytes,
@@ -101,6 +102,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
     times: list[tuple[float, float]] = []   # each node's forward and backward seconds
+    tally = _Tally(counts, comm, reshard, sync, sfb, seen)
     for node in g.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         held = costs.memory(node, choice)
@@ -109,30 +111,10 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
         f, b = real_costs.pass_times(node, choice)
         times.append((f, b))
         forward, backward = forward + f, backward + b
-        for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
-            for label, n in form.ctx.phase_counts(phase, node.name):
-                counts[(kind, nbytes, axes, label, node.name)] += n
+        _count_syncs(form, costs, node, choice, counts)
         comm[node.name] += costs.stat_sync_cost(node, choice)
-        for j, name in enumerate(node.inputs):
-            charges = use_charges(costs, node, j, idx[name], idx[node.name])
-            assert charges is not None, f"forbidden operand layout chosen for {node.name}"
-            for _, key, cost in charges:
-                if key[0] == "sync":
-                    sync.setdefault(key[1], []).append(key[4])
-                    if key not in seen:
-                        comm[node.name] += cost
-                elif key[0] == "sfb":
-                    sfb[key[1]] = key[2]
-                    axes = choice.strategy.work_axes   # its whole-batch product is compute
-                    comm[node.name] += cost - costs.sfb_extra_s(node, axes)
-                    backward += real_costs.sfb_extra_s(node, axes) / real.microbatches
-                    for step in key[3]:   # the factors' all-gathers, every backward
-                        for label, n in form.ctx.phase_counts("backward"):
-                            counts[("all_gather", step.nbytes, step.axes, label, node.name)] += n
-                elif key not in seen:
-                    _count_recipe(key[2], g.by_name[name].requires_grad, form.ctx, counts,
-                                  comm, reshard, name, node.name)
-                seen.add(key)
+        for axes in _count_moves(form, costs, node, choice, idx, tally):
+            backward += real_costs.sfb_extra_s(node, axes) / real.microbatches
     ops = []
     for node in g.nodes:
         if node.is_source:
@@ -144,7 +126,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
                               s.grad_partial, costs.compute_cost(node, choice), comm[node.name],
                               reshard[node.name], costs.memory(node, choice), s.sync_axes))
     params, grouped = _params(form, idx, sync, sfb, counts)
-    groups = _sync(form, grouped, times, counts)
+    groups = _sync(form, grouped, times, *_sync_counts(form, grouped, counts))
     working = working_peak(form.problem, choices)
     sources = tuple(SourceDecision(n.name, n.role,
                                    nc.choices[n.name][idx[n.name]].strategy.output.spec(),
@@ -188,6 +170,73 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
                        m * (f_s + b_s) + u_s, figures, owned, groups)
 
 
+@dataclass
+class _Tally:
+    """What `extract` counts while it walks the plan's moves (`_count_moves`)."""
+
+    counts: Counter
+    comm: Counter
+    reshard: Counter
+    sync: dict
+    sfb: dict
+    seen: set
+
+
+def _count_syncs(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
+                 counts: Counter) -> None:
+    """The collectives ``node``'s own partial sums and parameter sync issue, per phase."""
+    for kind, nbytes, axes, phase in costs.stat_sync(node, choice):
+        for label, n in form.ctx.phase_counts(phase, node.name):
+            counts[(kind, nbytes, axes, label, node.name)] += n
+
+
+def _count_moves(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
+                 idx: dict[str, int], tally: _Tally) -> Iterator[tuple[int, ...]]:
+    """Count the moves that bring ``node``'s operands into its layouts (each fan-out key once,
+    at its first use) into ``tally``; yields the work axes of each SFB weight gradient, whose
+    factors' product the backward computes (its seconds are the caller's to add)."""
+    for j, name in enumerate(node.inputs):
+        charges = use_charges(costs, node, j, idx[name], idx[node.name])
+        assert charges is not None, f"forbidden operand layout chosen for {node.name}"
+        for _, key, cost in charges:
+            if key[0] == "sync":
+                tally.sync.setdefault(key[1], []).append(key[4])
+                if key not in tally.seen:
+                    tally.comm[node.name] += cost
+            elif key[0] == "sfb":
+                tally.sfb[key[1]] = key[2]
+                axes = choice.strategy.work_axes   # its whole-batch product is compute
+                tally.comm[node.name] += cost - costs.sfb_extra_s(node, axes)
+                yield axes
+                for step in key[3]:   # the factors' all-gathers, every backward
+                    for label, n in form.ctx.phase_counts("backward"):
+                        tally.counts[("all_gather", step.nbytes, step.axes, label,
+                                      node.name)] += n
+            elif key not in tally.seen:
+                _count_recipe(key[2], form.choices.graph.by_name[name].requires_grad, form.ctx,
+                              tally.counts, tally.comm, tally.reshard, name, node.name)
+            tally.seen.add(key)
+
+
+def plan_collectives(form: Formulation, choices: tuple[int, ...]
+                     ) -> tuple[CollectiveEntry, ...]:
+    """The collectives of the assignment ``choices`` as `extract` lists them
+    (``IntraResult.collectives``), without its other figures: an eighth of its time."""
+    nc = form.choices
+    idx = node_indices(form, choices)
+    costs = OpCosts(nc, form.ctx)
+    tally = _Tally(Counter(), Counter(), Counter(), {}, {}, set())
+    for node in nc.graph.nodes:
+        choice = nc.choices[node.name][idx[node.name]]
+        _count_syncs(form, costs, node, choice, tally.counts)
+        for _ in _count_moves(form, costs, node, choice, idx, tally):
+            pass
+    _, grouped = _params(form, idx, tally.sync, tally.sfb, tally.counts)
+    _sync_counts(form, grouped, tally.counts)
+    return _merged(CollectiveEntry(k, b, a, p, c)
+                   for (k, b, a, p, _), c in sorted(tally.counts.items()))
+
+
 def _merged(entries: Iterable[CollectiveEntry]) -> tuple[CollectiveEntry, ...]:
     """Entries of the same kind, size, axes and phase as one, sorted."""
     total: Counter[tuple[str, int, tuple[int, ...], str]] = Counter()
@@ -225,9 +274,8 @@ def recompute_extra_s(form: Formulation, choices: tuple[int, ...], real: CostCon
     assert not real.recompute, "the extra of recomputation is priced from the plain step"
     again = replace(real, recompute=True, recomputed=recomputed)
     if recomputed is None:
-        plain = extract(form, choices, real)
         comm = sum(c.count * collective_cost(c.kind, real.mesh, c.mesh_axes, c.bytes)
-                   for c in plain.collectives if c.phase == "forward")
+                   for c in plan_collectives(form, choices) if c.phase == "forward")
     else:   # which collectives replay depends on who issues them: count them replayed
         replayed = extract(replace(form, ctx=replace(form.ctx, recompute=True,
                                                      recomputed=recomputed)), choices, again)
@@ -320,12 +368,26 @@ def _params(form: Formulation, idx: dict[str, int], sync: dict[str, list[tuple[i
     return tuple(out), grouped
 
 
+def _sync_counts(form: Formulation, grouped: dict[str, list[ov.GroupParam]], counts: Counter
+                 ) -> tuple[list, list]:
+    """Gradient buckets and ZeRO-3 units (`lower/overlap.py`), their collectives counted."""
+    buckets = ov.grad_buckets(grouped["replicated"])
+    for b in buckets:
+        counts[("all_reduce", b.bytes, b.axes, "update", "")] += 1
+    units = ov.zero3_units(grouped["zero3"])
+    kept = {n.name: n.kept is not False for n in form.choices.graph.params()}
+    for u in units:
+        for kind, phase, count in zero_counts("zero3", form.ctx, any(kept[p] for p in u.params)):
+            counts[(kind, u.bytes, u.axes, phase, u.params[0])] += count
+    return buckets, units
+
+
 def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
-          times: list[tuple[float, float]], counts: Counter) -> Sync:
-    """Buckets and ZeRO-3 units (`lower/overlap.py`), their collectives counted, and where each
-    overlapped collective falls on its pass: forward times from the start of the forward,
-    backward times from the start of the backward (after the forward's replay when
-    recomputed), each op's backward running in reverse order."""
+          times: list[tuple[float, float]], buckets: list, units: list) -> Sync:
+    """Where each overlapped collective of the buckets and ZeRO-3 units falls on its pass:
+    forward times from the start of the forward, backward times from the start of the
+    backward (after the forward's replay when recomputed), each op's backward running in
+    reverse order."""
     g, ctx = form.choices.graph, form.ctx
     fwd_at, bwd_done = [0.0], [0.0] * (len(times) + 1)
     for f, _ in times:
@@ -338,17 +400,14 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
     uses = {q.node: q.use for qs in grouped.values() for q in qs}
     entries: list[AsyncEntry] = []
 
-    buckets = ov.grad_buckets(grouped["replicated"])
     ready = [bwd_done[min(uses[p].first for p in b.params)] for b in buckets]
     for (k, at), b in zip(ov.launched(range(len(buckets)), ready), buckets):
-        counts[("all_reduce", b.bytes, b.axes, "update", "")] += 1
         entries.append(AsyncEntry("all_reduce", b.bytes, b.axes, "last_backward", at))
     # ZeRO-2 gradients: reduce-scattered from their hooks as they complete, drained when the
     # backward ends.
     for p in sorted(grouped["zero2"], key=lambda q: -q.use.first):
         entries.append(AsyncEntry("reduce_scatter", p.nbytes, p.axes, "backward",
                                   bwd_done[p.use.first]))
-    units = ov.zero3_units(grouped["zero3"])
     kept = {n.name: n.kept is not False for n in g.params()}
     regather, scatter = ov.unit_orders(units, uses, kept.__getitem__)
     if ctx.recompute:
@@ -357,9 +416,6 @@ def _sync(form: Formulation, grouped: dict[str, list[ov.GroupParam]],
                 "ZeRO-3 with a partial recomputation (selective, or some layers) is not "
                 "supported yet: recompute every layer ('full') or use ZeRO-2")
         regather = ()   # the forward's replay gathers them
-    for u in units:
-        for kind, phase, count in zero_counts("zero3", ctx, any(kept[p] for p in u.params)):
-            counts[(kind, u.bytes, u.axes, phase, u.params[0])] += count
     first = [min(uses[p].first for p in u.params) for u in units]
     for i, at in ov.prefetched(range(len(units)), [fwd_at[f] for f in first], ov.PREFETCH):
         u = units[i]
