@@ -138,10 +138,11 @@ def _best_fitting(flat: dict[str, np.ndarray], order: np.ndarray, counts: list[i
     many micro-batches in flight: ``{count: (latency, choice)}``.
 
     ``order`` sorts the options by triple, then latency (stable), so the first fitting option of
-    each triple is its fastest. An option's need grows with the count, so it fits the counts up
-    to some index (`_last_fitting`); down a triple's sorted options, one is the fastest fitting
-    for the counts above every earlier option's last and up to its own. All counts at once:
-    a DP of 64 buckets asked 64 passes over a Llama-70B's 1.8 million options (1 s).
+    each triple is its fastest. An option's need grows with the count (activations are never
+    negative), so it fits the counts up to some index (`_last_fitting`); down a triple's
+    sorted options, one is the fastest fitting for the counts above every earlier option's
+    last and up to its own. All counts at once: a DP of 64 buckets asked 64 passes over a
+    Llama-70B's 1.8 million options (1 s).
     """
     counts = sorted(set(counts))
     last = _last_fitting(flat, order, counts, device_memory)

@@ -221,7 +221,8 @@ def _count_moves(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
 def plan_collectives(form: Formulation, choices: tuple[int, ...]
                      ) -> tuple[CollectiveEntry, ...]:
     """The collectives of the assignment ``choices`` as `extract` lists them
-    (``IntraResult.collectives``), without its other figures: an eighth of its time."""
+    (``IntraResult.collectives``), without the times, memory and decisions that make most of
+    its work (`recompute_extra_s` asks a plan's forward collectives of every replay priced)."""
     nc = form.choices
     idx = node_indices(form, choices)
     costs = OpCosts(nc, form.ctx)
