@@ -52,8 +52,8 @@ from meshplan.ir.graph import Graph
 from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.layer_parts import LayerParts, split_layers
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
-from meshplan.planner.inter.stage_problem import (OptionTable, StageOption, Submesh,
-                                                  triple_index)
+from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, StageOption,
+                                                  Submesh, submesh_shapes, triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
 from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
@@ -615,9 +615,9 @@ class StageProfiler:
         """Where `_by_parts` compares: the smallest submesh of several devices (else one
         device) with a logical shape this profiler prices (a hand-style method allows few),
         and the first such shape; None if there is none."""
-        per_host, hosts = self.cluster.devices_per_host, self.cluster.num_hosts
-        subs = [(1, 2 ** j) for j in range(1, per_host.bit_length())] \
-            + [(h, per_host) for h in range(2, hosts + 1)] + [(1, 1)]
+        shapes = submesh_shapes(ClusterShape(self.cluster.num_hosts,
+                                             self.cluster.devices_per_host))
+        subs = shapes[1:] + shapes[:1]   # by device count, one device last
         return next(((sub, self.shapes(sub)[0]) for sub in subs if self.shapes(sub)), None)
 
     def _priced_in_parts(self, m: int, submesh: Submesh, shape: tuple[int, int],

@@ -13,7 +13,7 @@ compute (`AsyncEntry`) is worked out here, from each op's own times, and priced 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from meshplan.cost.collectives import collective_cost
@@ -191,10 +191,11 @@ def _count_syncs(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
 
 
 def _count_moves(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
-                 idx: dict[str, int], tally: _Tally) -> Iterator[tuple[int, ...]]:
+                 idx: dict[str, int], tally: _Tally) -> list[tuple[int, ...]]:
     """Count the moves that bring ``node``'s operands into its layouts (each fan-out key once,
-    at its first use) into ``tally``; yields the work axes of each SFB weight gradient, whose
-    factors' product the backward computes (its seconds are the caller's to add)."""
+    at its first use) into ``tally``; returns the work axes of each SFB weight gradient, whose
+    factors' product the backward computes (its seconds are the caller's to add, in order)."""
+    sfb_axes = []
     for j, name in enumerate(node.inputs):
         charges = use_charges(costs, node, j, idx[name], idx[node.name])
         assert charges is not None, f"forbidden operand layout chosen for {node.name}"
@@ -207,7 +208,7 @@ def _count_moves(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
                 tally.sfb[key[1]] = key[2]
                 axes = choice.strategy.work_axes   # its whole-batch product is compute
                 tally.comm[node.name] += cost - costs.sfb_extra_s(node, axes)
-                yield axes
+                sfb_axes.append(axes)
                 for step in key[3]:   # the factors' all-gathers, every backward
                     for label, n in form.ctx.phase_counts("backward"):
                         tally.counts[("all_gather", step.nbytes, step.axes, label,
@@ -216,6 +217,7 @@ def _count_moves(form: Formulation, costs: OpCosts, node: Node, choice: Choice,
                 _count_recipe(key[2], form.choices.graph.by_name[name].requires_grad, form.ctx,
                               tally.counts, tally.comm, tally.reshard, name, node.name)
             tally.seen.add(key)
+    return sfb_axes
 
 
 def plan_collectives(form: Formulation, choices: tuple[int, ...]
@@ -230,8 +232,7 @@ def plan_collectives(form: Formulation, choices: tuple[int, ...]
     for node in nc.graph.nodes:
         choice = nc.choices[node.name][idx[node.name]]
         _count_syncs(form, costs, node, choice, tally.counts)
-        for _ in _count_moves(form, costs, node, choice, idx, tally):
-            pass
+        _count_moves(form, costs, node, choice, idx, tally)
     _, grouped = _params(form, idx, tally.sync, tally.sfb, tally.counts)
     _sync_counts(form, grouped, tally.counts)
     return _merged(CollectiveEntry(k, b, a, p, c)
