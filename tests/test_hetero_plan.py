@@ -53,7 +53,7 @@ def test_split_work_is_priced_at_the_slowest_share_and_replicated_at_the_slowest
 
     def alone(device: object, share: float) -> tuple[float, float]:
         return forward_backward_times(node.flops * share, node.nbytes * share, device,
-                                      "float32", True)
+                                      "float32", 2.0)
 
     per_device = [alone(V100, ratios[0]), alone(P100, ratios[1])]
     expected = (max(t[0] for t in per_device), max(t[1] for t in per_device))
@@ -83,7 +83,7 @@ def test_one_device_type_with_even_weights_is_the_homogeneous_price() -> None:
     mm = graph.by_name["mm"]
     split = next(c for c in nc.choices["mm"] if c.strategy.work_axes == (1,))
     assert homogeneous.pass_times(mm, split) == pytest.approx(
-        forward_backward_times(mm.flops / 4, mm.nbytes / 4, V100, "float32", True))
+        forward_backward_times(mm.flops / 4, mm.nbytes / 4, V100, "float32", 2.0))
 
 
 # -- a homogeneous cluster: "hetero" finds the ILP's optimum ------------------------------------

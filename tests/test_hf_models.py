@@ -43,10 +43,18 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
         "gpt_neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=32)),
+        # Dropless mixtures of experts (traced through `capture/routed_experts.py`): Mixtral
+        # renormalizes its top 2 of 4 experts; Qwen2-MoE here keeps its top-2 weights as the
+        # softmax gave them and adds its gated shared expert.
+        "mixtral": lambda: t.MixtralForCausalLM(t.MixtralConfig(
+            **DECODER, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+            **DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+            shared_expert_intermediate_size=64, norm_topk_prob=False)),
     }
 
 
-MODELS = ("gpt2", "bert", "llama", "qwen2", "gpt_neox")
+MODELS = ("gpt2", "bert", "llama", "qwen2", "gpt_neox", "mixtral", "qwen2_moe")
 
 
 def build(name: str) -> torch.nn.Module:
@@ -169,10 +177,35 @@ def _train_gloo(rank: int, nprocs: int, plan: Plan, name: str) -> tuple:
     return train_rank(comm, plan, w, data(name))
 
 
-def test_hf_llama_over_gloo(pool4) -> None:
-    plan = make_plan("llama", "megatron", (2, 2), SGD)
-    for result in pool4.run(_train_gloo, plan, "llama"):
-        assert_matches(result, ref("llama", SGD), plan, SGD)
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_hf_decoder_over_gloo(pool4, name: str) -> None:
+    # Mixtral's experts split over their hidden units on one axis, tokens on the other.
+    plan = make_plan(name, "megatron", (2, 2), SGD)
+    for result in pool4.run(_train_gloo, plan, name):
+        assert_matches(result, ref(name, SGD), plan, SGD)
+
+
+def _pipeline_rank(comm, p2p, plan: Plan, name: str) -> tuple:
+    from meshplan.runtime.pipeline import PipelineTrainer
+    tr = PipelineTrainer(plan, workload(name).model, None, batch(name, 0), comm, p2p)
+    return [tr.step(b, seed=i) for i, b in enumerate(data(name))], tr.full_state_dict()
+
+
+def test_a_mixture_of_experts_pipeline_trains_like_one_device() -> None:
+    # Two stages, the experts split over 2 devices, two micro-batches: the stage programs
+    # call the experts' op on each micro-batch's tokens.
+    from meshplan.runtime.emulated import run_emulated_stages
+    w = workload("mixtral")
+    plan = api.plan(w.model, None, SGD, w.example_batch, "local:4",
+                    method="megatron:dp=1,tp=2,pp=2", memory_budget_gb=0, microbatches=2,
+                    dtype="fp32")
+    assert len(plan.stages) == 2 and [o.strategy for s in plan.stages for o in s.plan.ops
+                                      if o.op == "routed_experts"] == ["f:S1", "f:S1"]
+    results = run_emulated_stages(_pipeline_rank, plan.stage_meshes(), plan, "mixtral")
+    params: dict = {}
+    for _, state in results:
+        params.update(state)
+    assert_matches((results[0][0], params, []), ref("mixtral", SGD), plan, SGD)
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "bert"])

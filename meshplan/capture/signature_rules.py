@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from meshplan.capture.routed_experts import routed_experts_rule
 from meshplan.capture.rule_base import OpCall, OpRule, Rule, Shape, sized
 from meshplan.capture.rules_select import SELECT_RULES
 from meshplan.ir.graph import TensorInfo
@@ -459,6 +460,7 @@ RULES: dict[str, Rule] = {
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
     "unbind": unbind_rule,
+    "routed_experts": routed_experts_rule,
     # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
     "copy": elementwise_rule("copy"),
     **SELECT_RULES,

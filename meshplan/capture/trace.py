@@ -37,6 +37,7 @@ from meshplan.torch_api import FakeTensorMode, OpOverload, lazy_graph_modules, m
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
 from meshplan.capture.in_place import make_pure, pure_forms
+from meshplan.capture.moe_blocks import static_routing
 from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
@@ -207,7 +208,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
 
     def step(state_list: list[torch.Tensor], batch_list: list[torch.Tensor]) -> torch.Tensor:
         args, kwargs, target = layout.call(batch_list)
-        with stand_ins(model, dict(zip(originals, state_list))):
+        with stand_ins(model, dict(zip(originals, state_list))), static_routing(model):
             out = model(*args, **kwargs)
         return step_loss(loss_fn, out, target)
 

@@ -62,8 +62,9 @@ def resolve_dtype(name: str, device: DeviceType | None) -> str:
     return name
 
 
-# The ops autocast computes at the half type (in its lower-precision list on every device).
-HALF_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa"})
+# The ops autocast computes at the half type (in its lower-precision list on every device), and
+# meshplan's routed experts, which compute at autocast's type as linear does.
+HALF_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa", "routed_experts"})
 # Ops whose output keeps their data operand's dtype under fp32 parameters (torch's mixed-dtype
 # normalization kernels) rather than promoting.
 FOLLOW_DATA_OPS = frozenset({"layer_norm", "batch_norm", "nll_loss"})

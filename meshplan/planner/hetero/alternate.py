@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.collectives import collective_cost, uneven_gather_impl
-from meshplan.cost.compute import forward_backward_times
+from meshplan.cost.compute import backward_factor, forward_backward_times
 from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import LogicalMesh, logical_mesh
@@ -192,8 +192,8 @@ def _op_seconds(node: Node, device: DeviceType, ctx: CostContext, *,
     """Seconds one device takes for the whole of ``node`` per step (``forward_only``: one
     forward per micro-batch, the FLOPs of a contraction's weight gradient)."""
     dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
-    f, b = forward_backward_times(node.flops, node.nbytes, device, dtype,
-                                  node.sig is not None and node.sig.kind == "contraction")
+    f, b = forward_backward_times(node.flops, node.nbytes, device, dtype, backward_factor(
+        node.op, node.sig.kind if node.sig is not None else None))
     return ctx.microbatches * (f if forward_only else f * (1 + ctx.recompute) + b)
 
 

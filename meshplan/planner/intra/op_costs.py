@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.cost.collectives import collective_cost
-from meshplan.cost.compute import forward_backward_times
+from meshplan.cost.compute import backward_factor, forward_backward_times
 from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import OptimizerState, ParamMemory, param_memory_per_device
 from meshplan.cost.mesh import LogicalMesh
@@ -243,9 +243,9 @@ class OpCosts:
 
     def _pass_times(self, node: Node, axes: Axes) -> tuple[float, float]:
         dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
-        contraction = node.sig is not None and node.sig.kind == "contraction"
+        factor = backward_factor(node.op, node.sig.kind if node.sig is not None else None)
         times = [forward_backward_times(node.flops * share, node.nbytes * share, device, dtype,
-                                        contraction)
+                                        factor)
                  for device, share in self.ctx.rank_shares(axes)]
         return max(t[0] for t in times), max(t[1] for t in times)
 
@@ -259,7 +259,7 @@ class OpCosts:
 
         def forward(device: DeviceType, share: float) -> float:
             return forward_backward_times(node.flops * share, node.nbytes * share, device,
-                                          dtype, True)[0]
+                                          dtype, 2.0)[0]
         return self.ctx.microbatches * max(forward(d, 1.0) - forward(d, share)
                                            for d, share in self.ctx.rank_shares(axes))
 
