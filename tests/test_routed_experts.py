@@ -130,4 +130,9 @@ def test_router_noise_and_biased_experts_are_refused_with_the_reason() -> None:
     expert.w3 = torch.nn.Linear(32, 48)
     with pytest.raises(ValueError, match=r"layers\.1\.block_sparse_moe.*bias-free.*w3"):
         capture(biased, None, {"input_ids": ids, "labels": ids})
-    assert not any("forward" in vars(m) for m in (*noisy.modules(), *biased.modules()))
+    fused = copy.deepcopy(model)   # a later transformers' layout: experts in one module
+    fused.model.layers[0].block_sparse_moe.experts = torch.nn.Identity()
+    with pytest.raises(ValueError, match="ModuleList of gated MLPs.*Identity"):
+        capture(fused, None, {"input_ids": ids, "labels": ids})
+    assert not any("forward" in vars(m)
+                   for m in (*noisy.modules(), *biased.modules(), *fused.modules()))

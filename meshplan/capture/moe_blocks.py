@@ -66,7 +66,14 @@ def _activation_name(fn: nn.Module, where: str) -> str:
 def _weights(block: nn.Module, kind: SparseBlock, where: str
              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], str]:
     mats: tuple[list[torch.Tensor], ...] = ([], [], [])
-    for expert in block.experts:
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.ModuleList) or not all(
+            hasattr(e, a) for e in experts for a in (*kind.projections, "act_fn")):
+        raise ValueError(f"meshplan traces the experts of {where} as one op when they are a "
+                         f"ModuleList of gated MLPs ({', '.join(kind.projections)}, act_fn), "
+                         "as transformers 4.50-4.57 builds them; this block's are "
+                         f"{type(experts).__name__}")
+    for expert in experts:
         for names, attr in zip(mats, kind.projections):
             linear = getattr(expert, attr)
             if not isinstance(linear, nn.Linear) or linear.bias is not None:
