@@ -44,10 +44,12 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=32)),
         # Dropless mixtures of experts (traced through `capture/routed_experts.py`): Mixtral
-        # renormalizes its top 2 of 4 experts; Qwen2-MoE here keeps its top-2 weights as the
-        # softmax gave them and adds its gated shared expert.
+        # renormalizes its top 2 of 4 experts, its loss with the router's load-balancing
+        # term; Qwen2-MoE here keeps its top-2 weights as the softmax gave them and adds its
+        # gated shared expert.
         "mixtral": lambda: t.MixtralForCausalLM(t.MixtralConfig(
-            **DECODER, num_local_experts=4, num_experts_per_tok=2)),
+            **DECODER, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+            router_aux_loss_coef=0.1)),
         "qwen2_moe": lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             **DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
             shared_expert_intermediate_size=64, norm_topk_prob=False)),
