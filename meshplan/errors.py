@@ -9,6 +9,11 @@ class InfeasibleIlpError(ValueError):
     """
 
 
+class IlpCutOffError(InfeasibleIlpError):
+    """No assignment of an ILP costs at most the ``cutoff`` its solve was given (the caller
+    already holds a better answer elsewhere); raised by ``solve`` instead of an answer."""
+
+
 class WorkerError(RuntimeError):
     """A worker process of a multi-process run failed: it raised, or died without a result.
 

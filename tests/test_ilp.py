@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from meshplan.errors import InfeasibleIlpError
+from meshplan.errors import IlpCutOffError, InfeasibleIlpError
 from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, OverlapTerm, evaluate, min_memory,
                                         peak_memory, reduce_for_costs, solve)
 from meshplan.planner.intra.ilp_backends import run_model
@@ -232,6 +232,29 @@ def test_random_problems_match_brute_force(solver: str, lp_first: bool | None) -
         if expected is not None and problem.live_sets:
             assert min_memory(problem, solver=solver) == pytest.approx(expected[1])
     assert checked["solved"] >= 20 and checked["infeasible"] >= 5, checked
+
+
+def test_a_cutoff_below_the_optimum_is_refused_and_one_at_it_kept() -> None:
+    # A whole stage's solve given the latency another logical mesh already reached: HiGHS
+    # prunes by it and says when nothing is that good (the objective it prunes by is the
+    # one `evaluate` gives, overlap savings, shared costs and constants included).
+    rng = random.Random(99)
+    cut = kept = 0
+    for _ in range(60):
+        problem = random_problem(rng)
+        expected = brute_force(problem)
+        if expected is None or math.isinf(expected[0]):
+            continue
+        with pytest.raises(IlpCutOffError):
+            solve(problem, cutoff=expected[0] - 1e-3)
+        cut += 1
+        for cutoff in (expected[0], expected[0] + 5.0):
+            sol = solve(problem, cutoff=cutoff)
+            assert sol.objective == pytest.approx(expected[0], abs=1e-6), problem
+        kept += 1
+        with pytest.raises(IlpCutOffError):   # scipy has no cutoff: it solves, then compares
+            solve(problem, solver="scipy", cutoff=expected[0] - 1e-3)
+    assert cut >= 20 and kept >= 20
 
 
 @pytest.mark.parametrize("solver", ["highs", "scipy"])

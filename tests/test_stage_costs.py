@@ -439,3 +439,26 @@ def test_each_stage_says_what_it_gave_up_for_memory(tmp_path) -> None:
     path = tmp_path / "plan.json"
     plan.save(path)
     assert [s.tradeoffs for s in load_plan(path).stages] == [s.tradeoffs for s in plan.stages]
+
+
+def test_a_whole_solve_under_a_bound_is_cut_only_where_it_cannot_beat_it(program) -> None:
+    """`whole_cost_below`: a stage solved whole under the best latency another of its options
+    reached is cut off (None) only where its own whole solve is not under that latency, and
+    otherwise answers exactly what the whole solve does (the pipeline picks as before)."""
+    full, bounded = _profiler(program), _profiler(program)
+    cases = [(start, end, StageLabel(shape, "free", rc), n)
+             for start, end in ((0, 2), (1, 3), (3, 5)) for shape in ((1, 4), (2, 2))
+             for rc in (False, True) for n in (1, 2)]
+    costs = {c: full.whole_cost(c[0], c[1], (1, 4), c[2], c[3]) for c in cases}
+    cut = kept = 0
+    for (start, end, label, n), (latency, memory) in costs.items():
+        others = {v[0] for k, v in costs.items() if k[:2] == (start, end) and k[3] == n}
+        for bound in sorted(others | {0.5 * latency, latency * (1 + 1e-6)}):
+            got = bounded.whole_cost_below(start, end, (1, 4), label, n, bound)
+            if got is None:
+                assert latency >= bound * (1 - 1e-9), (start, end, label, n, bound)
+                cut += 1
+            else:
+                assert got == (latency, memory)
+                kept += 1
+    assert cut >= 5 and kept >= 5, (cut, kept)

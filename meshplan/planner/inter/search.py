@@ -545,19 +545,17 @@ def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSol
 @dataclass(frozen=True)
 class _WholeRound:
     """The pipelines of one count to solve whole (`_solved_whole`): the candidates within
-    `REFINE_MARGIN` of the best estimate, the most micro-batches each stage keeps in flight,
-    and the whole solves they ask for first."""
+    `REFINE_MARGIN` of the best estimate and the most micro-batches each stage keeps in
+    flight."""
 
     near: tuple[PipelineSolution, ...]
     most: tuple[tuple[int, ...], ...]
-    requests: list[tuple]
 
 
 def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
                  req: PipelineRequest) -> _WholeRound:
     ranked = sorted({c.stages: c for c in candidates}.values(), key=lambda c: c.total_latency)
     near = [c for c in ranked if c.total_latency <= (1 + REFINE_MARGIN) * ranked[0].total_latency]
-    budget = req.budget if req.budget is not None else math.inf
     near = near[:REFINE_MAX]
     # And the fastest pipeline of equal stages (Megatron's shape), wherever its estimate lies:
     # by parts its stages may be priced far from what they solve, since a stage's plan under
@@ -566,9 +564,7 @@ def _whole_round(profiler: StageProfiler, candidates: list[PipelineSolution],
     even = [c for c in ranked if _even(c)][:1]
     near += [c for c in even if c not in near]
     most = [tuple(_most_in_flight(profiler, c)) for c in near]
-    requests = [(s.start, s.end, s.submesh, o.label, n) for c, m in zip(near, most)
-                for s, n in zip(c.stages, m) for o in _relabels(profiler, s, budget, n)]
-    return _WholeRound(tuple(near), tuple(most), requests)
+    return _WholeRound(tuple(near), tuple(most))
 
 
 def _even(pipeline: PipelineSolution) -> bool:
@@ -589,7 +585,20 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     not fit solved whole (`_refitted` then looks further; the plan reports its peak); the
     second value says whether the pipeline returned fits."""
     budget = req.budget if req.budget is not None else math.inf
-    profiler.prefetch_whole_costs(round_.requests)
+    # Each stage's most promising option first, then the others side by side, each cut off
+    # once it cannot beat the first where that fits (`StageProfiler.whole_cost_below`).
+    firsts = [(c, s, n, options[0]) for c, m in zip(round_.near, round_.most)
+              for s, n in zip(c.stages, m)
+              for options in [_relabels(profiler, s, budget, n)] if options]
+    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, n)
+                                   for _, s, n, o in firsts])
+    others, bounds = [], []
+    for c, s, n, first in firsts:
+        latency, memory = profiler.whole_cost(s.start, s.end, s.submesh, first.label, n)
+        for o in _relabels(profiler, s, budget, n)[1:]:
+            others.append((s.start, s.end, s.submesh, o.label, n))
+            bounds.append(latency if memory <= budget else math.inf)
+    profiler.prefetch_whole_costs(others, bounds=bounds)
     chosen = [replace(c, stages=tuple(_stage_solved_whole(profiler, s, budget, n)
                                       for s, n in zip(c.stages, m)))
               for c, m in zip(round_.near, round_.most)]
@@ -671,10 +680,10 @@ def _stage_solved_whole(profiler: StageProfiler, stage: StagePlacement, budget: 
     micro-batches kept is fastest within the budget, of those `_relabels` offers."""
     best, best_latency = stage, math.inf
     for o in _relabels(profiler, stage, budget, in_flight):
-        latency, memory = profiler.whole_cost(stage.start, stage.end, stage.submesh, o.label,
-                                              in_flight)
-        if memory <= budget and latency < best_latency:
-            best, best_latency = replace(stage, option=o), latency
+        cost = profiler.whole_cost_below(stage.start, stage.end, stage.submesh, o.label,
+                                         in_flight, best_latency)
+        if cost is not None and cost[1] <= budget and cost[0] < best_latency:
+            best, best_latency = replace(stage, option=o), cost[0]
     return best
 
 

@@ -35,6 +35,7 @@ and, for a plain stage, the op-by-op transients the simulator holds beyond the I
 from __future__ import annotations
 
 import functools
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -47,7 +48,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import factor_pairs, logical_mesh
-from meshplan.errors import InfeasibleIlpError
+from meshplan.errors import IlpCutOffError, InfeasibleIlpError
 from meshplan.ir.graph import Graph
 from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.layer_parts import LayerParts, split_layers
@@ -216,6 +217,9 @@ class StageProfiler:
         self._boundaries: dict[int, float] = {}   # `_boundary_bytes`
         self._wholes: dict[tuple, IlpSolution] = {}   # chosen stages solved whole
         self._whole_costs: dict[tuple, tuple[float, float]] = {}   # `whole_cost`
+        # Whole solves cut off (`whole_cost_below`): seconds per micro-batch, without the
+        # inbound transfer, that the stage so solved would not be under.
+        self._whole_floors: dict[tuple, float] = {}
         self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
         self._free: dict[tuple, StageSolution | None] = {}   # "free" one-layer solves
@@ -844,35 +848,49 @@ class StageProfiler:
         return None if replay is None else replay.segments(stage, self.layering.layer_of)
 
     def prefetch_whole_costs(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
-                             workers: int | None = None) -> None:
+                             workers: int | None = None,
+                             bounds: list[float] | None = None) -> None:
         """`whole_cost` of each ``(start, end, submesh, label, in_flight)`` ahead of time, the
         distinct uncached ones on forked workers, likely longest first, so that two long ones
         do not end up one after the other on a worker: more layers, more micro-batches in
-        flight (a tighter memory bound) and a 2-D logical mesh make a whole solve slower."""
-        tasks = sorted(self._whole_tasks(stages).items(),
+        flight (a tighter memory bound) and a 2-D logical mesh make a whole solve slower.
+        With ``bounds`` (one per stage), `whole_cost_below` of each instead."""
+        bounds = bounds if bounds is not None else [math.inf] * len(stages)
+        tasks = sorted(self._whole_tasks(stages, bounds).items(),
                        key=lambda t: -(t[1][1] - t[1][0]) * t[1][4] *
                        sum(n > 1 for n in t[1][3].logical_shape))
         done = self._map("_whole_cost_task", [stage for _, stage in tasks], workers,
                          parallel_from=WHOLE_PARALLEL_FROM)
-        for (key, _), (sol, cost, solves) in zip(tasks, done):
-            self._wholes[key], self._whole_costs[key] = sol, cost
+        for (key, task), (sol, cost, solves) in zip(tasks, done):
+            if sol is None:
+                self._whole_floors[key] = task[5]
+            else:
+                self._wholes[key], self._whole_costs[key] = sol, cost
             self.solves += solves
 
-    def _whole_tasks(self, stages: list[tuple[int, int, Submesh, StageLabel, int]]
-                     ) -> dict[tuple, tuple]:
-        """The distinct uncached whole solves of ``stages``, by `whole_key`."""
+    def _whole_tasks(self, stages: list[tuple[int, int, Submesh, StageLabel, int]],
+                     bounds: list[float]) -> dict[tuple, tuple]:
+        """The distinct uncached whole solves of ``stages``, by `whole_key`, each with the
+        largest of its stages' ``bounds`` (inbound transfers taken off): a solve under it
+        answers them all."""
         tasks: dict[tuple, tuple] = {}
-        for stage in stages:
+        for stage, bound in zip(stages, bounds):
             key = self.whole_key(*stage)
-            if key not in self._whole_costs:
-                tasks.setdefault(key, stage)
+            bound -= self.transfer_time(stage[0])
+            if key in self._whole_costs or self._whole_floors.get(key, -math.inf) >= bound:
+                continue
+            if key in tasks:
+                bound = max(bound, tasks[key][5])
+            tasks[key] = (*tasks.get(key, stage)[:5], bound)
         return tasks
 
     def _whole_cost_task(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                         in_flight: int) -> tuple[IlpSolution, tuple[float, float], int]:
+                         in_flight: int, bound: float = math.inf
+                         ) -> tuple[IlpSolution | None, tuple[float, float] | None, int]:
         before = self.solves
-        self.whole_cost(start, end, submesh, label, in_flight)
         key = self.whole_key(start, end, submesh, label, in_flight)
+        if self._cut_off(start, end, submesh, label, in_flight, bound):
+            return None, None, self.solves - before
         return self._wholes[key], self._whole_costs[key], self.solves - before
 
     def whole_key(self, start: int, end: int, submesh: Submesh, label: StageLabel,
@@ -903,6 +921,50 @@ class StageProfiler:
         latency, memory = self._whole_costs[key]
         return latency + self.transfer_time(start), memory
 
+    def whole_cost_below(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                         in_flight: int, bound: float) -> tuple[float, float] | None:
+        """`whole_cost`, or None when it is proved not to be under ``bound`` seconds (the
+        inbound transfer included) (`_cut_off`: HiGHS given the bound as its cutoff proves it
+        often long before it would prove its optimum). For choosing between a stage's logical
+        meshes and recomputations: an option that cannot beat the best one found is not
+        solved to the end."""
+        key = self.whole_key(start, end, submesh, label, in_flight)
+        if key not in self._whole_costs:
+            own = bound - self.transfer_time(start)
+            if self._whole_floors.get(key, -math.inf) >= own or self._cut_off(
+                    start, end, submesh, label, in_flight, own):
+                return None
+        return self.whole_cost(start, end, submesh, label, in_flight)
+
+    def _cut_off(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                 in_flight: int, bound: float) -> bool:
+        """Whether the stage solved whole provably takes no less than ``bound`` seconds per
+        micro-batch (without the inbound transfer): its first ILP, with the objective that
+        bound allows as HiGHS's cutoff, has no point within it (found in `CUT_NODES` nodes, or
+        if no point under it turns up by then, in a search to the end). True records the
+        floor; False solves it whole as `whole_cost` does, the cutoff forgotten: a search
+        with one sees other nodes and may end at another of several equal plans, and the
+        whole solve's rounds as run depend on which (a 4-layer stage once ended 29 % slower),
+        so only the proof is taken from it and every answer is the one without it."""
+        key = self.whole_key(start, end, submesh, label, in_flight)
+        if key in self._whole_costs:
+            return False
+        if not math.isinf(bound):
+            form, _, _, weighted = self._whole_problem(start, end, submesh, label, in_flight)
+            problem = replace(weighted, live_sets=()) if self.memory_limit is None else \
+                replace(weighted, memory_budget=self.memory_limit)
+            self.solves += 1
+            try:
+                solve(problem, max_nodes=CUT_NODES, rel_gap=PLAN_REL_GAP,
+                      cutoff=_objective_cutoff(form, bound, self.microbatches))
+            except IlpCutOffError:
+                self._whole_floors[key] = bound
+                return True
+            except InfeasibleIlpError:
+                pass
+        self.whole_cost(start, end, submesh, label, in_flight)
+        return False
+
     def _solve_whole(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                      in_flight: int) -> tuple[IlpSolution, int]:
         key = self.whole_key(start, end, submesh, label, in_flight)
@@ -910,9 +972,13 @@ class StageProfiler:
             return self._wholes[key], 0
         return self._solve_whole_now(start, end, submesh, label, in_flight)
 
-    def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
-                         in_flight: int) -> tuple[IlpSolution, int]:
-        before = self.solves
+    def _whole_problem(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                       in_flight: int
+                       ) -> tuple[Formulation, tuple[int, int], Mapping[str, int] | None,
+                                  IlpProblem]:
+        """What a whole solve of the stage solves: the structure's formulation, the range
+        its names are of, the replayed segments and the ILP with ``in_flight`` micro-batches
+        kept (before any memory limit)."""
         # The unconstrained ILP, whatever variant priced the stage: its plans include every
         # variant's, so under the same memory bound it is at least as fast. The structure's
         # shared formulation: ranges of one structure list their choices in the same order.
@@ -926,7 +992,13 @@ class StageProfiler:
         # is what a whole solve is there to undo, since under the pipeline's memory bound the
         # best stage mixes plans (Llama 3 70B's first stage: 4 blocks one way, 4 in three
         # others). Tied, it was 1-4 % slower than untied, and no faster to solve.
-        weighted = replace(weighted, aliases=())
+        return form, first, segments, replace(weighted, aliases=())
+
+    def _solve_whole_now(self, start: int, end: int, submesh: Submesh, label: StageLabel,
+                         in_flight: int) -> tuple[IlpSolution, int]:
+        before = self.solves
+        form, first, segments, weighted = self._whole_problem(start, end, submesh, label,
+                                                              in_flight)
         # Solved to optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which
         # would make the plan depend on the load.
         nodes = WHOLE_MAX_NODES
@@ -992,6 +1064,16 @@ class StageProfiler:
             self._extras[key] = (s.form, recompute_extra_s(s.form, s.solution.choices,
                                                            s.form.ctx, replayed))
         return self._latency(s) + self._extras[key][1] / self.microbatches
+
+
+def _objective_cutoff(form: Formulation, bound: float, microbatches: int) -> float:
+    """The ILP objective above which a stage's plan takes more than ``bound`` seconds per
+    micro-batch: `StageProfiler._latency` is the objective less the tie-break on its plan's
+    memory, per micro-batch (recomputation only adds), so the memory's largest tie-break on
+    top of ``bound`` per step."""
+    largest = math.fsum(max((m for m in row if math.isfinite(m)), default=0.0)
+                        for row in form.problem.node_memory)
+    return bound * microbatches + form.ctx.tie_break * largest
 
 
 def _replayed(label: StageLabel, num_layers: int, segments: Mapping[str, int]
@@ -1082,6 +1164,14 @@ WHOLE_MAX_NODES = 5000
 # within 0.08-0.18 % after 50 nodes (0.7-5.8 s), eight of them at the proved optimum and one
 # 0.013 % above it.
 WHOLE_ACCEPT = (50, 0.005)
+
+# Branch-and-bound nodes `StageProfiler._cut_off` searches before it gives up proving that
+# no plan of a whole solve beats another option's and solves it for its answer, where a point
+# under the cutoff has shown up by then (where none has, the search goes on to the proof or
+# the first such point). The root alone: Llama 3 70B's (2, 2) options, 4-6 % slower than
+# (1, 4), are all proved so; GPT-39B's that win are probed for no more than their root
+# (50 nodes cost those 3 s of its 37).
+CUT_NODES = 1
 
 # Rounds of `StageProfiler._within_as_run`.
 AS_RUN_ROUNDS = 3

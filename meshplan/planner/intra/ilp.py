@@ -56,6 +56,7 @@ import time
 
 import numpy as np
 
+from meshplan.errors import IlpCutOffError
 from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
 from meshplan.planner.intra.ilp_model import (MemorySpec, OverlapSpec, build_model,
                                              choice_start, extract_choices)
@@ -84,7 +85,8 @@ PLAN_REL_GAP = 1e-3
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
           solver: str = DEFAULT_SOLVER, lp_first: bool | None = None,
           max_nodes: int | None = None, accept: tuple[int, float] | None = None,
-          start: tuple[int, ...] | None = None, rel_gap: float = 0.0) -> IlpSolution:
+          start: tuple[int, ...] | None = None, rel_gap: float = 0.0,
+          cutoff: float | None = None) -> IlpSolution:
     """Return a minimum-cost assignment of ``problem`` with zero optimality gap (``rel_gap``:
     one proved within that relative gap of the optimum, `PLAN_REL_GAP`), or, when the
     search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
@@ -95,6 +97,9 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     (deterministic too: node counts, not time). ``start`` (a strategy index per node, say the
     answer of a tied or less constrained problem) is the first assignment the search keeps
     when it satisfies this problem, so the answer is never worse than it (highspy only).
+    ``cutoff``: only an assignment of objective at most this is wanted (to a relative 1e-9);
+    where there is none, IlpCutOffError (highspy prunes by it and may prove so long before a
+    proof of the optimum would end; scipy, without such an option, solves and compares).
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
@@ -118,10 +123,13 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     model = build_model(reduced, memory=memory, max_cost=problem.max_cost,
                         overlap=_overlap_spec(linear))
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
-                    max_nodes=max_nodes, accept=accept, rel_gap=rel_gap,
+                    max_nodes=max_nodes, accept=accept, rel_gap=rel_gap, cutoff=cutoff,
                     start=None if start is None else choice_start(reduced, model, start))
     choices = extract_choices(reduced, model, raw.x)
     node_cost, edge_cost = evaluate(problem, choices)
+    if cutoff is not None and node_cost + edge_cost > cutoff + 1e-9 * abs(cutoff):
+        raise IlpCutOffError(f"the best assignment costs {node_cost + edge_cost}, over the "
+                             f"cutoff {cutoff}")
     return IlpSolution(choices=choices, objective=node_cost + edge_cost, node_cost=node_cost,
                        edge_cost=edge_cost, num_variables=model.num_cols,
                        num_constraints=model.num_rows, solve_time_s=time.perf_counter() - began,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.errors import InfeasibleIlpError
+from meshplan.errors import IlpCutOffError, InfeasibleIlpError
 from meshplan.planner.intra.ilp_model import MilpModel
 
 SOLVERS = ("highs", "scipy")
@@ -54,7 +54,7 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
               time_limit_s: float | None, max_nodes: int | None = None,
               accept: tuple[int, float] | None = None,
               start: tuple[np.ndarray, np.ndarray] | None = None,
-              rel_gap: float = 0.0) -> RawSolution:
+              rel_gap: float = 0.0, cutoff: float | None = None) -> RawSolution:
     """Solve ``model`` to optimality with the named backend (with ``rel_gap`` > 0: until its
     best point is proved within that relative gap of the optimum), or stop after
     ``max_nodes`` branch-and-bound nodes with the best point found (a run without one goes on
@@ -70,6 +70,10 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
 
     ``lp_first=None`` tries the LP relaxation first only when the model has no coupling rows.
 
+    ``cutoff``: only points of objective at most this are wanted; highspy then prunes by it
+    (its ``objective_bound``) and raises IlpCutOffError when no point is that good (scipy has
+    no such option: it solves as without one, and the caller compares).
+
     Raises ValueError for an unknown solver, InfeasibleIlpError when the model has no feasible
     point, TimeoutError when ``time_limit_s`` passes before any feasible point is found.
     """
@@ -78,6 +82,11 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     if model.num_cols == 0:
         return RawSolution(np.zeros(0), 0.0, "presolve")
     run = _run_highs if solver == "highs" else _run_scipy
+    if cutoff is not None and solver == "highs":
+        # Loosened a little: HiGHS prunes a point at the bound itself, found by other
+        # arithmetic, as over it.
+        bound = cutoff * _cost_factor(model)
+        run = _with_cutoff(bound + 1e-9 * abs(bound) + 1e-6)
     model = _normalize_costs(model)
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     if lp_first is None:
@@ -111,13 +120,32 @@ def _proved(gap: float | None, rel_gap: float) -> float:
     return min(max(gap, 0.0), rel_gap)
 
 
+def _cost_factor(model: MilpModel) -> float:
+    """What `_normalize_costs` multiplies the objective by."""
+    largest = float(np.abs(model.cost).max()) if model.cost.size else 0.0
+    return 1.0 if largest == 0.0 else _COST_SCALE / largest
+
+
 def _normalize_costs(model: MilpModel) -> MilpModel:
     """Scale the objective so its largest coefficient is ``_COST_SCALE`` (argmin unchanged)."""
-    largest = float(np.abs(model.cost).max())
-    if largest == 0.0:
+    factor = _cost_factor(model)
+    if factor == 1.0:
         return model
-    factor = _COST_SCALE / largest
     return dataclasses.replace(model, cost=model.cost * factor, offset=model.offset * factor)
+
+
+def _with_cutoff(bound: float):
+    """`_run_highs` pruning by ``bound`` (in the scaled objective's units), which raises
+    IlpCutOffError where HiGHS proves no point within it."""
+    def run(model: MilpModel, *, relax: bool, **kw) -> RawSolution | None:
+        try:
+            return _run_highs(model, relax=relax, objective_bound=None if relax else bound,
+                              **kw)
+        except InfeasibleIlpError as e:
+            if relax:
+                raise
+            raise IlpCutOffError(f"no assignment costs at most the cutoff ({e})") from None
+    return run
 
 
 def _is_integral(x: np.ndarray, integral: np.ndarray) -> bool:
@@ -178,7 +206,8 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
                start: tuple[np.ndarray, np.ndarray] | None = None,
-               rel_gap: float = 0.0) -> RawSolution | None:
+               rel_gap: float = 0.0, objective_bound: float | None = None
+               ) -> RawSolution | None:
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
@@ -197,6 +226,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         h.setOptionValue("time_limit", left)
     if max_nodes is not None and not relax:
         h.setOptionValue("mip_max_nodes", max_nodes)
+    if objective_bound is not None:
+        h.setOptionValue("objective_bound", objective_bound)
     h.passModel(lp)
     if not relax:
         binaries = np.flatnonzero(model.integral).astype(np.int32)
