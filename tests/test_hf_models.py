@@ -197,17 +197,29 @@ def test_a_mixture_of_experts_pipeline_trains_like_one_device() -> None:
     # Two stages, the experts split over 2 devices, two micro-batches: the stage programs
     # call the experts' op on each micro-batch's tokens.
     from meshplan.runtime.emulated import run_emulated_stages
-    w = workload("mixtral")
+    w = workload("qwen2_moe")
     plan = api.plan(w.model, None, SGD, w.example_batch, "local:4",
                     method="megatron:dp=1,tp=2,pp=2", memory_budget_gb=0, microbatches=2,
                     dtype="fp32")
     assert len(plan.stages) == 2 and [o.strategy for s in plan.stages for o in s.plan.ops
                                       if o.op == "routed_experts"] == ["f:S1", "f:S1"]
-    results = run_emulated_stages(_pipeline_rank, plan.stage_meshes(), plan, "mixtral")
+    results = run_emulated_stages(_pipeline_rank, plan.stage_meshes(), plan, "qwen2_moe")
     params: dict = {}
     for _, state in results:
         params.update(state)
-    assert_matches((results[0][0], params, []), ref("mixtral", SGD), plan, SGD)
+    assert_matches((results[0][0], params, []), ref("qwen2_moe", SGD), plan, SGD)
+
+
+def test_mixtrals_load_balancing_loss_is_named_where_micro_batches_cannot_add_it_up() -> None:
+    # Its router's loss multiplies two means over every token of the batch: two micro-batches'
+    # losses averaged are not the batch's, and planning says so rather than train otherwise
+    # unannounced.
+    w = workload("mixtral")
+    with pytest.warns(UserWarning, match="2 micro-batches cannot make this loss's full-batch "
+                                         "step exactly"):
+        api.plan(w.model, None, SGD, w.example_batch, "local:4",
+                 method="megatron:dp=1,tp=2,pp=2", memory_budget_gb=0, microbatches=2,
+                 dtype="fp32")
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "bert"])

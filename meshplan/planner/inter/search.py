@@ -587,15 +587,15 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     budget = req.budget if req.budget is not None else math.inf
     # Each stage's most promising option first, then the others side by side, each cut off
     # once it cannot beat the first where that fits (`StageProfiler.whole_cost_below`).
-    firsts = [(c, s, n, options[0]) for c, m in zip(round_.near, round_.most)
+    offers = [(s, n, options) for c, m in zip(round_.near, round_.most)
               for s, n in zip(c.stages, m)
               for options in [_relabels(profiler, s, budget, n)] if options]
-    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, o.label, n)
-                                   for _, s, n, o in firsts])
+    profiler.prefetch_whole_costs([(s.start, s.end, s.submesh, options[0].label, n)
+                                   for s, n, options in offers])
     others, bounds = [], []
-    for c, s, n, first in firsts:
-        latency, memory = profiler.whole_cost(s.start, s.end, s.submesh, first.label, n)
-        for o in _relabels(profiler, s, budget, n)[1:]:
+    for s, n, options in offers:
+        latency, memory = profiler.whole_cost(s.start, s.end, s.submesh, options[0].label, n)
+        for o in options[1:]:
             others.append((s.start, s.end, s.submesh, o.label, n))
             bounds.append(latency if memory <= budget else math.inf)
     profiler.prefetch_whole_costs(others, bounds=bounds)
