@@ -56,6 +56,9 @@ def _moe(name: str) -> torch.nn.Module:
     if name == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2)).train()
+    if name == "olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2)).train()
     if name == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
@@ -65,7 +68,8 @@ def _moe(name: str) -> torch.nn.Module:
         shared_expert_intermediate_size=24, norm_topk_prob=name.endswith("normed"))).train()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe-normed", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe-normed", "qwen3_moe",
+                                  "olmoe"])
 def test_the_blocks_compute_what_transformers_loop_computes(name: str) -> None:
     model = _moe(name)
     ids = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(1))

@@ -1,6 +1,6 @@
 """Transformers' dropless sparse-MoE blocks, traced through `routed_experts`.
 
-Mixtral's and Qwen-MoE's blocks loop over the experts and find each one's tokens with
+Mixtral's, Qwen-MoE's and OLMoE's blocks loop over the experts and find each one's tokens with
 ``nonzero``, which no plan can be made from (`routed_experts.py`). While capture traces, each
 such block's ``forward`` is this module's: the same router (softmax, top-k, the blocks'
 renormalization, the cast back), the experts as one `routed_experts` op, and Qwen2-MoE's shared
@@ -44,6 +44,8 @@ BLOCKS: dict[str, SparseBlock] = {
                                           always_renormalize=False, shared=True),
     "Qwen3MoeSparseMoeBlock": SparseBlock(("gate_proj", "up_proj", "down_proj"),
                                           always_renormalize=False),
+    "OlmoeSparseMoeBlock": SparseBlock(("gate_proj", "up_proj", "down_proj"),
+                                       always_renormalize=False),
 }
 
 
@@ -54,7 +56,7 @@ def _activation_name(fn: nn.Module, where: str) -> str:
         return "silu"
     if isinstance(fn, nn.ReLU):
         return "relu"
-    if kind in ("GELUActivation",) or (isinstance(fn, nn.GELU) and fn.approximate == "none"):
+    if kind == "GELUActivation" or (isinstance(fn, nn.GELU) and fn.approximate == "none"):
         return "gelu"
     if kind in ("PytorchGELUTanh", "NewGELUActivation", "GELUTanh") or (
             isinstance(fn, nn.GELU) and fn.approximate == "tanh"):
@@ -80,7 +82,7 @@ def _weights(block: nn.Module, kind: SparseBlock, where: str
                 raise ValueError(f"meshplan traces the experts of {where} as one op of "
                                  f"bias-free linear layers; its expert's {attr} is {linear}")
             names.append(linear.weight)
-    return (*mats, _activation_name(block.experts[0].act_fn, where))
+    return (*mats, _activation_name(experts[0].act_fn, where))
 
 
 def _forward(block: nn.Module, kind: SparseBlock, where: str, hidden_states: torch.Tensor

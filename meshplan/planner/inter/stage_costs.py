@@ -877,7 +877,7 @@ class StageProfiler:
         for stage, bound in zip(stages, bounds):
             key = self.whole_key(*stage)
             bound -= self.transfer_time(stage[0])
-            if key in self._whole_costs or self._whole_floors.get(key, -math.inf) >= bound:
+            if key in self._whole_costs or self._floored(key, bound):
                 continue
             if key in tasks:
                 bound = max(bound, tasks[key][5])
@@ -928,13 +928,14 @@ class StageProfiler:
         often long before it would prove its optimum). For choosing between a stage's logical
         meshes and recomputations: an option that cannot beat the best one found is not
         solved to the end."""
-        key = self.whole_key(start, end, submesh, label, in_flight)
-        if key not in self._whole_costs:
-            own = bound - self.transfer_time(start)
-            if self._whole_floors.get(key, -math.inf) >= own or self._cut_off(
-                    start, end, submesh, label, in_flight, own):
-                return None
+        if self._cut_off(start, end, submesh, label, in_flight,
+                         bound - self.transfer_time(start)):
+            return None
         return self.whole_cost(start, end, submesh, label, in_flight)
+
+    def _floored(self, key: tuple, bound: float) -> bool:
+        """Whether whole solve ``key`` is known not to be under ``bound`` (`_cut_off`)."""
+        return self._whole_floors.get(key, -math.inf) >= bound
 
     def _cut_off(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                  in_flight: int, bound: float) -> bool:
@@ -949,6 +950,8 @@ class StageProfiler:
         key = self.whole_key(start, end, submesh, label, in_flight)
         if key in self._whole_costs:
             return False
+        if self._floored(key, bound):
+            return True
         if not math.isinf(bound):
             form, _, _, weighted = self._whole_problem(start, end, submesh, label, in_flight)
             problem = replace(weighted, live_sets=()) if self.memory_limit is None else \
