@@ -39,11 +39,12 @@ _ALLOW_RESTART = False
 _PSCOST_MIN_RELIABLE = 0
 # HiGHS's feasibility jump (a root heuristic that looks for a first feasible point) off: on
 # the planner's problems the root's LP rounding and sub-MIPs find as good a point, and the
-# jump only spent time. Sampled solves of three
-# planning runs, each solved as the planner solves it, best of two (one worker): Wide-ResNet
-# -2B reduced 95 problems 3.04 -> 2.58 s, every answer the same; MoE-2.4B reduced 32
-# problems 7.52 -> 6.80 s, one answer different by rounding; GPT-39B on 64 V100 107
-# problems 17.4 -> 16.5 s, 7 answers different, none worse.
+# jump only spent time. Sampled solves of three planning runs, each solved as the planner
+# solves it, best of two (one worker): Wide-ResNet-2B reduced, 95 problems 3.04 -> 2.58 s,
+# every answer the same; MoE-2.4B reduced, 32 problems 7.52 -> 6.80 s, one answer different
+# by rounding; GPT-39B on 64 V100, 107 problems 17.4 -> 16.5 s, 7 different, none worse.
+# A HiGHS without these options leaves them out (setOptionValue answers an unknown name
+# with an error status, not an exception; 1.15 checked): the same answers, only slower.
 _FEASIBILITY_JUMP = False
 # ... and its root reduced-cost heuristic (a sub-MIP over the columns of small reduced cost)
 # off: GPT-39B's sampled solves 16.9 -> 11.1 s, the node-limited ones (whole stages, layers
