@@ -1053,8 +1053,10 @@ class StageProfiler:
         return StageSolution(form, sol, self.stage(start, end))
 
     def _latency(self, s: StageSolution) -> float:
+        # At least 0: a stage of nearly free nodes (Gemma 2's leading layers) came out at
+        # -2e-28 s, the objective less its tie-break in rounding.
         tie = s.form.ctx.tie_break * sum(_memory_parts(s, working=False))
-        return (s.solution.objective - tie) / self.microbatches
+        return max((s.solution.objective - tie) / self.microbatches, 0.0)
 
     def _recompute_latency(self, s: StageSolution, replayed: frozenset[str] | None = None
                            ) -> float:

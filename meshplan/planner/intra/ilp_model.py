@@ -478,53 +478,63 @@ def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     if weight <= 0 or any(const <= 0 and not any(c.max() > 0 for c in coefs)
                           and (k or not gated) for k, (const, _, coefs) in enumerate(bounds)):
         return
-    o_col = coo.add_cols(np.array([-weight]), np.inf, False)
-    z = _build_gate_cols(coo, reduced, choice_cols, gated)
+    # The saving and the gated seconds are columns in units of the term's largest entry, not
+    # in seconds: a column in seconds next to the in-order chain's columns in those units
+    # left coefficients from 2e-9 to 110 in one model, and HiGHS's dual simplex then crawled
+    # through the root's cut rounds (Gemma 2 9B, one layer on 2x8 devices as 4x4: over 60 s
+    # at the root without a first point; 1.9 s to the optimum in these units).
+    unit = max([float(m.max()) for m in (*hidden, *window) if m.size]
+               + [float(gate[3].max()) for gate in gated], default=0.0)
+    if unit <= 0:
+        return
+    o_col = coo.add_cols(np.array([-weight * unit]), np.inf, False)
+    z = _build_gate_cols(coo, reduced, choice_cols, gated, unit)
     for k, (const, cols, coefs) in enumerate(bounds):   # o - sum coefs x (- sum z) <= const
         extra = [] if k else [np.array(z, dtype=np.int64)]
         _add_row(coo, cols + extra + [np.array([o_col])],
-                 [-c for c in coefs] + [-np.ones(len(e)) for e in extra] + [np.ones(1)], const)
+                 [-c / unit for c in coefs] + [-np.ones(len(e)) for e in extra]
+                 + [np.ones(1)], const / unit)
     if ready is not None:
-        _build_in_order_rows(coo, reduced, choice_cols, hidden, window, ready, o_col,
+        _build_in_order_rows(coo, reduced, choice_cols, hidden, window, ready, o_col, unit,
                              [(gate[0], col) for gate, col in zip(gated, z)])
 
 
 def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
-                     gated: tuple[Gate, ...]) -> list[int]:
-    """Per gated entry a continuous ``z``: at most its node's seconds under the node's
-    strategy, and nothing while the gate node picks a gate strategy (``z <= M (1 - sum of
-    those columns)``, M its most seconds); the saving's rows take ``z`` for the seconds."""
+                     gated: tuple[Gate, ...], unit: float) -> list[int]:
+    """Per gated entry a continuous ``z`` (in ``unit`` seconds): at most its node's seconds
+    under the node's strategy, and nothing while the gate node picks a gate strategy (``z <=
+    M (1 - sum of those columns)``, M its most seconds); the saving's rows take ``z`` for the
+    seconds."""
     out = []
     for v, g, strategies, seconds in gated:
-        most = float(seconds.max())
+        most = float(seconds.max()) / unit
         col = coo.add_cols(np.zeros(1), np.inf, False)
         out.append(col)
-        fixed, cols, coefs = _group_terms([v], reduced, choice_cols, {v: seconds / most})
-        _add_row(coo, cols + [np.array([col])], [-c for c in coefs] + [np.full(1, 1 / most)],
-                 fixed)
+        fixed, cols, coefs = _group_terms([v], reduced, choice_cols, {v: seconds / unit})
+        _add_row(coo, cols + [np.array([col])], [-c for c in coefs] + [np.ones(1)], fixed)
         picks = np.zeros(len(reduced.costs[int(reduced.group_of_node[g])]))
-        picks[list(strategies)] = 1.0
+        picks[list(strategies)] = most
         fixed, cols, coefs = _group_terms([g], reduced, choice_cols, {g: picks})
-        _add_row(coo, cols + [np.array([col])], coefs + [np.full(1, 1 / most)], 1.0 - fixed)
+        _add_row(coo, cols + [np.array([col])], coefs + [np.ones(1)], most - fixed)
     return out
 
 
 def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                          hidden: tuple[np.ndarray, ...], window: tuple[np.ndarray, ...],
-                         ready: tuple[int, ...], o_col: int,
+                         ready: tuple[int, ...], o_col: int, unit: float,
                          gate_cols: Sequence[tuple[int, int]] = ()) -> None:
     """``o <= d_k`` for the k-th ready point t_k of a node with hidden seconds, ``d_k`` the
     hidden of the nodes ready after it plus the window of those before
     (`OverlapTerm.in_order`), as a chain: ``d_1`` over every node, then ``d_{k+1} = d_k -
     hidden(ready in (t_k, t_{k+1}]) + window[t_k, t_{k+1})``, so each node's columns enter
     two rows however many bounds there are; ``gate_cols``: (node, column) of the gated
-    seconds (`_build_gate_cols`), ready where their node is. In units of the term's largest
-    entry, so that the rows' absolute tolerance is relative to it."""
+    seconds (`_build_gate_cols`), ready where their node is. In units of ``unit`` (the
+    term's largest entry, as ``o`` and the gated columns are), so that the rows' absolute
+    tolerance is relative to it."""
     at = sorted({ready[v] for v, h in enumerate(hidden) if h.size and float(h.max()) > 0}
                 | {ready[v] for v, _ in gate_cols})
     if not at:
         return
-    unit = max(float(m.max()) for m in (*hidden, *window) if m.size)
     n = len(hidden)
     d = coo.add_cols(np.zeros(len(at)), np.inf, False)
     by_ready: list[list[int]] = [[] for _ in range(n)]
@@ -554,17 +564,17 @@ def _build_in_order_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray
     # d_1 - hidden(ready after t_1) - window[0, t_1) = 0
     after = gates_in(at[0], n)
     chain_row([(ready_in(at[0], n), hidden, -1.0), (range(0, at[0]), window, -1.0)],
-              [d, *after], [1.0, *(-1.0 / unit for _ in after)])
+              [d, *after], [1.0, *(-1.0 for _ in after)])
     for k in range(len(at) - 1):   # d_{k+1} - d_k + hidden(ready in (t_k, t_{k+1}])
         step = gates_in(at[k], at[k + 1])   # - window[t_k, t_{k+1}) = 0
         chain_row([(ready_in(at[k], at[k + 1]), hidden, 1.0),
                    (range(at[k], at[k + 1]), window, -1.0)],
-                  [d + k + 1, d + k, *step], [1.0, -1.0, *(1.0 / unit for _ in step)])
-    # o <= d_k (in seconds: o / unit - d_k <= 0)
+                  [d + k + 1, d + k, *step], [1.0, -1.0, *(1.0 for _ in step)])
+    # o <= d_k
     rows = coo.add_rows(-np.inf, 0.0, len(at))
     coo.add_entries(np.concatenate([rows + np.arange(len(at))] * 2),
                     np.concatenate([np.full(len(at), o_col), d + np.arange(len(at))]),
-                    np.concatenate([np.full(len(at), 1.0 / unit), np.full(len(at), -1.0)]))
+                    np.concatenate([np.ones(len(at)), np.full(len(at), -1.0)]))
 
 
 def _group_terms(nodes: Iterable[int], reduced: ReducedIlp, choice_cols: np.ndarray,
