@@ -41,10 +41,22 @@ between heavy ops of one kind) is also split with layers starting only at one ph
 inside that stretch and a unit either side of it (the phases whose cut sends the fewest bytes,
 `_unit_cuts`): both DPs above, restricted to those starts. When such a split reaches the same
 G(K, L) under the same FLOP bound it is kept, the one of fewest distinct layers first, then
-fewest bytes and least Σ FLOP² (`_uniform_split`). The stage DP then sees equal layers, which
+fewest bytes and least Σ FLOP² (`_uniform_split`). Where the units and one op more (an LM
+head) hold nearly all the FLOPs (`STRETCH_SHARE`: a transformer) least Σ FLOP² comes first. Every cut at the
+phase sends the hidden state, but a layer of blocks of two kinds also receives what each kind
+reads (Gemma 2 alternates sliding-window and global attention, each with its mask): least Σ C
+made as many one-block layers as it could and packed the rest 6 to a layer (Gemma 2 2B on 8
+devices: 9 layers of 1 block, 3 of 5-6). The stage DP then sees equal layers, which
 price once and balance into equal stages; the unrestricted tie-break could save a few bytes by
 alternating layers (on Llama, attention-free layers do not receive the mask and the rotary
 tables: attention+MLP+attention beside MLP alone, five kinds of layers instead of three).
+
+The first layer. In such a split no layer starts before the program's first op of some weight (a hundredth of
+a layer's mean FLOPs; or past half a layer's FLOPs, `_lead_cuts`): what comes before it is no
+work for a stage of its own. Hugging Face models make position ids, rotary
+tables and masks there, a dozen ops of no FLOPs, each cut after sending almost nothing, so least
+Σ C spent layers on them: Llama 3 8B on 8 devices had 4 of its 16 layers of 1-5 such ops, the
+blocks 3 to a layer where 2 would do (Gemma 2 9B on 16: 9 of 21 layers, the blocks 4 to one).
 
 δ: `DEFAULT_DELTA` = 0.5, the default of Alpa's own implementation. A smaller δ forces cuts
 away from the cheap points of a transformer: GPT-3 39B's LM head adds about half a block's
@@ -86,6 +98,15 @@ BALANCES = ("flops", "ops")
 LAYERS_PER_DEVICE = 2
 # Layers `default_num_layers` may add so that layers hold whole repeated units.
 MAX_EXTRA_LAYERS = 2
+# The first layer reaches the first op weighing this share of a layer's mean FLOPs, or this
+# much of a layer's FLOPs (`_lead_cuts`).
+LEAD_SHARE = 0.01
+LEAD_MOST = 0.5
+# The share of the FLOPs in the repeated units and one op more from which a split at the
+# unit's phase is balanced first (`_uniform_split`, `_blocks_and_a_head`): a transformer's
+# blocks and LM head hold nearly all; Wide-ResNet's blocks of one width 0.29-0.66, its other
+# blocks, whose cuts send very different bytes, the rest.
+STRETCH_SHARE = 0.9
 # Slack on the FLOP bound so rounding in prefix sums never excludes a split that meets it.
 _REL_TOL = 1e-9
 
@@ -140,6 +161,23 @@ def _op_table(graph: Graph) -> _Ops:
     if weight.sum() <= 0:
         weight = np.ones(len(ops), dtype=np.float64)
     return _Ops(tuple(n.name for n in ops), weight / weight.sum(), reads)
+
+
+def _lead_cuts(ops: _Ops, num_layers: int) -> np.ndarray | None:
+    """Where a layer may start so that the first one holds the program's first work: not
+    among the ops before the first op weighing `LEAD_SHARE` of a layer's mean FLOPs, nor
+    past `LEAD_MOST` of a layer (module docstring, "The first layer"); None (anywhere) when
+    too few starts would be left for ``num_layers`` layers."""
+    mean = 1.0 / num_layers   # ``weight`` sums to 1
+    first = np.flatnonzero(ops.weight >= LEAD_SHARE * mean)
+    within = np.flatnonzero(np.cumsum(ops.weight) >= LEAD_MOST * mean)
+    lead = min(int(first[0]) if first.size else len(ops.names),
+               int(within[0]) if within.size else len(ops.names))
+    if lead == 0 or len(ops.names) - lead < num_layers:
+        return None
+    cuts = np.ones(len(ops.names) + 1, dtype=bool)
+    cuts[1:lead + 1] = False
+    return cuts
 
 
 def _window_starts(prefix: np.ndarray, limit: float) -> np.ndarray:
@@ -228,12 +266,14 @@ def _min_max_inbound(ops: _Ops, starts: np.ndarray, num_layers: int,
 
 
 def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
-                        num_layers: int, max_inbound: float, cuts: np.ndarray | None = None
-                        ) -> tuple[list[int], tuple[float, float]]:
+                        num_layers: int, max_inbound: float, cuts: np.ndarray | None = None,
+                        flops_first: bool = False) -> tuple[list[int], tuple[float, float]]:
     """Start index of each layer for the split with every C ≤ max_inbound of least Σ C, and
     among those of least Σ FLOP² (module docstring), layers starting only where ``cuts``
     allows; and (Σ C, Σ FLOP²). Both sums are additive, so the pair compared
-    lexicographically is an exact DP; C are whole bytes, exact in floats."""
+    lexicographically is an exact DP; C are whole bytes, exact in floats. ``flops_first``:
+    least Σ FLOP² first (to a relative 1e-9: sums of one set of layers in another order
+    round differently), then least Σ C."""
     num_ops = len(ops.names)
     bytes_in = np.full((num_layers + 1, num_ops + 1), np.inf)
     bytes_in[0, 0] = 0.0
@@ -249,8 +289,13 @@ def _least_square_split(ops: _Ops, starts: np.ndarray, prefix: np.ndarray,
         received = np.where(inbound > max_inbound, np.inf, inbound)
         total_in = bytes_in[r0 - 1:r1, lo:k + 1] + received
         total = cost[r0 - 1:r1, lo:k + 1] + square
-        least = total_in.min(axis=1, keepdims=True)
-        pick = np.where(total_in == least, total, np.inf).argmin(axis=1)
+        if flops_first:
+            total = np.where(np.isinf(total_in), np.inf, total)
+            least = total.min(axis=1, keepdims=True)
+            pick = np.where(total <= least * (1 + 1e-9), total_in, np.inf).argmin(axis=1)
+        else:
+            least = total_in.min(axis=1, keepdims=True)
+            pick = np.where(total_in == least, total, np.inf).argmin(axis=1)
         rows = np.arange(len(pick))
         bytes_in[r0:r1 + 1, k + 1] = total_in[rows, pick]
         cost[r0:r1 + 1, k + 1] = total[rows, pick]
@@ -397,10 +442,11 @@ def _crossing_bytes(ops: _Ops) -> np.ndarray:
 MAX_PHASES = 4
 
 
-def _unit_cuts(ops: _Ops, rep: Repeats | None) -> list[np.ndarray]:
+def _unit_cuts(ops: _Ops, rep: Repeats | None, num_layers: int) -> list[np.ndarray]:
     """Per phase of the repeated unit ``rep`` worth trying, where a layer may start: at that
-    phase of every unit inside the repeated stretch, anywhere outside it. Empty when the
-    program repeats nothing."""
+    phase of every unit inside the repeated stretch, anywhere outside it but before the first
+    heavy op (`_lead_cuts`, for ``num_layers`` layers). Empty when the program repeats
+    nothing."""
     if rep is None:
         return []
     cross = _crossing_bytes(ops)[rep.start:rep.start + rep.period]
@@ -414,8 +460,18 @@ def _unit_cuts(ops: _Ops, rep: Repeats | None) -> list[np.ndarray]:
         cuts[lo:hi + 1] = False
         cuts[lo + (phase - lo) % rep.period:hi + 1:rep.period] = True
         cuts[0] = cuts[-1] = True
-        out.append(cuts)
+        lead = _lead_cuts(ops, num_layers)
+        out.append(cuts if lead is None else cuts & lead)
     return out
+
+
+def _blocks_and_a_head(ops: _Ops, prefix: np.ndarray, rep: Repeats) -> bool:
+    """Whether the program is its repeated units and at most one op more of weight (an LM
+    head): ``rep.copies`` units and the heaviest op outside the stretch hold `STRETCH_SHARE`
+    of the FLOPs (``prefix``: the ops' weights' prefix sums, total 1)."""
+    unit = prefix[rep.start + rep.period] - prefix[rep.start]
+    outside = np.concatenate([ops.weight[:rep.start], ops.weight[rep.end:]])
+    return rep.copies * unit + (outside.max() if outside.size else 0.0) >= STRETCH_SHARE
 
 
 def _cuts_fit(starts: np.ndarray, cuts: np.ndarray, num_layers: int) -> bool:
@@ -429,19 +485,24 @@ def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarr
                    num_layers: int, max_inbound: float) -> list[int] | None:
     """The layers' starts when some split cut only at one phase of the repeated unit reaches
     the same largest inbound bytes ``max_inbound`` under the same FLOP bound: of those, the
-    one of fewest distinct layers, then least Σ C, then Σ FLOP² (module docstring). None when
+    one of fewest distinct layers, then least Σ C, then Σ FLOP² (least Σ FLOP² before Σ C
+    where the program is its units and a head, `_blocks_and_a_head`; module docstring). None when
     the program repeats nothing or no such split does as well."""
     best: tuple[tuple[int, float, float], list[int]] | None = None
     sig = _signatures(graph)
-    for cuts in _unit_cuts(ops, _repeated_unit(graph, sig)):
+    rep = _repeated_unit(graph, sig)
+    flops_first = rep is not None and _blocks_and_a_head(ops, prefix, rep)
+    for cuts in _unit_cuts(ops, rep, num_layers):
         if not _cuts_fit(starts, cuts, num_layers) or \
                 _min_max_inbound(ops, starts, num_layers, cuts) > max_inbound:
             continue
-        split, sums = _least_square_split(ops, starts, prefix, num_layers, max_inbound, cuts)
+        split, sums = _least_square_split(ops, starts, prefix, num_layers, max_inbound, cuts,
+                                          flops_first)
         bounds = [*split, len(ops.names)]
         kinds = len({tuple(sig[a:b]) for a, b in zip(bounds, bounds[1:])})
-        if best is None or (kinds, *sums) < best[0]:
-            best = ((kinds, *sums), split)
+        key = (kinds, sums[1], sums[0]) if flops_first else (kinds, *sums)
+        if best is None or key < best[0]:
+            best = (key, split)
     return None if best is None else best[1]
 
 
@@ -516,9 +577,9 @@ def default_num_layers(graph: Graph, num_devices: int) -> int:
     # with a unit: then one or two layers more let every middle layer hold whole units.
     ops = _op_table(graph)
     prefix = np.concatenate([[0.0], np.cumsum(ops.weight)])
-    unit_cuts = _unit_cuts(ops, rep)
     for num_layers in range(even, min(even + MAX_EXTRA_LAYERS, num_ops) + 1):
         starts = _window_starts(prefix, (1.0 + DEFAULT_DELTA) / num_layers + _REL_TOL)
-        if any(_cuts_fit(starts, cuts, num_layers) for cuts in unit_cuts):
+        if any(_cuts_fit(starts, cuts, num_layers) for cuts in _unit_cuts(ops, rep,
+                                                                         num_layers)):
             return num_layers
     return even
