@@ -55,10 +55,10 @@ def _ops(graph, names) -> set[str]:
     return {x for x in names if graph.by_name[x].role == "op"}
 
 
-@pytest.mark.parametrize("which,split", [("gpt", [0, 5]), ("llama", [0])])
+@pytest.mark.parametrize("which,split", [("gpt", [0, 5]), ("llama", [0, 3])])
 def test_an_end_layer_splits_into_the_repeated_layer_and_the_rest(request, which: str,
                                                                   split: list[int]) -> None:
-    """The layers holding the embedding (and GPT's head) split in two; one part's program has
+    """The layers holding the embedding and the head split in two; one part's program has
     the repeated layer's structure key, its received values in that layer's order; the
     parts of every layer hold exactly its ops, and no first part reads its second."""
     program = request.getfixturevalue(which)
