@@ -42,21 +42,24 @@ inside that stretch and a unit either side of it (the phases whose cut sends the
 `_unit_cuts`): both DPs above, restricted to those starts. When such a split reaches the same
 G(K, L) under the same FLOP bound it is kept, the one of fewest distinct layers first, then
 fewest bytes and least Σ FLOP² (`_uniform_split`). Where the units and one op more (an LM
-head) hold nearly all the FLOPs (`STRETCH_SHARE`: a transformer) least Σ FLOP² comes first. Every cut at the
-phase sends the hidden state, but a layer of blocks of two kinds also receives what each kind
-reads (Gemma 2 alternates sliding-window and global attention, each with its mask): least Σ C
-made as many one-block layers as it could and packed the rest 6 to a layer (Gemma 2 2B on 8
-devices: 9 layers of 1 block, 3 of 5-6). The stage DP then sees equal layers, which
+head) hold nearly all the FLOPs (`STRETCH_SHARE`: a transformer) least Σ FLOP² comes first.
+Every cut at the phase sends the hidden state, but a layer of blocks of two kinds also
+receives what each kind reads (Gemma 2 alternates sliding-window and global attention, each
+with its mask): least Σ C made as many one-block layers as it could and packed the rest 6 to
+a layer (Gemma 2 2B on 8 devices: 9 layers of 1 block, 3 of 5-6). Elsewhere (Wide-ResNet,
+whose blocks of other widths are cut where they send very different bytes) least Σ C stays
+first. The stage DP then sees equal layers, which
 price once and balance into equal stages; the unrestricted tie-break could save a few bytes by
 alternating layers (on Llama, attention-free layers do not receive the mask and the rotary
 tables: attention+MLP+attention beside MLP alone, five kinds of layers instead of three).
 
-The first layer. In such a split no layer starts before the program's first op of some weight (a hundredth of
-a layer's mean FLOPs; or past half a layer's FLOPs, `_lead_cuts`): what comes before it is no
-work for a stage of its own. Hugging Face models make position ids, rotary
-tables and masks there, a dozen ops of no FLOPs, each cut after sending almost nothing, so least
-Σ C spent layers on them: Llama 3 8B on 8 devices had 4 of its 16 layers of 1-5 such ops, the
-blocks 3 to a layer where 2 would do (Gemma 2 9B on 16: 9 of 21 layers, the blocks 4 to one).
+The first layer. In such a split no layer starts before the program's first op of some
+weight (a hundredth of a layer's mean FLOPs; or past half a layer's FLOPs, `_lead_cuts`):
+what comes before it is no work for a stage of its own. Hugging Face models make position
+ids, rotary tables and masks there, a dozen ops of no FLOPs, each cut after sending almost
+nothing, so least Σ C spent layers on them: Llama 3 8B on 8 devices had 4 of its 16 layers
+of 1-5 such ops, the blocks 3 to a layer where 2 would do (Gemma 2 9B on 16: 9 of 21
+layers, the blocks 4 to one). The unrestricted split stays eq. 6's, exactly.
 
 δ: `DEFAULT_DELTA` = 0.5, the default of Alpa's own implementation. A smaller δ forces cuts
 away from the cheap points of a transformer: GPT-3 39B's LM head adds about half a block's
@@ -444,9 +447,9 @@ MAX_PHASES = 4
 
 def _unit_cuts(ops: _Ops, rep: Repeats | None, num_layers: int) -> list[np.ndarray]:
     """Per phase of the repeated unit ``rep`` worth trying, where a layer may start: at that
-    phase of every unit inside the repeated stretch, anywhere outside it but before the first
-    heavy op (`_lead_cuts`, for ``num_layers`` layers). Empty when the program repeats
-    nothing."""
+    phase of every unit inside the repeated stretch, anywhere outside it except among the ops
+    before the program's first work (`_lead_cuts`, for ``num_layers`` layers). Empty when the
+    program repeats nothing."""
     if rep is None:
         return []
     cross = _crossing_bytes(ops)[rep.start:rep.start + rep.period]
@@ -454,13 +457,13 @@ def _unit_cuts(ops: _Ops, rep: Repeats | None, num_layers: int) -> list[np.ndarr
     # The stretch may end a few ops into a unit (a final norm shaped like a block's first):
     # within a unit either side of it too, layers start only at the phase.
     lo, hi = max(rep.start - rep.period, 0), min(rep.end + rep.period, len(ops.names))
+    lead = _lead_cuts(ops, num_layers)
     out = []
     for phase in phases.tolist():
         cuts = np.ones(len(ops.names) + 1, dtype=bool)
         cuts[lo:hi + 1] = False
         cuts[lo + (phase - lo) % rep.period:hi + 1:rep.period] = True
         cuts[0] = cuts[-1] = True
-        lead = _lead_cuts(ops, num_layers)
         out.append(cuts if lead is None else cuts & lead)
     return out
 
@@ -486,8 +489,8 @@ def _uniform_split(graph: Graph, ops: _Ops, starts: np.ndarray, prefix: np.ndarr
     """The layers' starts when some split cut only at one phase of the repeated unit reaches
     the same largest inbound bytes ``max_inbound`` under the same FLOP bound: of those, the
     one of fewest distinct layers, then least Σ C, then Σ FLOP² (least Σ FLOP² before Σ C
-    where the program is its units and a head, `_blocks_and_a_head`; module docstring). None when
-    the program repeats nothing or no such split does as well."""
+    where the program is its units and a head, `_blocks_and_a_head`; module docstring).
+    None when the program repeats nothing or no such split does as well."""
     best: tuple[tuple[int, float, float], list[int]] | None = None
     sig = _signatures(graph)
     rep = _repeated_unit(graph, sig)
