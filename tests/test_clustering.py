@@ -205,6 +205,14 @@ def test_cuts_restricted_match_brute_force_on_random_graphs() -> None:
             sum(n.role == "op" for n in graph.nodes)
         assert square * total_weight ** 2 == pytest.approx(
             min(sq for c, t, sq in found if c == best and t == fewest_bytes))
+        # Least Σ FLOP² first (a split at a transformer's phase), then least Σ C.
+        split, (total, square) = clustering._least_square_split(
+            ops, starts, prefix, num_layers, best, cuts, flops_first=True)
+        assert all(cuts[b] for b in split)
+        least_square = min(sq for c, _, sq in found if c == best)
+        assert square * total_weight ** 2 == pytest.approx(least_square)
+        assert total == min(t for c, t, sq in found if c == best
+                            and sq == pytest.approx(least_square))
     assert checked > 100
 
 
