@@ -10,6 +10,7 @@ Tiny configs, random init, no downloads. Captures and plans are shared across ca
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -53,10 +54,24 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
         "qwen2_moe": lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             **DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
             shared_expert_intermediate_size=64, norm_topk_prob=False)),
+        # DeepSeek-V3: multi-head latent attention, a dense first layer, then a grouped
+        # sigmoid router (its top group of two) over 4 experts and a shared expert.
+        "deepseek_v3": lambda: t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+            **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16)),
+        # DeepSeek-V2: its rotary embedding in complex numbers (no kv heads of its own).
+        "deepseek_v2": lambda: t.DeepseekV2ForCausalLM(t.DeepseekV2Config(
+            **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+            topk_group=1, topk_method="group_limited_greedy", n_shared_experts=1,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16)),
     }
 
 
-MODELS = ("gpt2", "bert", "llama", "qwen2", "gpt_neox", "mixtral", "qwen2_moe")
+MODELS = ("gpt2", "bert", "llama", "qwen2", "gpt_neox", "mixtral", "qwen2_moe", "deepseek_v3")
 
 
 def build(name: str) -> torch.nn.Module:
@@ -169,6 +184,21 @@ def test_hf_loss_count_is_a_planned_collective() -> None:
     scalar = [c for c in plan.collectives if c.kind == "all_reduce" and c.bytes == 4
               and c.phase == "forward"]
     assert scalar and tuple(scalar[0].mesh_axes) == (1,), plan.collectives
+
+
+def test_complex_rotary_embeddings_split_with_their_heads() -> None:
+    # DeepSeek-V2 rotates queries and keys as complex numbers (view_as_complex, polar,
+    # view_as_real): signed ops that split over batch and heads, no replicated fallback.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        check_emulated("deepseek_v2", "megatron", (1, 4), SGD)
+        check_emulated("deepseek_v2", "data", (2, 2), SGD)
+    ops = [o for o in make_plan("deepseek_v2", "megatron", (1, 4), SGD).ops
+           if o.op in ("view_as_complex", "view_as_real")]
+    # Per layer, the queries' two views split over heads with Megatron's attention; the key's
+    # rotary part is one head that all share (MLA), whole.
+    assert len(ops) == 2 * 2 * 2, ops
+    assert [o.inputs[0].split(",")[1] for o in ops if "S" in o.strategy] == ["S1"] * 4, ops
 
 
 # ---------------------------------------------------------------- once over real gloo

@@ -418,6 +418,18 @@ def unbind_rule(c: OpCall) -> OpRule:
     return OpRule("unbind", sig, 0.0)
 
 
+def complex_view_rule(c: OpCall) -> OpRule:
+    """``view_as_complex`` (x of shape (..., 2) -> (...)) and ``view_as_real`` (the reverse):
+    the pair of real and imaginary parts stays whole, the other dims split freely (rotary
+    embeddings done with complex numbers, as DeepSeek-V2's)."""
+    x, out = c.in_shapes[0], c.out_shape
+    atoms = fresh_atoms(max(len(x), len(out)))
+    pair = atoms[-1]
+    dims = (atoms, atoms[:-1]) if len(x) > len(out) else (atoms[:-1], atoms)
+    sig = sized([dims[0]], dims[1], c.in_shapes, out, "view", {pair})
+    return OpRule(c.target, sig, 0.0)
+
+
 def random_rule(c: OpCall) -> OpRule:
     """Random draws (dropout's bernoulli mask) stay whole: every rank draws the global tensor
     from the same generator, as one device would, and keeps the piece it needs."""
@@ -428,8 +440,10 @@ def random_rule(c: OpCall) -> OpRule:
 
 
 # Elementwise ops that aten does not tag pointwise (every tagged op is signed by `rule_for`).
+# ``fill`` (a scalar written into a view, as ``ids[..., 0] = start`` functionalizes) keeps its
+# operand's shape and layout.
 UNTAGGED_ELEMENTWISE = ("_to_copy", "alias", "detach", "native_dropout", "dropout",
-                        "lift_fresh_copy", "clone")
+                        "lift_fresh_copy", "clone", "fill")
 
 RULES: dict[str, Rule] = {
     "mm": mm_rule, "bmm": bmm_rule, "matmul": matmul_rule, "embedding": embedding_rule,
@@ -460,6 +474,9 @@ RULES: dict[str, Rule] = {
     "split": dim_pinned_rule("split", 2, "dim"),
     "split_with_sizes": dim_pinned_rule("split", 2, "dim"),
     "unbind": unbind_rule,
+    "view_as_complex": complex_view_rule, "view_as_real": complex_view_rule,
+    # polar(abs, angle): elementwise, though aten does not tag it pointwise.
+    "polar": elementwise_rule("polar"),
     "routed_experts": routed_experts_rule,
     # copy(dst, src): functionalized in-place copy_, src broadcast into dst's shape.
     "copy": elementwise_rule("copy"),

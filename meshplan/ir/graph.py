@@ -20,7 +20,8 @@ from functools import cached_property
 from meshplan.ir.signatures import Signature
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-               "bool": 1, "uint8": 1, "int8": 1}
+               "bool": 1, "uint8": 1, "int8": 1, "complex64": 8, "complex128": 16,
+               "complex32": 4}
 
 # Roles of nodes that have no inputs.
 SOURCE_ROLES = ("param", "buffer", "input", "target", "constant")
