@@ -94,7 +94,7 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
         live_sets_by_layer(nc, index, layers) if layers and ctx.recompute else
         (tuple(range(len(roots))),),
         memory_budget=memory_budget, shared=shared_costs(operands, index),
-        overlap=overlap_terms(costs, nc, roots))
+        overlap=overlap_terms(costs, nc, roots), tie_leaves=True)
     return Formulation(nc, ctx, roots, problem)
 
 

@@ -18,6 +18,7 @@ Given nodes ``v`` with strategy costs ``c_v`` and edges ``(u, v)`` with reshardi
           o_t <= sum_v hidden_tv^T s_v,  o_t <= sum_v window_tv^T s_v   build_overlap_rows
           objective <= max_cost                     (when given)         build_max_cost_row
           s_u = s_v                                 per alias (u, v)     merge_aliases
+                                     (and per tie of interchangeable leaves, when asked)
           s_v[p] in {0, 1},  e_uv[p,q] >= 0
 
 The marginal constraints replace the quadratic ``s_u^T R_uv s_v``: once ``s_u`` and ``s_v`` are
@@ -62,7 +63,8 @@ from meshplan.planner.intra.ilp_model import (MemorySpec, OverlapSpec, build_mod
                                              choice_start, extract_choices)
 from meshplan.planner.intra.ilp_problem import (IlpEdge, IlpProblem, IlpSolution, OverlapTerm,
                                                 evaluate, peak_memory)
-from meshplan.planner.intra.ilp_reduce import ReducedIlp, reduce_problem
+from meshplan.planner.intra.ilp_reduce import (ReducedIlp, interchangeable_leaves,
+                                              reduce_problem)
 
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
            "peak_memory", "solve", "reduce_for_costs", "DEFAULT_SOLVER", "PLAN_REL_GAP"]
@@ -151,7 +153,7 @@ def min_memory(problem: IlpProblem, *, time_limit_s: float | None = None,
              for row in problem.node_costs]
     edges = [(e.u, e.v, np.where(np.isinf(np.asarray(e.costs, dtype=np.float64)), np.inf, 0.0))
              for e in problem.edges]
-    reduced = reduce_problem(masks, edges, problem.aliases)
+    reduced = reduce_problem(masks, edges, _tied(_overlap_folded(problem)))  # as `solve` ties
     model = build_model(reduced, memory=_memory_spec(problem, None))
     raw = run_model(model, solver=solver, lp_first=False, time_limit_s=time_limit_s)
     return peak_memory(problem, extract_choices(reduced, model, raw.x))
@@ -165,7 +167,16 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
     nodes = [np.asarray(row, dtype=np.float64) for row in problem.node_costs]
     edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
     shared = tuple((t.cost, t.blocks) for t in problem.shared)
-    return reduce_problem(nodes, edges, problem.aliases, shared)
+    return reduce_problem(nodes, edges, _tied(problem), shared)
+
+
+def _tied(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
+    """``problem``'s aliases, with its interchangeable leaves' ties where it asks for them
+    (of the problem with its overlap terms folded, `_overlap_folded`: ZeRO's gated seconds
+    become edges between a parameter and its consumer, and leave the parameter a leaf)."""
+    if not problem.tie_leaves:
+        return problem.aliases
+    return problem.aliases + interchangeable_leaves(problem)
 
 
 def _overlap_folded(problem: IlpProblem) -> IlpProblem:

@@ -262,7 +262,8 @@ class IlpProblem:
     turns, so the largest one chosen adds to every live set. ``max_cost`` caps the objective.
     ``shared`` costs are paid once each when one of their blocks holds (see `SharedCost`).
     ``overlap`` terms take back what communication overlapped with compute saves (see
-    `OverlapTerm`).
+    `OverlapTerm`). ``tie_leaves``: interchangeable leaves pick one strategy together
+    (`ilp_reduce.interchangeable_leaves`: the same optimum without a memory budget).
     Raises ValueError naming the bad index for wrong matrix sizes, out-of-range node indices,
     aliases between nodes with different strategy counts, or memory settings without
     ``node_memory``; TypeError for lists where tuples are expected.
@@ -278,6 +279,7 @@ class IlpProblem:
     shared: tuple[SharedCost, ...] = ()
     node_working: Matrix | None = None
     overlap: tuple[OverlapTerm, ...] = ()
+    tie_leaves: bool = False
 
     def __post_init__(self) -> None:
         _check_matrix(self.node_costs, "node_costs")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.errors import InfeasibleIlpError
+from meshplan.planner.intra.ilp_problem import IlpProblem
 
 EdgeKey = tuple[int, int]
 
@@ -52,6 +53,50 @@ class ReducedIlp:
     def allowed(self, group: int) -> np.ndarray:
         """Indices of the group's allowed strategies."""
         return np.flatnonzero(np.isfinite(self.costs[group]))
+
+
+def interchangeable_leaves(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
+    """Aliases tying leaves that are interchangeable: nodes of one edge each, to the same node
+    with the same matrix, with the same costs, memory and working bytes, in no shared cost or
+    overlap term (a mixture of experts' expert weights, 3 x 64 of them on each layer of
+    DeepSeek-V2-Lite). Whatever the other nodes pick, each such leaf's best strategy is the
+    same, so tying them keeps the optimum where no memory budget binds; under one it is a
+    restriction (identical leaves may fit by mixing), as sharing blocks is. Aliased nodes are
+    taken by their alias groups: a group of such leaves (an expert's weight in each repeat of
+    a block) ties to a group of the same leaves, neighbours by their groups."""
+    n = problem.num_nodes
+    group = merge_aliases(n, problem.aliases)
+    degree = np.zeros(n, dtype=np.int64)
+    for e in problem.edges:
+        degree[e.u] += 1
+        degree[e.v] += 1
+    busy = set()
+    for term in problem.shared:
+        busy.update(v for block in term.blocks for clause in block for v, _ in clause)
+    for term in problem.overlap:
+        busy.update(v for v in range(n) if any(term.hidden[v]) or any(term.window[v]))
+        busy.update(x for v, g, _, _ in term.gated for x in (v, g))
+        if term.ready is not None:
+            busy.update(r for v, r in enumerate(term.ready) if r != v)
+    memory, working = problem.node_memory, problem.node_working
+    key: dict[int, tuple] = {}
+    for e in problem.edges:
+        for leaf, other, side in ((e.u, e.v, 0), (e.v, e.u, 1)):
+            if degree[leaf] == 1 and leaf not in busy:
+                key[leaf] = (int(group[other]), side, e.costs, problem.node_costs[leaf],
+                             None if memory is None else memory[leaf],
+                             None if working is None else working[leaf])
+    members: dict[int, list[int]] = defaultdict(list)
+    for v in range(n):
+        members[int(group[v])].append(v)
+    classes: dict[frozenset, list[int]] = defaultdict(list)
+    for vs in members.values():
+        if all(v in key for v in vs):
+            kinds: dict[tuple, int] = defaultdict(int)
+            for v in vs:
+                kinds[key[v]] += 1
+            classes[frozenset(kinds.items())].append(vs[0])
+    return tuple((firsts[0], v) for firsts in classes.values() for v in firsts[1:])
 
 
 def reduce_problem(node_costs: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
