@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -77,12 +78,17 @@ def copies_problem(rng: random.Random, budget: bool) -> IlpProblem:
                       overlap=overlap, tie_leaves=True)
 
 
-def test_tied_leaves_keep_the_optimum_without_a_budget() -> None:
-    rng = random.Random(7)
-    tied = 0
+def problems(seed: int, budget: bool) -> Iterator[tuple[IlpProblem, tuple]]:
+    """40 problems of `copies_problem` and their ties."""
+    rng = random.Random(seed)
     for _ in range(40):
-        problem = copies_problem(rng, budget=False)
-        ties = interchangeable_leaves(problem)
+        problem = copies_problem(rng, budget)
+        yield problem, interchangeable_leaves(problem)
+
+
+def test_tied_leaves_keep_the_optimum_without_a_budget() -> None:
+    tied = 0
+    for problem, ties in problems(7, budget=False):
         tied += bool(ties)
         for a, b in ties:   # only equal leaves are tied
             assert problem.node_costs[a] == problem.node_costs[b]
@@ -93,11 +99,8 @@ def test_tied_leaves_keep_the_optimum_without_a_budget() -> None:
 
 
 def test_under_a_budget_ties_restrict_and_least_memory_agrees() -> None:
-    rng = random.Random(11)
     restricted = 0
-    for _ in range(40):
-        problem = copies_problem(rng, budget=True)
-        ties = interchangeable_leaves(problem)
+    for problem, ties in problems(11, budget=True):
         best = brute_force(problem)
         least = min_memory(problem)
         assert least >= best[1] - 1e-9
