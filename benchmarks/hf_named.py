@@ -22,6 +22,7 @@ ROWS = {
     "llama-3-8b": ("hf:llama-3-8b,batch=256,seq=4096", "dgx-h100:4"),
     "llama-3-70b": ("hf:llama-3-70b,batch=512,seq=4096", "dgx-h100:8"),
     "mixtral-8x7b": ("hf:mixtral-8x7b,batch=256,seq=4096", "dgx-h100:4"),
+    "deepseek-v2-lite": ("hf:deepseek-v2-lite,batch=64,seq=2048", "dgx-a100:1"),
 }
 
 

@@ -27,14 +27,16 @@ torch.set_num_threads(1)
 # Under `--dist loadfile` each worker takes the next file in collection order when it is done
 # with one. Collected alphabetically, the longest files came late, and one worker ran them
 # alone at the end: the last 3 % of the tests took three of nine minutes. They go first,
-# longest first (seconds per file measured with `--durations`, 2026-11-27), and the many
-# short files fill in around them.
-LONGEST_FIRST = ("test_launchers.py", "test_auto_vs_baselines.py", "test_published_runs.py",
-                 "test_demo_pipeline.py", "test_inter_methods.py", "test_pipeline_runtime.py",
-                 "test_simulate.py", "test_gpu_check.py", "test_partial_recompute.py",
-                 "test_report.py", "test_stage_costs.py", "test_calibrate.py",
-                 "test_checkpoint.py", "test_hetero_equivalence.py", "test_equivalence_gloo.py",
-                 "test_opinfo_sample.py")
+# longest first (seconds per file from `--junitxml`, 2026-11-29: 96 s for the launchers down
+# to 16 s), and the many short files fill in around them.
+LONGEST_FIRST = ("test_launchers.py", "test_published_runs.py", "test_auto_vs_baselines.py",
+                 "test_hf_models.py", "test_stage_costs.py", "test_inter_methods.py",
+                 "test_partial_recompute.py", "test_pipeline_runtime.py", "test_simulate.py",
+                 "test_gpu_check.py", "test_calibrate.py", "test_checkpoint.py",
+                 "test_demo_pipeline.py", "test_random_plans.py", "test_hetero_equivalence.py",
+                 "test_ilp.py", "test_hf_catalog.py", "test_equivalence_gloo.py",
+                 "test_equivalence_zoo.py", "test_local_loading.py", "test_hetero_plan.py",
+                 "test_plan_collectives.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
