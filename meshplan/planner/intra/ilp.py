@@ -187,6 +187,7 @@ def _overlap_folded(problem: IlpProblem) -> IlpProblem:
     on fast links: the saving is the hidden seconds) or the other way round (the window). In
     order, see `_in_order_saved`."""
     costs = [list(row) for row in problem.node_costs]
+    counts = problem.num_strategies   # a property that counts: once, not once per gate
     edges: dict[tuple[int, int], list[list[float]]] = {}   # joined to the problem's, gated
     kept = []
     for term in problem.overlap:
@@ -200,7 +201,7 @@ def _overlap_folded(problem: IlpProblem) -> IlpProblem:
                     costs[v][p] -= term.weight * share * x   # inf stays inf: forbidden too
             for v, g, gate, seconds in term.gated:
                 if shares[v]:
-                    _fold_gate(costs, edges, problem.num_strategies, v, g, gate,
+                    _fold_gate(costs, edges, counts, v, g, gate,
                                [term.weight * shares[v] * x for x in seconds])
             continue
         least = {k: math.fsum(min(row) for row in getattr(term, k)) for k in ("hidden", "window")}
