@@ -13,6 +13,10 @@ A group with no allowed strategy left proves the problem infeasible.
 4. ``reduce_shared``: shared (fan-out) costs are restated over groups and their allowed
    strategies; a condition on a fixed group is true or false, so a block may drop out or make its
    cost a constant.
+
+``interchangeable_leaves`` gives more aliases, for the problems that ask for them
+(``IlpProblem.tie_leaves``): exact too where no memory budget binds, a restriction where one
+does.
 """
 
 from __future__ import annotations
