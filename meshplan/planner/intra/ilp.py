@@ -67,7 +67,8 @@ from meshplan.planner.intra.ilp_reduce import (ReducedIlp, interchangeable_leave
                                               reduce_problem)
 
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
-           "peak_memory", "solve", "reduce_for_costs", "DEFAULT_SOLVER", "PLAN_REL_GAP"]
+           "peak_memory", "solve", "reduce_for_costs", "tied_leaves", "DEFAULT_SOLVER",
+           "PLAN_REL_GAP"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
 # (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)
@@ -168,6 +169,11 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
     edges = [(e.u, e.v, np.asarray(e.costs, dtype=np.float64)) for e in problem.edges]
     shared = tuple((t.cost, t.blocks) for t in problem.shared)
     return reduce_problem(nodes, edges, _tied(problem), shared)
+
+
+def tied_leaves(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
+    """The ties `solve` adds to ``problem``'s aliases (none unless it asks for them)."""
+    return _tied(_overlap_folded(problem))[len(problem.aliases):]
 
 
 def _tied(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
