@@ -154,7 +154,7 @@ def min_memory(problem: IlpProblem, *, time_limit_s: float | None = None,
              for row in problem.node_costs]
     edges = [(e.u, e.v, np.where(np.isinf(np.asarray(e.costs, dtype=np.float64)), np.inf, 0.0))
              for e in problem.edges]
-    reduced = reduce_problem(masks, edges, _tied(_overlap_folded(problem)))  # as `solve` ties
+    reduced = reduce_problem(masks, edges, problem.aliases + tied_leaves(problem))  # as `solve`
     model = build_model(reduced, memory=_memory_spec(problem, None))
     raw = run_model(model, solver=solver, lp_first=False, time_limit_s=time_limit_s)
     return peak_memory(problem, extract_choices(reduced, model, raw.x))
@@ -173,7 +173,7 @@ def reduce_for_costs(problem: IlpProblem) -> ReducedIlp:
 
 def tied_leaves(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
     """The ties `solve` adds to ``problem``'s aliases (none unless it asks for them)."""
-    return _tied(_overlap_folded(problem))[len(problem.aliases):]
+    return interchangeable_leaves(_overlap_folded(problem)) if problem.tie_leaves else ()
 
 
 def _tied(problem: IlpProblem) -> tuple[tuple[int, int], ...]:
