@@ -253,19 +253,28 @@ KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addm
          ("optimizer", ("adam", "multi_tensor", "foreach")))
 
 
-def profile_step(step: Callable[[], Any], device: torch.device) -> str:
+# Where ``profile_step`` writes each profiled step's op table and trace (``--profile-dir``).
+PROFILE_DIR: str | None = None
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, name: str = "step") -> str:
     """One ``step()`` under torch.profiler: its wall time, the time its kernels (on a GPU) or
     ops (on the CPU) ran, by kind, and the costliest three of the rest. Says whether a step
-    is launch-bound (kernels busy for a small part of the wall) or slow in its kernels."""
+    is launch-bound (kernels busy for a small part of the wall, the host still launching when
+    the step's last kernel could have ended) or slow in its kernels. With ``PROFILE_DIR`` set,
+    the whole op table and a Chrome trace are written there as ``name``.*."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
+        host = time.perf_counter() - t0   # until the host returned: its launches all issued
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
+    if PROFILE_DIR:
+        _dump_profile(prof, os.path.join(PROFILE_DIR, name), cuda)
     by_kind: dict[str, float] = {}
     rest: dict[str, float] = {}
     for e in prof.key_averages():
@@ -279,13 +288,32 @@ def profile_step(step: Callable[[], Any], device: torch.device) -> str:
             rest[e.key] = rest.get(e.key, 0.0) + us / 1e3
     busy = sum(by_kind.values())
     top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
+    launches = sum(e.count for e in prof.key_averages() if cuda and e.self_device_time_total > 0
+                   and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     return (f"one step profiled: {'kernels' if cuda else 'ops'} {busy:.1f} ms of {wall * 1e3:.1f} "
-            f"ms wall ({busy / (wall * 1e3):.0%}): "
+            f"ms wall ({busy / (wall * 1e3):.0%})"
+            + (f", {launches} kernels, host done after {host * 1e3:.1f} ms" if cuda else "")
+            + ": "
             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
             + "; costliest other: " + ", ".join(f"{k[:60]} {v:.1f}" for k, v in top))
 
 
-def _eager_step_s(spec: str, device: torch.device, steps: int) -> float:
+def _dump_profile(prof: Any, stem: str, cuda: bool) -> None:
+    """``prof``'s op table (by self device time on a GPU) to ``stem``.txt and its Chrome trace
+    to ``stem``.json.gz."""
+    import gzip
+    import shutil
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(stem + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=120, max_name_column_width=90))
+    prof.export_chrome_trace(stem + ".json")
+    with open(stem + ".json", "rb") as src, gzip.open(stem + ".json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(stem + ".json")
+
+
+def _eager_step_s(spec: str, device: torch.device, steps: int) -> tuple[float, str]:
     """The same model in a plain PyTorch loop on ``device`` (autocast bf16, AdamW): what
     meshplan's one-device step is measured against, as the simulator is."""
     from meshplan.capture.batch import flatten_batch, step_loss
@@ -304,7 +332,8 @@ def _eager_step_s(spec: str, device: torch.device, steps: int) -> float:
         opt.step()
         opt.zero_grad()
 
-    return _timed_steps(step, device, steps)[0]
+    step_s = _timed_steps(step, device, steps)[0]
+    return step_s, profile_step(lambda: step(steps), device, "plain")
 
 
 def _measure(plan: Any, spec: str, device: torch.device, steps: int
@@ -323,7 +352,8 @@ def _measure(plan: Any, spec: str, device: torch.device, steps: int
         batch = w.example_batch
         del w   # the trainer holds its own copy of the state
         step_s, peak = _timed_steps(lambda i: tr.step(batch, seed=i), device, steps)
-        return step_s, peak, profile_step(lambda: tr.step(batch, seed=steps), device)
+        return step_s, peak, profile_step(lambda: tr.step(batch, seed=steps), device,
+                                          "meshplan")
 
     return run_emulated(one, (1, 1), device=device, timeout_s=600)[0]
 
@@ -345,7 +375,7 @@ def check_prediction(device: torch.device) -> list[Check]:
             continue
         if cuda:
             torch.cuda.empty_cache()
-        eager_s = _eager_step_s(spec, device, 5 if cuda else 2)
+        eager_s, eager_profiled = _eager_step_s(spec, device, 5 if cuda else 2)
         t_ratio = step_s / sim.step_time_s
         line = (f"measured {step_s * 1e3:.1f} ms/step, simulated {sim.step_time_s * 1e3:.1f} "
                 f"on {cluster.device.name} (x{t_ratio:.2f})")
@@ -353,7 +383,8 @@ def check_prediction(device: torch.device) -> list[Check]:
                        f"the same model in a plain loop (autocast bf16, AdamW): "
                        f"{eager_s * 1e3:.1f} ms/step; meshplan's step x{step_s / eager_s:.2f} "
                        "of it"),
-                 Check("b", "profile", "info", profiled)]
+                 Check("b", "profile", "info", profiled),
+                 Check("b", "plain profile", "info", eager_profiled)]
         if not cuda:
             out.append(Check("b", spec, "info", line + "; the CPU preset is not this "
                              "machine, so no goal applies"))
@@ -520,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="the markdown report (default: docs/gpu.md on a GPU, none on the CPU)")
     p.add_argument("--parts", default="abc", help="which of a, b, c to run (default: all)")
+    p.add_argument("--profile-dir", default=None,
+                   help="write (b)'s profiled steps there: op tables and Chrome traces")
     args = p.parse_args(argv)
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile_dir
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda, but this torch sees no GPU: nothing ran", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall, rule_for
-from meshplan.capture.trace import Traced
+from meshplan.capture.trace import HALF_BIAS, Traced
 from meshplan.ir.graph import ALIASING_OPS, Graph, Node, TensorInfo
 from meshplan.ir.signatures import replicated_signature, signature_fits
 
@@ -68,7 +68,7 @@ def _opcall(node: fx.Node, operands: list[fx.Node], packet: str, out_val: Any) -
 
 
 def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
-             requires_grad: bool, signed: bool = True) -> Node:
+             requires_grad: bool, signed: bool = True, half_bias: bool = False) -> Node:
     packet = op_call.target
     try:
         r = rule_for(op_call) if signed else None
@@ -82,7 +82,7 @@ def _op_node(name: str, operands: list[str], op_call: OpCall, out: TensorInfo,
     in_bytes = sum(TensorInfo(s, d).nbytes for s, d in zip(op_call.in_shapes, op_call.in_dtypes))
     differentiable = out.dtype.startswith(("float", "bfloat", "complex"))
     return Node(name, "op", op_name, tuple(operands), out, sig, flops, in_bytes + out.nbytes,
-                requires_grad and differentiable)
+                requires_grad and differentiable, half_bias=half_bias)
 
 
 def _check_random(node: fx.Node, packet: str) -> None:
@@ -141,7 +141,8 @@ def to_ir(traced: Traced) -> Graph:
                 rg = packet not in CONSTANT_OPS and any(grad.get(n, False) for n in names)
                 nodes.append(_op_node(node.name, names,
                                       _opcall(node, operands, packet, node.meta["val"]),
-                                      _info(node.meta["val"]), rg))
+                                      _info(node.meta["val"]), rg,
+                                      half_bias=bool(node.meta.get(HALF_BIAS))))
         if nodes and nodes[-1].name == node.name:
             alias[node.name] = node.name
             grad[node.name] = nodes[-1].requires_grad

@@ -33,7 +33,8 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.func import functionalize
 
-from meshplan.torch_api import FakeTensorMode, OpOverload, lazy_graph_modules, make_fx
+from meshplan.torch_api import (FakeTensorMode, OpOverload, get_proxy_mode, get_proxy_slot,
+                                lazy_graph_modules, make_fx)
 from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
 from meshplan.capture.in_place import make_pure, pure_forms
@@ -63,6 +64,23 @@ class Traced:
     saved: frozenset[str] | None = None
 
 
+# The node meta key of a bias add split from its linear layer or convolution. Autocast runs
+# the fused op (addmm, convolution) at its half type, bias included, where a plain add of a
+# half product and an fp32 bias would promote to fp32: so the runtime casts such an add's
+# operands as a contraction's (`lower/program.py`) and the cost model gives it the half type
+# (`cost/precision.py`), and mixed precision runs and is priced as eager autocast runs it.
+HALF_BIAS = "meshplan_half_bias"
+
+
+def _half_bias(out: torch.Tensor) -> torch.Tensor:
+    """``out``, its traced node marked `HALF_BIAS`."""
+    mode = get_proxy_mode()
+    slot = get_proxy_slot(out, mode.tracer, None) if mode is not None else None
+    if slot is not None:
+        slot.proxy.node.meta[HALF_BIAS] = True
+    return out
+
+
 def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
                      beta: float = 1, alpha: float = 1) -> torch.Tensor:
     # The bias of a row-parallel linear must be added after the partial sums are reduced, so
@@ -72,7 +90,7 @@ def _addmm_as_mm_add(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
         out = aten.mul.Tensor(out, alpha)
     if beta != 1:
         bias = aten.mul.Tensor(bias, beta)
-    return aten.add.Tensor(out, bias)
+    return _half_bias(aten.add.Tensor(out, bias))
 
 
 def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *args: Any
@@ -83,7 +101,7 @@ def _conv_bias_apart(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return NotImplemented
     out = aten.convolution.default(x, w, None, *args)
     shape = [1, -1] + [1] * (out.dim() - 2)
-    return aten.add.Tensor(out, aten.view.default(bias, shape))
+    return _half_bias(aten.add.Tensor(out, aten.view.default(bias, shape)))
 
 
 # make_fx patches torch globally while it traces; two threads tracing at once corrupt each other
@@ -136,6 +154,11 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
                                                          make_pure(plain, forms, saved.names))
         try:
             pure = make_fx(functionalize(plain, remove="mutations"))(state, batch)
+            half = same_nodes({n.name for n in plain.graph.nodes if n.meta.get(HALF_BIAS)},
+                              plain, pure)
+            for n in pure.graph.nodes:   # the retrace made new nodes, without the mark
+                if n.name in half:
+                    n.meta[HALF_BIAS] = True
             return pure, same_nodes(saved.names, plain, pure)
         except RuntimeError as exc:
             if "Functionalize" not in str(exc):

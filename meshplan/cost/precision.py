@@ -15,9 +15,11 @@ kept activations at its size; a gradient has its value's dtype (autocast's casts
 so the gradient of an fp32 value is fp32). Parameters, buffers and batch tensors keep their
 traced dtype.
 
-The capture splits ``addmm`` into ``mm`` + ``add`` (partial sums must be reduced before the
-bias), so a biased linear layer's output is fp32 under the runtime's autocast where eager
-autocast's fused ``addmm`` gives half: the plan prices what the runtime does.
+The capture splits ``addmm`` and a biased convolution into the contraction and an ``add``
+(partial sums must be reduced before the bias); that add (`Node.half_bias`) runs at the half
+type as eager autocast's fused op does, both operands cast (`lower/program.py`), so a biased
+linear layer's output is half, as in eager; an add the model itself writes after a matmul
+promotes as eager's does.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _autocast_dtype(node: Node, target: str, dtypes: dict[str, str]) -> str:
     """The dtype of ``node``'s output under autocast at ``target``, given its inputs'."""
     if node.role != "op" or node.out.dtype not in _FLOATS:
         return node.out.dtype
-    if node.op in HALF_OPS:
+    if node.op in HALF_OPS or node.half_bias:
         return target
     if node.op in FOLLOW_DATA_OPS and dtypes[node.inputs[0]] in _FLOATS:
         return dtypes[node.inputs[0]]

@@ -61,6 +61,8 @@ class Node:
     capture could not tell, and the memory model assumes every differentiable value is kept.
     ``batch_dims``: of an ``"input"`` source, the dims that carry the batch when it is not just
     dim 0 (a value a pipeline stage receives, as the whole program batches it); None: dim 0.
+    ``half_bias``: the bias add of a linear layer or convolution the capture split off, which
+    mixed precision runs at the half type as autocast's fused op does (`capture/trace.py`).
     """
 
     name: str
@@ -75,6 +77,7 @@ class Node:
     state_name: str | None = None
     kept: bool | None = None
     batch_dims: tuple[int, ...] | None = None
+    half_bias: bool = False
 
     @property
     def is_source(self) -> bool:

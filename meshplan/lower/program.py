@@ -233,7 +233,7 @@ class _Lowerer:
             val, fxn = self._reshard(name, want, dec.grad_partial[j], node.name)
             operands.append(fxn)
             shardeds.append(val)
-        if self.half is not None and node.op in HALF_OPS:
+        if self.half is not None and (node.op in HALF_OPS or node.half_bias):
             cast = zero3.cast if self.gathers else local_ops.cast_float
             operands = [self.out.call_function(cast, (o, self.half)) for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))
