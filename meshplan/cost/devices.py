@@ -185,14 +185,24 @@ _UNFITTED = 0.6
 _HBM = 1.0
 
 
+# H200: measured on one, 2026-11-29 (`make gpu-check`, docs/gpu.md): a bf16 GPT-1.3B step's
+# matmul kernels ran 64.5 TFLOP in 80.0 ms (0.815 of the 989 peak), and a device-to-device
+# copy moved 4,081 of the 4,800 GB/s (0.85) — the figure for meshplan's unfused eager ops,
+# measured rather than fitted as _HBM is. H100-SXM (the same chip, less and slower memory)
+# keeps the unfitted figures until it is measured itself.
+_H200_HALF = 0.81
+_H200_HBM = 0.85
+
+
 def _gpu(name: str, fp32_tf: float, half_tf: float, bf16: bool, mem_gib: float, bw_gbps: float,
-         half_efficiency: float = _UNFITTED) -> DeviceType:
+         half_efficiency: float = _UNFITTED, hbm_efficiency: float = _HBM) -> DeviceType:
     peaks = {"float32": fp32_tf * 1e12, "float16": half_tf * 1e12}
     effs = {"float32": _UNFITTED, "float16": half_efficiency}
     if bf16:
         peaks["bfloat16"] = half_tf * 1e12
         effs["bfloat16"] = half_efficiency
-    return DeviceType(name, peaks, mem_gib * GIB, gbps(bw_gbps), effs, memory_efficiency=_HBM)
+    return DeviceType(name, peaks, mem_gib * GIB, gbps(bw_gbps), effs,
+                      memory_efficiency=hbm_efficiency)
 
 
 # Strict fp32 peaks (no TF32: PyTorch leaves TF32 matmul off by default). P100/V100/T4 have no bf16.
@@ -204,7 +214,7 @@ _DEVICE_LIST: tuple[DeviceType, ...] = (
     _gpu("A100-SXM4-40GB", 19.5, 312, True, 40, 1555, _A100_HALF),
     _gpu("A100-SXM4-80GB", 19.5, 312, True, 80, 2039, _A100_HALF),
     _gpu("H100-SXM", 67, 989, True, 80, 3350),
-    _gpu("H200", 67, 989, True, 141, 4800),
+    _gpu("H200", 67, 989, True, 141, 4800, _H200_HALF, _H200_HBM),
     # A modest CPU core running one test process; half types get no speed-up without AMX.
     DeviceType(
         "cpu",

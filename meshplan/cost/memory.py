@@ -67,6 +67,13 @@ class OptimizerState:
     per_element: float = 8.0
     factored: bool = False
 
+    def update_bytes_per_element(self, shape: tuple[int, ...]) -> float:
+        """Bytes the update moves through device memory per element it updates: the fp32
+        master value read and written, its gradient read, the state read and written, once
+        each, as torch's fused Adam, AdamW and SGD kernels do in one pass (the runtime's
+        choice on a GPU: `runtime/optim.make_optimizer`)."""
+        return 12.0 + 2.0 * self.bytes_per_element(shape)
+
     def bytes_per_element(self, shape: tuple[int, ...]) -> float:
         """Optimizer-state bytes per element of a parameter of ``shape``."""
         if not self.factored:
@@ -120,10 +127,17 @@ def param_memory_per_device(
     check_count(grad_bytes, "grad_bytes")
     opt = check_nonnegative(optimizer_bytes_per_param, "optimizer_bytes_per_param")
     param_elems = _shard_numel(numel, tp * dp if mode == "zero3" else tp)
-    state_elems = _shard_numel(numel, tp if mode in ("replicated", "sfb") else tp * dp)
+    state_elems = updated_elements(numel, mode, tp, dp)
     return ParamMemory(
         float(param_elems * param_bytes), float(state_elems * grad_bytes), float(state_elems * opt)
     )
+
+
+def updated_elements(numel: int, mode: str, tp_size: int = 1, dp_size: int = 1) -> int:
+    """The elements of a parameter of ``numel`` one device updates (and keeps the gradient and
+    optimizer state of) under update ``mode``: its shard of ``tp_size``, under ZeRO also split
+    over the ``dp_size`` data-parallel devices."""
+    return _shard_numel(numel, tp_size if mode in ("replicated", "sfb") else tp_size * dp_size)
 
 
 def unsharded_state_bytes(shapes: Iterable[tuple[int, ...]], state: OptimizerState) -> float:

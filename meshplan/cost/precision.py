@@ -32,6 +32,8 @@ from meshplan.ir.graph import DTYPE_BYTES, Graph, Node, TensorInfo
 # The names users write and the torch dtype names the IR uses.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _FLOATS = ("float32", "float16", "bfloat16")
+# The half types mixed precision computes in.
+HALF_TYPES = frozenset({"float16", "bfloat16"})
 
 
 def check_dtype(name: str) -> str:

@@ -208,7 +208,8 @@ def async_pass(compute_s: float, entries: Sequence[AsyncEntry],
 
 def step_passes(forward_s: float, backward_s: float, collectives: Sequence[CollectiveEntry],
                 overlap: Sequence[AsyncEntry], meshes: Sequence[LogicalMesh],
-                microbatches: int, replay_s: float = 0.0) -> tuple[float, float, float]:
+                microbatches: int, replay_s: float = 0.0, update_s: float = 0.0
+                ) -> tuple[float, float, float]:
     """Seconds of one micro-batch's forward and backward passes and of the update, given one
     micro-batch's compute (``forward_s``, ``backward_s``, and ``replay_s`` of its forward run
     again in backward under recomputation), the step's ``collectives`` (each
@@ -217,7 +218,8 @@ def step_passes(forward_s: float, backward_s: float, collectives: Sequence[Colle
     The collectives the program issues in line (resharding, partial sums) add to their pass;
     the overlapped ones run beside it (`async_pass`). The update is what the step's last
     backward adds: its gradient buckets beyond the backward's end, plus the update's own
-    collectives (ZeRO-2's gathers of the new values, Adafactor's statistics). A step of M
+    collectives (ZeRO-2's gathers of the new values, Adafactor's statistics) and the
+    optimizer's own pass over the parameters (``update_s``). A step of M
     micro-batches is M (forward + backward) + update, which is how the simulator's RUN and
     APPLY_GRAD tasks last (`sim/task_costs.py`)."""
     def price(kind: str, axes: tuple[int, ...], nbytes: int, segment: int = 0) -> float:
@@ -239,7 +241,7 @@ def step_passes(forward_s: float, backward_s: float, collectives: Sequence[Colle
     fwd = async_pass(forward_s, during["forward"], cost)[0] + max(inline_f, 0.0)
     bwd_end = async_pass(compute_b, during["backward"], cost)[0]
     last_comm = async_pass(compute_b, during["backward"] + during["last_backward"], cost)[1]
-    return fwd, bwd_end + max(inline_b, 0.0), last_comm - bwd_end + max(inline_u, 0.0)
+    return fwd, bwd_end + max(inline_b, 0.0), last_comm - bwd_end + max(inline_u, 0.0) + update_s
 
 
 def plan_units(plan: Plan, graph: Graph

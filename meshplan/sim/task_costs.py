@@ -54,7 +54,7 @@ def task_cost(p: Plan, stage: StagePlan | None = None) -> TaskCost:
               for w in p.segment_weights or (p.axis_weights,)]
     forward, backward, update = step_passes(
         p.predicted["forward_s"], p.predicted["backward_s"], p.collectives, p.overlap, meshes,
-        p.microbatches, replay_s(p))
+        p.microbatches, replay_s(p), p.predicted.get("update_s", 0.0))
     state = p.predicted["state_bytes"]
     working = p.predicted.get("working_bytes", 0.0)
     kept = full = p.predicted["activation_bytes"]

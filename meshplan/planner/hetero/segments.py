@@ -193,7 +193,8 @@ def segmented_plan(plan: Plan, form: Formulation, choices: tuple[int, ...], real
     forward, backward = _compute(form, choices, real, segment_of, meshes, result.figures)
     m = real.microbatches
     f_s, b_s, u_s = step_passes(forward, backward, colls, plan.overlap, meshes, m,
-                                forward if real.recompute else 0.0)
+                                forward if real.recompute else 0.0,
+                                result.figures.get("update_s", 0.0))
     predicted = {**plan.predicted, "forward_s": forward, "backward_s": backward,
                  "step_time_s": m * (f_s + b_s) + u_s}
     return replace(plan, collectives=colls, predicted=predicted,

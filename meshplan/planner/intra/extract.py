@@ -45,7 +45,8 @@ class IntraResult:
     # What the simulator runs on (`sim/task_costs.py`), per device and micro-batch unless
     # said: seconds of compute of one forward and one backward (no recomputation), bytes of
     # parameter/gradient/optimizer state and of kept activations, the program's forward FLOPs
-    # (all devices together) and the samples of one step.
+    # (all devices together), the samples of one step and the seconds of the optimizer's
+    # pass over the device's parameters once per step ("update_s").
     figures: dict[str, float]
     # Every collective with the node that owns it (the op whose partial sums it reduces or
     # whose operand it moves, the parameter it synchronizes; "" for the update's buckets).
@@ -98,7 +99,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
     sync: dict[str, list[tuple[int, ...]]] = {}
     sfb: dict[str, tuple[int, ...]] = {}    # SFB weights and the axes their factors gather
     seen: set[tuple] = set()
-    memory, state, forward, backward = 0.0, 0.0, 0.0, 0.0
+    memory, state, forward, backward, update = 0.0, 0.0, 0.0, 0.0, 0.0
     comm: Counter[str] = Counter()      # reducing the op's own partial sums; parameter sync
     reshard: Counter[str] = Counter()   # bringing operands into the layouts the op needs
     times: list[tuple[float, float]] = []   # each node's forward and backward seconds
@@ -111,6 +112,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
         f, b = real_costs.pass_times(node, choice)
         times.append((f, b))
         forward, backward = forward + f, backward + b
+        update += real_costs.update_cost(node, choice)
         _count_syncs(form, costs, node, choice, counts)
         comm[node.name] += costs.stat_sync_cost(node, choice)
         for axes in _count_moves(form, costs, node, choice, idx, tally):
@@ -139,12 +141,13 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
     replay = sum(t[0] for n, t in zip(g.nodes, times) if real.replays(n.name)) \
         if real.recompute else 0.0
     f_s, b_s, u_s = ov.step_passes(forward, backward, colls, groups.overlap, [real.mesh], m,
-                                   replay)
+                                   replay, update)
     loss = nc.choices[g.loss][idx[g.loss]].strategy.output
     batch = next((n.out.shape[0] for n in g.nodes if n.role == "input" and n.out.shape), 0)
     # Recomputed segment by segment (`liveness.segmented_peaks`) where they are known.
     peaks = step_peaks_of(costs, nc, idx, layers if real.recompute else None)
-    figures = {"forward_s": forward, "backward_s": backward, "state_bytes": state,
+    figures = {"forward_s": forward, "backward_s": backward, "update_s": update,
+               "state_bytes": state,
                "activation_bytes": memory - state, "working_bytes": working,
                "grad_bytes": peaks.grad_bytes, "forward_peak_bytes": peaks.forward_peak,
                "backward_peak_bytes": peaks.backward_peak,

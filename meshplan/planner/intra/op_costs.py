@@ -8,14 +8,17 @@ compute (roofline, forward + backward), an op's own statistics exchange, reshard
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.compute import backward_factor, forward_backward_times
 from meshplan.cost.devices import DeviceType
-from meshplan.cost.memory import OptimizerState, ParamMemory, param_memory_per_device
+from meshplan.cost.memory import (OptimizerState, ParamMemory, param_memory_per_device,
+                                  updated_elements)
 from meshplan.cost.mesh import LogicalMesh
+from meshplan.cost.precision import HALF_OPS, HALF_TYPES
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
@@ -233,13 +236,35 @@ class OpCosts:
                    for k, b, a, phase in self.stat_sync(node, choice))
 
     def pass_times(self, node: Node, choice: Choice) -> tuple[float, float]:
-        """Seconds of one micro-batch's forward and backward of ``node`` on one device."""
+        """Seconds of one micro-batch's forward and backward of ``node`` on one device, its
+        operands' casts to the half type included (`cast_times`)."""
         if self.ctx.device is None or node.is_source or node.flops == 0:
             return 0.0, 0.0
         key = (node.name, choice.strategy.work_axes)
         if key not in self._times:
             self._times[key] = self._pass_times(node, key[1])
-        return self._times[key]
+        forward, backward = self._times[key]
+        if node.out.dtype in HALF_TYPES and (node.op in HALF_OPS or node.half_bias):
+            cast_f, cast_b = self.cast_times(node, choice)
+            return forward + cast_f, backward + cast_b
+        return forward, backward
+
+    def cast_times(self, node: Node, choice: Choice) -> tuple[float, float]:
+        """Seconds of one micro-batch's casts of the fp32 operands of ``node``, an op mixed
+        precision runs at the half type (a contraction, a split-off bias add): the runtime
+        casts each operand per use (`lower/program.py`) and autograd casts its gradient back,
+        each a memory-bound kernel of its own (4 bytes read and 2 written per element, or
+        the reverse), which the op's own roofline does not hide."""
+        forward = backward = 0.0
+        for j, name in enumerate(node.inputs):
+            u = self.g.by_name[name]
+            if u.out.dtype != "float32":
+                continue
+            nbytes = 6.0 * u.out.numel / choice.strategy.inputs[j].shard_factor(self.shape)
+            forward += nbytes
+            backward += nbytes if u.requires_grad else 0.0
+        bandwidth = min(d.effective_mem_bandwidth for d in self.ctx.devices or (self.ctx.device,))
+        return forward / bandwidth, backward / bandwidth
 
     def _pass_times(self, node: Node, axes: Axes) -> tuple[float, float]:
         dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
@@ -266,6 +291,21 @@ class OpCosts:
     def compute_cost(self, node: Node, choice: Choice) -> float:
         forward, backward = self.pass_times(node, choice)
         return self.ctx.microbatches * (forward * (1 + self.ctx.replays(node.name)) + backward)
+
+    def update_cost(self, node: Node, choice: Choice) -> float:
+        """Seconds per step of the optimizer's update of the parameter ``node`` under
+        ``choice``, on its slowest device: the elements the device updates (its shard; under
+        ZeRO its share of that) through device memory once
+        (`OptimizerState.update_bytes_per_element`). 0 for other nodes and in abstract units."""
+        if self.ctx.device is None or node.role != "param":
+            return 0.0
+        lay = choice.strategy.output
+        dp = math.prod(self.shape[a] for a in dp_axes(lay, self.shape))
+        elems = updated_elements(node.out.numel, choice.mode or "replicated",
+                                 lay.shard_factor(self.shape), dp)
+        nbytes = elems * self.ctx.optimizer.update_bytes_per_element(node.out.shape)
+        return max(nbytes / d.effective_mem_bandwidth
+                   for d in self.ctx.devices or (self.ctx.device,))
 
     def param_memory(self, node: Node, choice: Choice) -> ParamMemory:
         """What a device holds of the parameter ``node`` under ``choice``."""

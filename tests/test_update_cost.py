@@ -1,0 +1,71 @@
+"""The parts of a step the cost model once left out, each measured on an H200 (docs/gpu.md):
+the optimizer's pass over the parameters (25 ms of a bf16 GPT-1.3B step under torch's foreach
+AdamW; one pass with the fused kernels the runtime now picks on a GPU) and mixed precision's
+casts of fp32 operands to the half type (every weight and fp32 activation a matmul reads, and
+their gradients back)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import meshplan.api as api
+from meshplan.cost.cluster import parse_cluster_spec
+from meshplan.sim.simulate import simulate
+from meshplan.zoo.spec import build_workload
+
+GPT = "gpt:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=8"
+
+
+def _plan(method: str, dtype: str, optimizer: str = "adamw", shape=(1, 4)) -> api.Plan:
+    w = build_workload(GPT, device="meta")
+    return api.plan(w.model, w.loss_fn, optimizer, w.example_batch,
+                    f"dgx-a100:1x{math.prod(shape)}",
+                    mesh_shape=shape, method=method, dtype=dtype, memory_budget_gb=0)
+
+
+def _numel() -> int:
+    w = build_workload(GPT, device="meta")
+    return sum(p.numel() for p in w.model.parameters())
+
+
+def test_the_update_is_one_pass_over_each_devices_parameters_and_zero_shares_it() -> None:
+    """Adam moves 28 bytes per element it updates (value read and written, gradient read,
+    two moments read and written), SGD without momentum 12: data parallelism updates every
+    element on every device, ZeRO each device's quarter; the simulated step pays it."""
+    bandwidth = parse_cluster_spec("dgx-a100:1").device.effective_mem_bandwidth
+    n = _numel()
+    data, zero = _plan("data", "fp32"), _plan("zero2", "fp32")
+    assert data.predicted["update_s"] == pytest.approx(28 * n / bandwidth)
+    assert zero.predicted["update_s"] == pytest.approx(28 * n / 4 / bandwidth, rel=1e-3)
+    assert _plan("data", "fp32", "sgd").predicted["update_s"] == pytest.approx(12 * n / bandwidth)
+    one = _plan("data", "fp32", shape=(1, 1))   # no communication: compute and the update
+    f, b = one.predicted["forward_s"], one.predicted["backward_s"]
+    assert simulate(one).step_time_s == pytest.approx(f + b + 28 * n / bandwidth)
+    for p in (one, data, zero):
+        assert simulate(p).step_time_s == pytest.approx(p.predicted["step_time_s"])
+
+
+def test_mixed_precision_pays_its_casts() -> None:
+    """One device, bf16: every fp32 operand of a matmul (the fp32 master weights, the layer
+    norms' fp32 outputs) is cast to bf16 in forward, and its gradient back in backward, 6
+    bytes per element each way, on top of the matmul's own roofline."""
+    from meshplan.capture.to_ir import capture
+    from meshplan.cost.compute import forward_backward_times
+    from meshplan.cost.precision import with_compute_dtype
+    device = parse_cluster_spec("dgx-a100:1").device
+    w = build_workload(GPT, device="meta")
+    graph = with_compute_dtype(capture(w.model, w.loss_fn, w.example_batch)[1], "bf16")
+    plan = _plan("data", "bf16", shape=(1, 1))
+    casts = []
+    for o in plan.ops:
+        node = graph.by_name[o.node]
+        if o.op != "mm":
+            continue
+        f, b = forward_backward_times(node.flops, node.nbytes, device, "bfloat16", 2.0)
+        cast = sum(6.0 * u.out.numel * (1 + u.requires_grad)
+                   for u in map(graph.by_name.get, node.inputs) if u.out.dtype == "float32")
+        casts.append(cast)
+        assert o.compute == pytest.approx(f + b + cast / device.effective_mem_bandwidth)
+    assert len(casts) >= 8 and all(c > 0 for c in casts)
