@@ -218,6 +218,44 @@ def test_a_split_off_bias_adds_at_the_half_type_as_eager_autocast_does() -> None
     assert [ran[n.name] for n in adds] == eager
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_step_casts_each_parameter_to_the_half_type_once(monkeypatch, recompute: bool) -> None:
+    """Four micro-batches at bf16: the first casts each parameter its matmuls read, the other
+    three use those casts again (`runtime/step_casts.py`), replayed forwards too, and the
+    losses and parameters are bit for bit those of casting in every micro-batch."""
+    from meshplan.runtime.step_casts import StepCasts
+    w = build_workload(GPT8, device="cpu", seed=0)
+    plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, "local:1", mesh_shape=(1, 1),
+                    method="data", dtype="bf16", microbatches=4, memory_budget_gb=0,
+                    recompute="full" if recompute else "none")
+    assert plan.recompute == recompute
+    data = batches(w, 2)
+    made, used = [], []
+    kept = StepCasts.cast
+
+    def counted(self: StepCasts, x, dtype):
+        before = len(self._made)
+        out = kept(self, x, dtype)
+        if out is not None:
+            (made if len(self._made) > before else used).append(out)
+        return out
+
+    monkeypatch.setattr(StepCasts, "cast", counted)
+    [(losses, params, _)] = run_emulated(train_rank, (1, 1), plan, w, data)
+    per_step = len(made) // 2
+    assert per_step >= 8 and len(made) == 2 * per_step
+    assert len(used) == 2 * per_step * (3 + 4 * recompute)   # 3 later micro-batches, 4 replays
+    monkeypatch.setattr(StepCasts, "cast", lambda self, x, dtype: None)   # cast every time
+    [(again, again_params, _)] = run_emulated(train_rank, (1, 1), plan, w, data)
+    assert losses == again
+    assert all(torch_equal(params[k], again_params[k]) for k in params)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a, b)
+
+
 def test_half_types_halve_activation_bytes_and_use_the_half_peak() -> None:
     import meshplan.api as api
     w = build_workload("gpt:hidden=2048,layers=2,heads=16,seq=512,vocab=1024,batch=8",

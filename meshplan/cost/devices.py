@@ -172,8 +172,8 @@ class Link:
 # Efficiency figures (docs/calibration.md says where each comes from and how to refit them).
 # Large fp16/bf16 matmuls: fitted once per device type on one published run
 # (benchmarks/calibrate_devices.py); the same chip in another memory size shares its figure.
-_A100_HALF = 0.66  # from Megatron-LM's 1.7B row (32 A100s, data parallel; its all-reduce overlapped)
-_V100_HALF = 0.76  # from Alpa's 350M row (one V100, no communication)
+_A100_HALF = 0.64  # from Megatron-LM's 1.7B row (32 A100s, data parallel; its all-reduce overlapped)
+_V100_HALF = 0.70  # from Alpa's 350M row (one V100, no communication)
 # Device types without a published run to fit on, and fp32 everywhere (no published fp32 row
 # with its per-GPU throughput): 0.6, below every fitted half figure. Megatron reaches 44-52 %
 # of peak end to end (perf_tables.md §1), so large matmuls alone sit above that.

@@ -17,7 +17,7 @@ from torch import fx
 
 from meshplan.capture.signature_rules import CONSTANT_OPS
 from meshplan.ir.graph import Node
-from meshplan.runtime import collectives
+from meshplan.runtime import collectives, step_casts
 
 aten = torch.ops.aten
 
@@ -60,9 +60,12 @@ def _nll_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: 
 
 def cast_float(x: Any, dtype: torch.dtype) -> Any:
     """``x`` at ``dtype`` if autocast would cast it (a floating tensor other than float64),
-    else unchanged (integer indices, a float64 program)."""
+    else unchanged (integer indices, a float64 program); a parameter's cast made once per step
+    where the runtime keeps them (`runtime/step_casts.py`)."""
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
-        return x.to(dtype)
+        casts = step_casts.active()
+        kept = casts.cast(x, dtype) if casts is not None and x.dtype != dtype else None
+        return kept if kept is not None else x.to(dtype)
     return x
 
 

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshplan.cost.precision import DTYPES
 from meshplan.runtime.comm import Comm
+from meshplan.runtime import step_casts
 from meshplan.runtime.dropout import DropoutStream
 
 
@@ -32,9 +33,16 @@ def autocast_for(dtype: str, device_type: str = "cpu") -> contextlib.AbstractCon
 
 def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor],
                rng: torch.Generator, comm: Comm) -> torch.Tensor:
-    """``program(*args)`` keeping only ``args`` for backward, which reruns the forward."""
+    """``program(*args)`` keeping only ``args`` for backward, which reruns the forward (with
+    the step's parameter casts, which the backward runs outside of)."""
+    casts = step_casts.active()
+
     def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-        return contextlib.nullcontext(), _replay(rng, rng.get_state(), comm)
+        again = contextlib.ExitStack()
+        again.enter_context(_replay(rng, rng.get_state(), comm))
+        if casts is not None:
+            again.enter_context(casts.active())
+        return contextlib.nullcontext(), again
 
     # The whole forward reruns, as the plan counts it: torch's early stop would end the replay
     # once the last saved tensor is back, skipping trailing collectives (a pipeline stage's

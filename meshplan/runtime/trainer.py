@@ -15,11 +15,12 @@ from backward: nothing to synchronize.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import defaultdict, deque
 from contextlib import nullcontext
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ from meshplan.runtime.grad_sync import (GradBuckets, accumulate, dtype_buckets,
 from meshplan.lower.factored_stats import update_dims
 from meshplan.runtime.adafactor import ShardedAdafactor
 from meshplan.runtime.optim import OptimizerSpec, make_optimizer
+from meshplan.runtime.step_casts import StepCasts
 from meshplan.runtime.step_modes import autocast_for, recomputed, segmented
 from meshplan.runtime import zero3
 from meshplan.runtime.zero3 import Rematerializer, Unit, Units
@@ -152,6 +154,8 @@ class Trainer:
         self.spec = OptimizerSpec.from_dict(plan.optimizer)
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
+        # Under mixed precision each parameter's half-type copy is made once per step.
+        self._casts = StepCasts(p.program_arg for p in self.params)
         self._layout = traced.batch
         self.planned_shapes = batch_shapes(example_batch)
         self._steps = 0
@@ -216,9 +220,15 @@ class Trainer:
             return None
         owner = program.owner
         return segmented(program.graph_module, lambda name: segments.get(owner.get(name, "")),
-                         owner.__contains__,
-                         lambda: zero3.running(self._units) if self._units is not None
-                         else nullcontext())
+                         owner.__contains__, self._around_segment)
+
+    @contextlib.contextmanager
+    def _around_segment(self) -> Iterator[None]:
+        """What a recomputed segment's run and replay need of the trainer: ZeRO-3's units and
+        the step's parameter casts."""
+        with zero3.running(self._units) if self._units is not None else nullcontext(), \
+                self._casts.active():
+            yield
 
     def serve(self, batch: Any) -> None:
         """Run the next steps on ``batch``'s shape: the plan's decisions lowered on the program
@@ -499,6 +509,7 @@ class Trainer:
         self._began = self._steps
         self._steps += 1
         self._buckets.reset()
+        self._casts.clear()
         self.guard.begin(self._began)
         return self._dropout.begin(rng) if self._dropout is not None else rng
 
@@ -506,6 +517,7 @@ class Trainer:
         """What a failed step left, dropped (`runtime/failure.py`): gradients, transfers in
         flight, ZeRO-3 copies; the step count as before it."""
         self._scattering.clear()
+        self._casts.clear()
         for p in self.params:
             p.update.grad = None
             if p.compute is not None:
@@ -538,6 +550,7 @@ class Trainer:
     def update(self) -> None:
         """The optimizer step on the synchronized (and clipped) gradients; ZeRO-2 compute copies
         refreshed."""
+        self._casts.clear()   # the casts of the values the optimizer replaces
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
@@ -556,7 +569,7 @@ class Trainer:
         # plan gathers none again in backward, so none is packed away.)
         keep_shards = self._zero3.hooks() if self._zero3 is not None and \
             self._layered is None else nullcontext()
-        with keep_shards, autocast_for(self.plan.dtype, self.device.type):
+        with keep_shards, autocast_for(self.plan.dtype, self.device.type), self._casts.active():
             if not self.plan.recompute:
                 return program(*args)
             if self._layered is not None:   # each segment checkpointed on its own

@@ -252,16 +252,18 @@ class OpCosts:
     def cast_times(self, node: Node, choice: Choice) -> tuple[float, float]:
         """Seconds of one micro-batch's casts of the fp32 operands of ``node``, an op mixed
         precision runs at the half type (a contraction, a split-off bias add): the runtime
-        casts each operand per use (`lower/program.py`) and autograd casts its gradient back,
-        each a memory-bound kernel of its own (4 bytes read and 2 written per element, or
-        the reverse), which the op's own roofline does not hide."""
+        casts each operand where it is used (`lower/program.py`) and autograd casts its
+        gradient back, each a memory-bound kernel of its own (4 bytes read and 2 written per
+        element, or the reverse), which the op's own roofline does not hide. A parameter's
+        cast is made once per step (`runtime/step_casts.py`): a micro-batch pays its share.
+        (A ZeRO-3 parameter's is made per gathered use; priced as a kept one's.)"""
         forward = backward = 0.0
         for j, name in enumerate(node.inputs):
             u = self.g.by_name[name]
             if u.out.dtype != "float32":
                 continue
             nbytes = 6.0 * u.out.numel / choice.strategy.inputs[j].shard_factor(self.shape)
-            forward += nbytes
+            forward += nbytes / self.ctx.microbatches if name in self.param_root else nbytes
             backward += nbytes if u.requires_grad else 0.0
         bandwidth = min(d.effective_mem_bandwidth for d in self.ctx.devices or (self.ctx.device,))
         return forward / bandwidth, backward / bandwidth
