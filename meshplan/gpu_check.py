@@ -249,20 +249,24 @@ def _timed_steps(step: Callable[[int], Any], device: torch.device, steps: int
 # Where a step's device time goes, by the names of its kernels (GPU) or ops (CPU).
 KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm",
                      "aten::bmm", "aten::baddbmm")),
-         ("attention", ("flash", "fmha", "attention", "softmax")),
-         ("optimizer", ("adam", "multi_tensor", "foreach")))
-
+         ("attention", ("flash", "fmha", "sdpa", "attention", "softmax")),
+         ("optimizer", ("adam", "multi_tensor", "foreach")),
+         ("copy", ("copy",)))
+# The trace categories of work on the device (kernels, copies, memsets); the rest is the host's
+# (ops, runtime calls, the profiler's own "overhead" such as a full command buffer).
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 # Where ``profile_step`` writes each profiled step's op table and trace (``--profile-dir``).
 PROFILE_DIR: str | None = None
 
 
 def profile_step(step: Callable[[], Any], device: torch.device, name: str = "step") -> str:
-    """One ``step()`` under torch.profiler: its wall time, the time its kernels (on a GPU) or
-    ops (on the CPU) ran, by kind, and the costliest three of the rest. Says whether a step
-    is launch-bound (kernels busy for a small part of the wall, the host still launching when
-    the step's last kernel could have ended) or slow in its kernels. With ``PROFILE_DIR`` set,
-    the whole op table and a Chrome trace are written there as ``name``.*."""
+    """One ``step()`` under torch.profiler: its wall time, the time the device was busy (its
+    kernels, on a GPU) or its ops ran (on the CPU), by kind, and the costliest three of the
+    rest. Says whether a step is launch-bound (the device idle for much of the wall, the host
+    still launching when the last kernel could have ended) or slow in its kernels. With
+    ``PROFILE_DIR`` set, the whole op table and a Chrome trace are written there as
+    ``name``.*."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -275,27 +279,49 @@ def profile_step(step: Callable[[], Any], device: torch.device, name: str = "ste
         wall = time.perf_counter() - t0
     if PROFILE_DIR:
         _dump_profile(prof, os.path.join(PROFILE_DIR, name), cuda)
+    if cuda:
+        spans = _device_spans(prof)
+        work = [(n, d) for n, _, d in spans]
+        busy = _union_ms(spans)
+    else:
+        work = [(e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+                if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
+        busy = sum(d for _, d in work)
     by_kind: dict[str, float] = {}
     rest: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or (not cuda and not e.key.startswith("aten::")):
-            continue
-        name = e.key.lower()
-        kind = next((k for k, marks in KINDS if any(m in name for m in marks)), "other")
-        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+    for key, ms in work:
+        kind = next((k for k, marks in KINDS if any(m in key.lower() for m in marks)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
         if kind == "other":
-            rest[e.key] = rest.get(e.key, 0.0) + us / 1e3
-    busy = sum(by_kind.values())
+            rest[key] = rest.get(key, 0.0) + ms
     top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
-    launches = sum(e.count for e in prof.key_averages() if cuda and e.self_device_time_total > 0
-                   and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return (f"one step profiled: {'kernels' if cuda else 'ops'} {busy:.1f} ms of {wall * 1e3:.1f} "
-            f"ms wall ({busy / (wall * 1e3):.0%})"
-            + (f", {launches} kernels, host done after {host * 1e3:.1f} ms" if cuda else "")
+    return (f"one step profiled: {'device busy' if cuda else 'ops'} {busy:.1f} ms of "
+            f"{wall * 1e3:.1f} ms wall ({busy / (wall * 1e3):.0%})"
+            + (f", {len(work)} kernels, host done after {host * 1e3:.1f} ms" if cuda else "")
             + ": "
             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
             + "; costliest other: " + ", ".join(f"{k[:60]} {v:.1f}" for k, v in top))
+
+
+def _device_spans(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start ms, duration ms) of the device's work in ``prof``, from its Chrome trace
+    (`DEVICE_CATEGORIES`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [(e["name"], e["ts"] / 1e3, e["dur"] / 1e3) for e in events
+            if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+
+
+def _union_ms(spans: list[tuple[str, float, float]]) -> float:
+    """Milliseconds covered by at least one of ``spans`` (overlapping kernels once)."""
+    total, end = 0.0, -math.inf
+    for _, start, dur in sorted(spans, key=lambda s: s[1]):
+        total += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    return total
 
 
 def _dump_profile(prof: Any, stem: str, cuda: bool) -> None:
