@@ -191,7 +191,7 @@ _HBM = 1.0
 # measured rather than fitted as _HBM is. H100-SXM (the same chip, less and slower memory)
 # keeps the unfitted figures until it is measured itself.
 _H200_HALF = 0.81
-_H200_HBM = 0.85
+_H200_HBM = 0.49
 
 
 def _gpu(name: str, fp32_tf: float, half_tf: float, bf16: bool, mem_gib: float, bw_gbps: float,

@@ -19,7 +19,7 @@ from meshplan.cost.memory import (OptimizerState, ParamMemory, param_memory_per_
                                   updated_elements)
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.cost.precision import HALF_OPS, HALF_TYPES
-from meshplan.ir.graph import Graph, Node
+from meshplan.ir.graph import DTYPE_BYTES, Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
 from meshplan.planner.intra.reshard import Recipe, Step, reshard
@@ -192,6 +192,7 @@ class OpCosts:
         self.param_root = param_roots(self.g)
         self._times: dict[tuple[str, Axes], tuple[float, float]] = {}
         self._sfb: dict[str, SfbUse] | None = None
+        self._casts: dict[str, int] | None = None
 
     @property
     def sfb(self) -> dict[str, SfbUse]:
@@ -322,10 +323,33 @@ class OpCosts:
     def memory(self, node: Node, choice: Choice) -> float:
         lay = choice.strategy.output
         if node.role == "param":
-            return self.param_memory(node, choice).total
+            return self.param_memory(node, choice).total + self.half_copy(node, choice)
         if is_kept(node):
             return float(local_bytes(node, lay, self.shape))
         return 0.0
+
+    def half_copy(self, node: Node, choice: Choice) -> float:
+        """Bytes of the half-type copy of the parameter ``node`` that mixed precision holds
+        through a step (`runtime/step_casts.py`) where a contraction or split-off bias add
+        reads it: its compute shard at the half type (a ZeRO-3 parameter's cast is of its
+        gathered copy, counted with that)."""
+        size = self._cast_params.get(node.name)
+        if size is None or choice.mode == "zero3":
+            return 0.0
+        return size * node.out.numel / choice.strategy.output.shard_factor(self.shape)
+
+    @property
+    def _cast_params(self) -> dict[str, int]:
+        """The parameters a half-type op reads (through views), with the half type's bytes."""
+        if self._casts is None:
+            self._casts = {}
+            for n in self.g.nodes:
+                if n.out.dtype in HALF_TYPES and (n.op in HALF_OPS or n.half_bias):
+                    for name in n.inputs:
+                        p = self.param_root.get(name)
+                        if p is not None and self.g.by_name[p].out.dtype == "float32":
+                            self._casts[p] = DTYPE_BYTES[n.out.dtype]
+        return self._casts
 
     def working(self, node: Node, choice: Choice) -> float:
         """Bytes held only while a pass runs: a ZeRO parameter's whole gradient until its
