@@ -279,10 +279,13 @@ def profile_step(step: Callable[[], Any], device: torch.device, name: str = "ste
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-    if PROFILE_DIR:
-        _dump_profile(prof, os.path.join(PROFILE_DIR, name), cuda)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)   # once: the profiler refuses a second export
+        if PROFILE_DIR:
+            _dump_profile(prof, trace, os.path.join(PROFILE_DIR, name), cuda)
+        spans = _device_spans(trace) if cuda else []
     if cuda:
-        spans = _device_spans(prof)
         work = [(n, d) for n, _, d in spans]
         busy = _union_ms(spans)
     else:
@@ -305,14 +308,11 @@ def profile_step(step: Callable[[], Any], device: torch.device, name: str = "ste
             + "; costliest other: " + ", ".join(f"{k[:60]} {v:.1f}" for k, v in top))
 
 
-def _device_spans(prof: Any) -> list[tuple[str, float, float]]:
-    """(name, start ms, duration ms) of the device's work in ``prof``, from its Chrome trace
+def _device_spans(trace: str) -> list[tuple[str, float, float]]:
+    """(name, start ms, duration ms) of the device's work in the Chrome trace at ``trace``
     (`DEVICE_CATEGORIES`)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
     return [(e["name"], e["ts"] / 1e3, e["dur"] / 1e3) for e in events
             if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
 
@@ -326,19 +326,17 @@ def _union_ms(spans: list[tuple[str, float, float]]) -> float:
     return total
 
 
-def _dump_profile(prof: Any, stem: str, cuda: bool) -> None:
+def _dump_profile(prof: Any, trace: str, stem: str, cuda: bool) -> None:
     """``prof``'s op table (by self device time on a GPU) to ``stem``.txt and its Chrome trace
-    to ``stem``.json.gz."""
+    (exported at ``trace``) to ``stem``.json.gz."""
     import gzip
     import shutil
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(stem + ".txt", "w") as f:
         f.write(prof.key_averages().table(sort_by=key, row_limit=120, max_name_column_width=90))
-    prof.export_chrome_trace(stem + ".json")
-    with open(stem + ".json", "rb") as src, gzip.open(stem + ".json.gz", "wb") as dst:
+    with open(trace, "rb") as src, gzip.open(stem + ".json.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
-    os.remove(stem + ".json")
 
 
 def _eager_step_s(spec: str, device: torch.device, steps: int) -> tuple[float, str]:

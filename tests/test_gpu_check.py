@@ -10,7 +10,11 @@ from meshplan import gpu_check
 
 def test_the_gpu_check_passes_on_the_cpu(tmp_path, capsys) -> None:
     out = tmp_path / "gpu.md"
-    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+    prof = tmp_path / "prof"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out), "--profile-dir", str(prof)]) == 0
+    # (b)'s profiled steps written whole, meshplan's and the plain loop's.
+    assert sorted(p.name for p in prof.iterdir()) == ["meshplan.json.gz", "meshplan.txt",
+                                                      "plain.json.gz", "plain.txt"]
     text = out.read_text()
     printed = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| a ")]
