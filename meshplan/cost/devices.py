@@ -185,11 +185,11 @@ _UNFITTED = 0.6
 _HBM = 1.0
 
 
-# H200: measured on one, 2026-11-29 (`make gpu-check`, docs/gpu.md): a bf16 GPT-1.3B step's
-# matmul kernels ran 64.5 TFLOP in 80.0 ms (0.815 of the 989 peak), and a device-to-device
-# copy moved 4,081 of the 4,800 GB/s (0.85) — the figure for meshplan's unfused eager ops,
-# measured rather than fitted as _HBM is. H100-SXM (the same chip, less and slower memory)
-# keeps the unfitted figures until it is measured itself.
+# H200: from a measured bf16 GPT-1.3B step (`make gpu-check`, 2026-11-29; docs/calibration.md):
+# its matmul kernels ran 64.5 TFLOP in 80.0 ms (0.815 of the 989 peak); its memory-bound kernels
+# took 1.7 times what the op-by-op traffic costs at the 0.85 a plain copy reached, so 0.49 (PyTorch's
+# elementwise kernels below copy speed, backward traffic the model leaves out). H100-SXM, the
+# same chip with less and slower memory, keeps the unfitted figures until it is measured.
 _H200_HALF = 0.81
 _H200_HBM = 0.49
 

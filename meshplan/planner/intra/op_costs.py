@@ -255,16 +255,19 @@ class OpCosts:
         precision runs at the half type (a contraction, a split-off bias add): the runtime
         casts each operand where it is used (`lower/program.py`) and autograd casts its
         gradient back, each a memory-bound kernel of its own (4 bytes read and 2 written per
-        element, or the reverse), which the op's own roofline does not hide. A parameter's
-        cast is made once per step (`runtime/step_casts.py`): a micro-batch pays its share.
-        (A ZeRO-3 parameter's is made per gathered use; priced as a kept one's.)"""
+        element, or the reverse), which the op's own roofline does not hide. Without
+        recomputation a parameter's cast is made once per step (`runtime/step_casts.py`): a
+        micro-batch pays its share. (A ZeRO-3 parameter's is made per gathered use; priced as
+        a kept one's.)"""
+        once = not self.ctx.recompute
         forward = backward = 0.0
         for j, name in enumerate(node.inputs):
             u = self.g.by_name[name]
             if u.out.dtype != "float32":
                 continue
             nbytes = 6.0 * u.out.numel / choice.strategy.inputs[j].shard_factor(self.shape)
-            forward += nbytes / self.ctx.microbatches if name in self.param_root else nbytes
+            forward += nbytes / self.ctx.microbatches if once and name in self.param_root \
+                else nbytes
             backward += nbytes if u.requires_grad else 0.0
         bandwidth = min(d.effective_mem_bandwidth for d in self.ctx.devices or (self.ctx.device,))
         return forward / bandwidth, backward / bandwidth
@@ -331,10 +334,11 @@ class OpCosts:
     def half_copy(self, node: Node, choice: Choice) -> float:
         """Bytes of the half-type copy of the parameter ``node`` that mixed precision holds
         through a step (`runtime/step_casts.py`) where a contraction or split-off bias add
-        reads it: its compute shard at the half type (a ZeRO-3 parameter's cast is of its
-        gathered copy, counted with that)."""
+        reads it: its compute shard at the half type. None under recomputation, which casts
+        a layer's weights while the layer runs, nor for a ZeRO-3 parameter, whose cast is of
+        its gathered copy, counted with that."""
         size = self._cast_params.get(node.name)
-        if size is None or choice.mode == "zero3":
+        if size is None or choice.mode == "zero3" or self.ctx.recompute:
             return 0.0
         return size * node.out.numel / choice.strategy.output.shard_factor(self.shape)
 
