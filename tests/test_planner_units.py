@@ -109,12 +109,14 @@ def test_memory_budget_trades_communication_for_zero() -> None:
     w = build_workload("mlp:layers=4,hidden=256,batch=8")
     roomy = meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, "local:4",
                           method="data", memory_budget_gb=1)
-    assert {p.update for p in roomy.params} == {"replicated"}
     need = roomy.predicted["peak_memory_bytes"]
     tight = meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, "local:4",
-                          method="data", memory_budget_gb=0.6 * need / 2**30)
-    assert tight.predicted["peak_memory_bytes"] <= 0.6 * need
-    assert {p.update for p in tight.params} & {"zero2", "zero3"}
+                          method="data", memory_budget_gb=0.8 * need / 2**30)
+    assert tight.predicted["peak_memory_bytes"] <= 0.8 * need
+    # With room, ZeRO-2 at most, where its sharded update pays for its collectives (the
+    # weight matrices here); under the budget ZeRO-3, at a cost in time.
+    assert "zero3" in {p.update for p in tight.params} - {p.update for p in roomy.params}
+    assert tight.predicted["step_time_s"] > roomy.predicted["step_time_s"]
     with pytest.raises(InfeasiblePlanError) as info:
         meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, "local:4",
                       method="data", memory_budget_gb=0.05 * need / 2**30)
