@@ -47,6 +47,11 @@ class CostContext:
     recompute: bool = False
     devices: tuple[DeviceType, ...] = ()
     recomputed: frozenset[str] | None = None
+    # Whether memory counts the half-type copies of the parameters a step holds
+    # (`OpCosts.half_copy`). The stage profiler's formulations leave them out: one
+    # formulation serves a stage's plain and recomputed variants, and a recomputed stage
+    # holds none (an undercount of 2 bytes per parameter element for plain pipeline stages).
+    half_copies: bool = True
 
     def replays(self, node: str | None = None) -> bool:
         """Whether ``node``'s forward runs again in backward (None: the program's, as a
@@ -338,7 +343,8 @@ class OpCosts:
         a layer's weights while the layer runs, nor for a ZeRO-3 parameter, whose cast is of
         its gathered copy, counted with that."""
         size = self._cast_params.get(node.name)
-        if size is None or choice.mode == "zero3" or self.ctx.recompute:
+        if size is None or choice.mode == "zero3" or self.ctx.recompute \
+                or not self.ctx.half_copies:
             return 0.0
         return size * node.out.numel / choice.strategy.output.shard_factor(self.shape)
 
