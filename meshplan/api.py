@@ -165,7 +165,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
          dtype: str = "auto", microbatches: int | str = "auto", recompute: str = "auto",
          num_layers: int | None = None, schedule: str = "auto", name: str = "model",
          progress: bool = False, gather: str = "auto", sfb: str | None = None,
-         segments: int = 1, segment_ratios: Sequence[Sequence[float]] | None = None) -> Plan:
+         segments: int = 1, segment_ratios: Sequence[Sequence[float]] | None = None,
+         hold_half_copies: bool = True) -> Plan:
     """Find the optimal intra-operator plan of one training step on ``cluster``.
 
     ``example_batch`` is ``(inputs, target)`` (inputs a tensor, a tuple of tensors or a dict of
@@ -256,7 +257,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     opts = IntraOptions(**method_options(method, force_batch_dim=force_batch_dim,
                                          prefer_reduce_scatter=prefer_reduce_scatter),
                         memory_budget=budget, include_compute=not abstract, optimizer=opt.kind,
-                        share_blocks=share_blocks)
+                        share_blocks=share_blocks, hold_half_copies=hold_half_copies)
     mode, replay = parse_recompute(recompute)
     step = _TrainingStep(resolve_dtype(dtype, cl.device), mode == "full", replay=replay)
     schedule = resolve_schedule(schedule)
@@ -455,7 +456,17 @@ def recompute_layering(graph: Any, num_devices: int) -> Any:
 @functools.wraps(_plan, assigned=("__doc__",))
 def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, **kwargs: Any) -> Plan:
-    found = _plan(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
+    try:
+        found = _plan(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
+    except InfeasiblePlanError:
+        # Under mixed precision a step holds its weights' half copies (2 bytes per element,
+        # `runtime/step_casts.py`), which may be what does not fit: without them every
+        # micro-batch and replay casts again, slower but smaller.
+        if not kwargs.get("hold_half_copies", True) or resolve_dtype(
+                kwargs.get("dtype", "auto"), _cluster(cluster).device) == "fp32":
+            raise
+        found = _plan(model, loss_fn, optimizer, example_batch, cluster,
+                      **{**kwargs, "hold_half_copies": False})
     return _microbatch_loss(found, model, loss_fn, example_batch)
 
 
@@ -643,7 +654,7 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
     # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
     ctx = CostContext(mesh, None if abstract else cl.device, opt.state(),
                       param_reshard=method == "heuristic", microbatches=step.microbatches,
-                      recompute=step.recompute)
+                      recompute=step.recompute, half_copies=opts.hold_half_copies)
     if method == "heuristic":
         choices = baselines.heuristic(choices, ctx)
     elif method == "expert":

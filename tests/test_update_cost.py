@@ -77,3 +77,27 @@ def test_mixed_precision_pays_its_casts(microbatches: int) -> None:
         casts.append(cast)
         assert o.compute == pytest.approx(m * (f + b) + cast / device.effective_mem_bandwidth)
     assert len(casts) >= 8 and all(c > 0 for c in casts)
+
+
+def test_a_plan_without_room_for_the_half_copies_casts_in_every_micro_batch() -> None:
+    """With room, a bf16 step holds its weights' half copies (2 bytes per element, in its
+    peak) and casts each weight once per step. Under a budget that fits only without them,
+    `api.plan` plans again without (`hold_half_copies`): every micro-batch casts its weights
+    again, the step is slower and smaller, and the runtime keeps no copies for it."""
+    w = build_workload(GPT, device="meta")
+    copies = 2 * sum(p.numel() for p in w.model.parameters() if p.dim() == 2)
+
+    def plan(budget_gb: float) -> api.Plan:
+        return api.plan(w.model, w.loss_fn, "adamw", w.example_batch, "dgx-a100:1x1",
+                        mesh_shape=(1, 1), method="data", dtype="bf16", microbatches=4,
+                        memory_budget_gb=budget_gb)
+
+    held = plan(0)
+    need = held.predicted["peak_memory_bytes"]
+    budget = need - copies / 2
+    tight = plan(budget / 2**30)
+    assert held.options["hold_half_copies"] and not tight.options["hold_half_copies"]
+    assert tight.predicted["peak_memory_bytes"] <= budget < need
+    assert tight.predicted["step_time_s"] > held.predicted["step_time_s"]
+    with pytest.raises(api.InfeasiblePlanError):   # the fallback too has its floor
+        plan(tight.predicted["peak_memory_bytes"] / 2 / 2**30)

@@ -154,11 +154,10 @@ class Trainer:
         self.spec = OptimizerSpec.from_dict(plan.optimizer)
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
-        # Under mixed precision each parameter's half-type copy is made once per step; not
-        # under recomputation, whose replays cast again rather than hold every layer's copy
-        # through the step (the memory it is there to save).
-        self._casts = StepCasts(() if plan.recompute else
-                                (p.program_arg for p in self.params))
+        # Under mixed precision each parameter's half-type copy is made once per step and
+        # held, unless the plan could not fit them (`IntraOptions.hold_half_copies`).
+        self._casts = StepCasts(p.program_arg for p in self.params) \
+            if plan.options.get("hold_half_copies", True) else StepCasts(())
         self._layout = traced.batch
         self.planned_shapes = batch_shapes(example_batch)
         self._steps = 0

@@ -677,7 +677,8 @@ class StageProfiler:
     def _context(self, submesh: Submesh, shape: tuple[int, int]) -> CostContext:
         sub = self.stage_cluster(f"{self.cluster.name}[{submesh[0]}x{submesh[1]}]", submesh)
         return CostContext(logical_mesh(sub, shape), sub.device, self.optimizer_state,
-                           microbatches=self.microbatches, half_copies=False)
+                           microbatches=self.microbatches,
+                           half_copies=self.options.hold_half_copies)
 
     def _form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
               tp: bool = False) -> Formulation:

@@ -76,7 +76,8 @@ def _solved(plan: Plan, graph: Graph, layers: dict[str, int] | None) -> tuple:
     from meshplan.runtime.optim import OptimizerSpec
     ctx = CostContext(mesh, cl.device, OptimizerSpec.from_dict(plan.optimizer).state(),
                       param_reshard=plan.method == "heuristic", microbatches=plan.microbatches,
-                      recompute=plan.recompute)
+                      recompute=plan.recompute,
+                      half_copies=plan.options.get("hold_half_copies", True))
     segments, replay = None, None
     if plan.recompute:
         replay = Replay(plan.recompute_scope, plan.recompute_layers)

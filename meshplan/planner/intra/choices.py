@@ -47,6 +47,9 @@ class IntraOptions:
     ``tensor_weights``: every parameter of two or more dims is split over ``tensor_axis``
     where some even split allows it, as Megatron-LM keeps its weights (without it, splitting
     the sequence over that axis with the weights replicated is also tensor-axis work).
+    ``hold_half_copies``: under mixed precision each parameter's half-type copy is made once
+    per step and held through it (`runtime/step_casts.py`); off, every micro-batch and replay
+    casts again and holds none (what `api.plan` falls back to when the copies do not fit).
     """
 
     force_data_parallel: bool = False
@@ -62,6 +65,7 @@ class IntraOptions:
     replicated_updates: frozenset[str] = frozenset()
     sfb: str = "off"
     tensor_weights: bool = False
+    hold_half_copies: bool = True
 
     @property
     def heavy_full_split(self) -> bool:

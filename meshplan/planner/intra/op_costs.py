@@ -47,10 +47,8 @@ class CostContext:
     recompute: bool = False
     devices: tuple[DeviceType, ...] = ()
     recomputed: frozenset[str] | None = None
-    # Whether memory counts the half-type copies of the parameters a step holds
-    # (`OpCosts.half_copy`). The stage profiler's formulations leave them out: one
-    # formulation serves a stage's plain and recomputed variants, and a recomputed stage
-    # holds none (an undercount of 2 bytes per parameter element for plain pipeline stages).
+    # Whether a step holds its parameters' half-type copies (`IntraOptions.hold_half_copies`):
+    # their memory, and a weight's forward cast once per step rather than per use.
     half_copies: bool = True
 
     def replays(self, node: str | None = None) -> bool:
@@ -260,11 +258,11 @@ class OpCosts:
         precision runs at the half type (a contraction, a split-off bias add): the runtime
         casts each operand where it is used (`lower/program.py`) and autograd casts its
         gradient back, each a memory-bound kernel of its own (4 bytes read and 2 written per
-        element, or the reverse), which the op's own roofline does not hide. Without
-        recomputation a parameter's cast is made once per step (`runtime/step_casts.py`): a
-        micro-batch pays its share. (A ZeRO-3 parameter's is made per gathered use; priced as
-        a kept one's.)"""
-        once = not self.ctx.recompute
+        element, or the reverse), which the op's own roofline does not hide. Where the step
+        holds its half copies (`CostContext.half_copies`) a parameter's cast is made once per
+        step (`runtime/step_casts.py`): a micro-batch pays its share. (A ZeRO-3 parameter's is
+        made per gathered use; priced as a held one's.)"""
+        once = self.ctx.half_copies
         forward = backward = 0.0
         for j, name in enumerate(node.inputs):
             u = self.g.by_name[name]
@@ -339,12 +337,11 @@ class OpCosts:
     def half_copy(self, node: Node, choice: Choice) -> float:
         """Bytes of the half-type copy of the parameter ``node`` that mixed precision holds
         through a step (`runtime/step_casts.py`) where a contraction or split-off bias add
-        reads it: its compute shard at the half type. None under recomputation, which casts
-        a layer's weights while the layer runs, nor for a ZeRO-3 parameter, whose cast is of
-        its gathered copy, counted with that."""
+        reads it: its compute shard at the half type. None where the step holds none
+        (`CostContext.half_copies`), nor for a ZeRO-3 parameter, whose cast is of its
+        gathered copy, counted with that."""
         size = self._cast_params.get(node.name)
-        if size is None or choice.mode == "zero3" or self.ctx.recompute \
-                or not self.ctx.half_copies:
+        if size is None or choice.mode == "zero3" or not self.ctx.half_copies:
             return 0.0
         return size * node.out.numel / choice.strategy.output.shard_factor(self.shape)
 
