@@ -458,12 +458,15 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
          cluster: Cluster | str, **kwargs: Any) -> Plan:
     try:
         found = _plan(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
-    except InfeasiblePlanError:
+    except InfeasiblePlanError as e:
         # Under mixed precision a step holds its weights' half copies (2 bytes per element,
         # `runtime/step_casts.py`), which may be what does not fit: without them every
-        # micro-batch and replay casts again, slower but smaller.
+        # micro-batch and replay casts again, slower but smaller. They are at most a fifth
+        # of what the smallest plan needs (each comes with at least 8 bytes of value and
+        # gradient): beyond that no plan without them fits either, and none is searched.
         if not kwargs.get("hold_half_copies", True) or resolve_dtype(
-                kwargs.get("dtype", "auto"), _cluster(cluster).device) == "fp32":
+                kwargs.get("dtype", "auto"), _cluster(cluster).device) == "fp32" \
+                or 0.8 * e.min_memory_bytes > e.budget_bytes:
             raise
         found = _plan(model, loss_fn, optimizer, example_batch, cluster,
                       **{**kwargs, "hold_half_copies": False})
