@@ -69,6 +69,15 @@ def resolve_dtype(name: str, device: DeviceType | None) -> str:
 # The ops autocast computes at the half type (in its lower-precision list on every device), and
 # meshplan's routed experts, which compute at autocast's type as linear does.
 HALF_OPS = frozenset({"mm", "bmm", "matmul", "conv", "sdpa", "routed_experts"})
+
+
+def runs_half(node: Node) -> bool:
+    """Whether mixed precision runs ``node`` at the half type whatever its operands' dtypes:
+    a contraction of `HALF_OPS`, or the bias add the capture split from one (`Node.half_bias`),
+    whose operands the runtime casts (`lower/program.py`)."""
+    return node.op in HALF_OPS or node.half_bias
+
+
 # Ops whose output keeps their data operand's dtype under fp32 parameters (torch's mixed-dtype
 # normalization kernels) rather than promoting.
 FOLLOW_DATA_OPS = frozenset({"layer_norm", "batch_norm", "nll_loss"})
@@ -95,7 +104,7 @@ def _autocast_dtype(node: Node, target: str, dtypes: dict[str, str]) -> str:
     """The dtype of ``node``'s output under autocast at ``target``, given its inputs'."""
     if node.role != "op" or node.out.dtype not in _FLOATS:
         return node.out.dtype
-    if node.op in HALF_OPS or node.half_bias:
+    if runs_half(node):
         return target
     if node.op in FOLLOW_DATA_OPS and dtypes[node.inputs[0]] in _FLOATS:
         return dtypes[node.inputs[0]]

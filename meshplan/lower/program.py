@@ -30,7 +30,7 @@ from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
 from meshplan.cost.collectives import uneven_gather_impl
 from meshplan.cost.mesh import LogicalMesh, with_shares
-from meshplan.cost.precision import DTYPES, HALF_OPS
+from meshplan.cost.precision import DTYPES, runs_half
 from meshplan.ir.graph import Graph, Node
 from meshplan.lower import local_ops, microbatch
 from meshplan.lower.grain import cut_units
@@ -233,7 +233,7 @@ class _Lowerer:
             val, fxn = self._reshard(name, want, dec.grad_partial[j], node.name)
             operands.append(fxn)
             shardeds.append(val)
-        if self.half is not None and (node.op in HALF_OPS or node.half_bias):
+        if self.half is not None and runs_half(node):
             cast = zero3.cast if self.gathers else local_ops.cast_float
             operands = [self.out.call_function(cast, (o, self.half)) for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))

@@ -15,11 +15,10 @@ from backward: nothing to synchronize.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections import defaultdict, deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -224,7 +223,7 @@ class Trainer:
         return segmented(program.graph_module, lambda name: segments.get(owner.get(name, "")),
                          owner.__contains__, self._around_segment)
 
-    @contextlib.contextmanager
+    @contextmanager
     def _around_segment(self) -> Iterator[None]:
         """What a recomputed segment's run and replay need of the trainer: ZeRO-3's units and
         the step's parameter casts."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from meshplan.cost.collectives import collective_cost
 from meshplan.cost.compute import backward_factor, forward_backward_times
@@ -18,7 +18,7 @@ from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import (OptimizerState, ParamMemory, param_memory_per_device,
                                   updated_elements)
 from meshplan.cost.mesh import LogicalMesh
-from meshplan.cost.precision import HALF_OPS, HALF_TYPES
+from meshplan.cost.precision import HALF_TYPES, runs_half
 from meshplan.ir.graph import DTYPE_BYTES, Graph, Node
 from meshplan.planner.intra.choices import Choice, NodeChoices
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
@@ -195,7 +195,6 @@ class OpCosts:
         self.param_root = param_roots(self.g)
         self._times: dict[tuple[str, Axes], tuple[float, float]] = {}
         self._sfb: dict[str, SfbUse] | None = None
-        self._casts: dict[str, int] | None = None
 
     @property
     def sfb(self) -> dict[str, SfbUse]:
@@ -248,7 +247,7 @@ class OpCosts:
         if key not in self._times:
             self._times[key] = self._pass_times(node, key[1])
         forward, backward = self._times[key]
-        if node.out.dtype in HALF_TYPES and (node.op in HALF_OPS or node.half_bias):
+        if node.out.dtype in HALF_TYPES and runs_half(node):
             cast_f, cast_b = self.cast_times(node, choice)
             return forward + cast_f, backward + cast_b
         return forward, backward
@@ -272,11 +271,15 @@ class OpCosts:
             forward += nbytes / self.ctx.microbatches if once and name in self.param_root \
                 else nbytes
             backward += nbytes if u.requires_grad else 0.0
-        bandwidth = min(d.effective_mem_bandwidth for d in self.ctx.devices or (self.ctx.device,))
-        return forward / bandwidth, backward / bandwidth
+        return forward / self._slowest_memory, backward / self._slowest_memory
+
+    @cached_property
+    def _slowest_memory(self) -> float:
+        """Bytes/s of device memory on the slowest rank (memory-bound work every rank does)."""
+        return min(d.effective_mem_bandwidth for d in self.ctx.devices or (self.ctx.device,))
 
     def _pass_times(self, node: Node, axes: Axes) -> tuple[float, float]:
-        dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
+        dtype = node.out.dtype if node.out.dtype in HALF_TYPES else "float32"
         factor = backward_factor(node.op, node.sig.kind if node.sig is not None else None)
         times = [forward_backward_times(node.flops * share, node.nbytes * share, device, dtype,
                                         factor)
@@ -289,7 +292,7 @@ class OpCosts:
         over the device's share, at the slowest rank."""
         if self.ctx.device is None or node.flops == 0:
             return 0.0
-        dtype = node.out.dtype if node.out.dtype in ("float16", "bfloat16") else "float32"
+        dtype = node.out.dtype if node.out.dtype in HALF_TYPES else "float32"
 
         def forward(device: DeviceType, share: float) -> float:
             return forward_backward_times(node.flops * share, node.nbytes * share, device,
@@ -313,8 +316,7 @@ class OpCosts:
         elems = updated_elements(node.out.numel, choice.mode or "replicated",
                                  lay.shard_factor(self.shape), dp)
         nbytes = elems * self.ctx.optimizer.update_bytes_per_element(node.out.shape)
-        return max(nbytes / d.effective_mem_bandwidth
-                   for d in self.ctx.devices or (self.ctx.device,))
+        return nbytes / self._slowest_memory
 
     def param_memory(self, node: Node, choice: Choice) -> ParamMemory:
         """What a device holds of the parameter ``node`` under ``choice``."""
@@ -345,18 +347,17 @@ class OpCosts:
             return 0.0
         return size * node.out.numel / choice.strategy.output.shard_factor(self.shape)
 
-    @property
+    @cached_property
     def _cast_params(self) -> dict[str, int]:
         """The parameters a half-type op reads (through views), with the half type's bytes."""
-        if self._casts is None:
-            self._casts = {}
-            for n in self.g.nodes:
-                if n.out.dtype in HALF_TYPES and (n.op in HALF_OPS or n.half_bias):
-                    for name in n.inputs:
-                        p = self.param_root.get(name)
-                        if p is not None and self.g.by_name[p].out.dtype == "float32":
-                            self._casts[p] = DTYPE_BYTES[n.out.dtype]
-        return self._casts
+        out = {}
+        for n in self.g.nodes:
+            if n.out.dtype in HALF_TYPES and runs_half(n):
+                for name in n.inputs:
+                    p = self.param_root.get(name)
+                    if p is not None and self.g.by_name[p].out.dtype == "float32":
+                        out[p] = DTYPE_BYTES[n.out.dtype]
+        return out
 
     def working(self, node: Node, choice: Choice) -> float:
         """Bytes held only while a pass runs: a ZeRO parameter's whole gradient until its

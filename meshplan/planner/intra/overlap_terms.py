@@ -31,8 +31,9 @@ all-reduce, once per micro-batch), so the ILP can never gain by a saving it was 
 for. Of that all-reduce only the reduce-scatter's share hides under ZeRO, whose gather of the
 new values follows the update: the rest is gated on the parameter not being ZeRO's (once the
 update was priced, ZeRO-2's sharded update made it worth choosing without a memory budget,
-and a Wide-ResNet's ZeRO-2 plan priced 6 % under its own prediction). Hidden by the parameter's strategy alone, it counted an all-reduce for a consumer that
-repeats the work on every device and has no partial gradient: planning tiny models, the ILP
+and a Wide-ResNet's ZeRO-2 plan priced 6 % under its own prediction). Hidden by the
+parameter's strategy alone, it counted an all-reduce for a consumer that repeats the work on
+every device and has no partial gradient: planning tiny models, the ILP
 chose such plans for savings that do not exist (a 2-layer MoE on 4 V100: objective 70 us,
 step 132 us). ZeRO's collectives in the earlier micro-batches' backwards, and ZeRO-3's
 gathers, stay charged in full. A parameter SFB may update (`sfb.py`) has its seconds on its
