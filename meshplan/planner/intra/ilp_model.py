@@ -501,15 +501,42 @@ def build_overlap_rows(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
 
 def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
                      gated: tuple[Gate, ...], unit: float) -> list[int]:
-    """Per gated entry a continuous ``z`` (in ``unit`` seconds): at most its node's seconds
-    under the node's strategy, and nothing while the gate node picks a gate strategy (``z <=
-    M (1 - sum of those columns)``, M its most seconds); the saving's rows take ``z`` for the
-    seconds."""
-    out = []
+    """Per gated entry a continuous ``z`` (in ``unit`` seconds), which the saving's rows take
+    for the seconds: at most its node's seconds under the node's strategy while the gate node
+    picks none of the gate strategies, over pair indicators of the two nodes' joint choice
+    (`_PairIndicators`: ``z <= sum_p seconds[p] e[open, p]``). The bound by marginals alone, ``z
+    <= seconds(s_v)`` and ``z <= M (1 - sum of the gate's columns)``, let a half-ZeRO parameter
+    open half of its consumer's largest seconds whatever the consumer's mix, and HiGHS then
+    proved a Wide-ResNet's plan (16 V100, every weight's update free to be ZeRO's) in 26 s where
+    it found it in 5. Where either node is fixed the marginal bound is the joint one."""
+    pairs = _PairIndicators(reduced, choice_cols)
+    joint: list[tuple[int, int, tuple[int, ...], list[tuple[float, tuple[int, ...]]]] | None] = []
     for v, g, strategies, seconds in gated:
-        most = float(seconds.max()) / unit
+        gv, gg = int(reduced.group_of_node[v]), int(reduced.group_of_node[g])
+        if choice_cols[gv] < 0 or choice_cols[gg] < 0 or gv == gg:
+            joint.append(None)
+            continue
+        shut = set(strategies)
+        open_pos = tuple(k for k, s in enumerate(reduced.allowed(gg)) if int(s) not in shut)
+        values = seconds[reduced.allowed(gv)] / unit
+        levels = [(float(x), tuple(int(k) for k in np.flatnonzero(values == x)))
+                  for x in np.unique(values) if x > 0]
+        for _, pos in levels if open_pos else ():
+            pairs.want(gg, gv, open_pos, pos)
+        joint.append((gg, gv, open_pos, levels))
+    pairs.build(coo)
+    out = []
+    for (v, g, strategies, seconds), pair in zip(gated, joint):
         col = coo.add_cols(np.zeros(1), np.inf, False)
         out.append(col)
+        if pair is not None:
+            gg, gv, open_pos, levels = pair
+            cells = [pairs.cells(gg, gv, open_pos, pos) for _, pos in levels] if open_pos else []
+            _add_row(coo, [np.array([col])] + cells,
+                     [np.ones(1)] + [np.full(c.size, -x) for c, (x, _) in zip(cells, levels)],
+                     0.0)
+            continue
+        most = float(seconds.max()) / unit
         fixed, cols, coefs = _group_terms([v], reduced, choice_cols, {v: seconds / unit})
         _add_row(coo, cols + [np.array([col])], [-c for c in coefs] + [np.ones(1)], fixed)
         picks = np.zeros(len(reduced.costs[int(reduced.group_of_node[g])]))
