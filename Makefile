@@ -26,9 +26,10 @@ $(CHROMIUM):
 # Two pytest workers (pytest-xdist), a whole test file at a time (--dist loadfile) so a module's
 # fixtures are built once. The tests' own processes leave a core idle much of a serial run: on
 # the 2-core machine the suite took 8 min 15 s this way against 11 min 02 s serially (same
-# CPU time). `pytest tests` alone still runs serially.
+# CPU time). `pytest tests` alone still runs serially. --no-loadscope-reorder: files in
+# collection order, the longest first (tests/conftest.py), not xdist's order by test count.
 test: $(STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder
 
 # meshplan on a real GPU (meshplan/gpu_check.py; docs/gpu.md). It runs on the machine's own
 # Python and torch, no venv: a GPU machine brings its own CUDA build (torch>=2.11).

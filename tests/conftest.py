@@ -27,16 +27,20 @@ torch.set_num_threads(1)
 # Under `--dist loadfile` each worker takes the next file in collection order when it is done
 # with one. Collected alphabetically, the longest files came late, and one worker ran them
 # alone at the end: the last 3 % of the tests took three of nine minutes. They go first,
-# longest first (seconds per file from `--junitxml`, 2026-11-29: 96 s for the launchers down
-# to 16 s), and the many short files fill in around them.
-LONGEST_FIRST = ("test_launchers.py", "test_published_runs.py", "test_auto_vs_baselines.py",
-                 "test_hf_models.py", "test_stage_costs.py", "test_inter_methods.py",
-                 "test_partial_recompute.py", "test_pipeline_runtime.py", "test_simulate.py",
-                 "test_gpu_check.py", "test_calibrate.py", "test_checkpoint.py",
-                 "test_demo_pipeline.py", "test_random_plans.py", "test_hetero_equivalence.py",
-                 "test_ilp.py", "test_hf_catalog.py", "test_equivalence_gloo.py",
-                 "test_equivalence_zoo.py", "test_local_loading.py", "test_hetero_plan.py",
-                 "test_plan_collectives.py")
+# longest first (seconds per file from `--durations=0`, 2026-11-29: 92 s for the launchers
+# down to 10 s), and the many short files fill in around them. xdist (3.6 on) orders the files
+# by their number of tests instead unless told not to (`make test`'s --no-loadscope-reorder):
+# without it, the launchers' four tests ran last, alone.
+LONGEST_FIRST = ("test_launchers.py", "test_published_runs.py", "test_stage_costs.py",
+                 "test_hf_models.py", "test_partial_recompute.py", "test_inter_methods.py",
+                 "test_pipeline_runtime.py", "test_simulate.py", "test_auto_vs_baselines.py",
+                 "test_demo_pipeline.py", "test_random_plans.py", "test_checkpoint.py",
+                 "test_hetero_equivalence.py", "test_calibrate.py", "test_gpu_check.py",
+                 "test_ilp.py", "test_hf_catalog.py", "test_hetero_plan.py",
+                 "test_equivalence_gloo.py", "test_equivalence_zoo.py", "test_devices.py",
+                 "test_local_loading.py", "test_report.py", "test_training_step.py",
+                 "test_batch_shapes.py", "test_adafactor.py", "test_infeasible.py",
+                 "test_stage_dp.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
