@@ -508,7 +508,8 @@ def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     <= seconds(s_v)`` and ``z <= M (1 - sum of the gate's columns)``, let a half-ZeRO parameter
     open half of its consumer's largest seconds whatever the consumer's mix, and HiGHS then
     proved a Wide-ResNet's plan (16 V100, every weight's update free to be ZeRO's) in 26 s where
-    it found it in 5. Where either node is fixed the marginal bound is the joint one."""
+    it found it in 5. Where either node is fixed, or both are one group, the marginal bound
+    stays (exact at an integral point, as the joint one)."""
     pairs = _PairIndicators(reduced, choice_cols)
     joint: list[tuple[int, int, tuple[int, ...], list[tuple[float, tuple[int, ...]]]] | None] = []
     for v, g, strategies, seconds in gated:
