@@ -633,3 +633,27 @@ def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> 
     with multiprocessing.get_context("fork").Pool(1) as pool:
         got = pool.apply_async(solve, (problem,), {"solver": "highs"}).get(timeout=60)
     assert got.choices == expected
+
+
+def test_a_gated_saving_on_a_tree_keeps_the_lp_relaxation_integral() -> None:
+    """A gated hidden second (a weight's gather, hidden only while the weight is not ZeRO's)
+    is the product of two nodes' choices. Bounded over their joint choice
+    (`ilp_model._build_gate_cols`), a problem whose nodes form a tree keeps an integral LP
+    relaxation, as its edges alone do; bounded by the marginals (``z <= M (1 - gate)``) a
+    fractional mix of the gate node paid for seconds no integral plan gets, and HiGHS
+    branched: a Wide-ResNet's intra-only ILP took 26.8 s instead of 8.9."""
+    rng = random.Random(7)
+    for _ in range(150):
+        kv, kg, ku = rng.randint(2, 4), 2, rng.randint(2, 3)
+        seconds = tuple(float(rng.choice((0, 1, 3, 10))) for _ in range(kv))
+        costs = tuple(tuple(float(rng.randint(0, 12)) for _ in range(k)) for k in (kv, kg, ku))
+        edge = IlpEdge(2, 0, tuple(tuple(float(rng.randint(0, 6)) for _ in range(kv))
+                                   for _ in range(ku)))
+        # A window wider than any hidden sum: the saving is the gated seconds themselves.
+        term = OverlapTerm(tuple((0.0,) * k for k in (kv, kg, ku)),
+                           tuple((20.0,) * k for k in (kv, kg, ku)), 1.0,
+                           gated=((0, 1, (rng.randrange(kg),), seconds),))
+        problem = IlpProblem(costs, (edge,), overlap=(term,))
+        relaxed = solve(problem, lp_first=True)
+        assert relaxed.solver == "highs:lp", problem
+        assert relaxed.objective == pytest.approx(brute_force(problem)[0], abs=1e-9)
