@@ -13,9 +13,9 @@ Recomputation's replays use them too. A plan made without them
 (`IntraOptions.hold_half_copies`, where they did not fit) keeps none: every micro-batch and
 replay casts again, and a layer's copies live only while it runs (the trainer gives no
 parameters). Only casts of the step's parameters, or of views of them, are kept, and only
-while autograd records (a cast made without it would carry no gradient to the parameter). A parameter changed
-in place (the update) has a new version, so its old cast is never used again; `clear` frees
-them all between steps.
+while autograd records (a cast made without it would carry no gradient to the parameter). A
+parameter changed in place (the update) has a new version, so its old cast is never used
+again; `clear` frees them all between steps.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Costs of node choices and the ILP they form (Alpa eq. 1 over roots).
 
 For every root r and index p: ``node_costs[r][p]`` sums, over r and its followers, the compute
-time of each op (roofline, forward + backward; left out when costs are in abstract α/β units) and
-the resharding between a follower and its operand inside the same tree. For every operand whose
-producer lies in another tree, ``edges[(a, b)][p][q]`` is the resharding cost from the producer's
-layout at p to the layout the consumer needs at q, forward and backward (`reshard.py`), plus, for a
-parameter, the update-phase gradient synchronization its update mode implies. A parameter's
-own index pays its update: the optimizer's pass over its local shard (`OpCosts.update_cost`).
-A value with several consumers is charged once per distinct recipe, a parameter once per synchronization
-(`fanout.py`): pairwise when that is a function of two roots' choices, else as shared costs.
-Memory per root index: parameter, gradient and optimizer bytes by update mode, and the
-activations kept for backward. The costs themselves come from `op_costs.py`; the solver is in
-`ilp.py`; this module only assembles numbers.
+time of each op (roofline, forward + backward; left out when costs are in abstract α/β units)
+and the resharding between a follower and its operand inside the same tree. For every operand
+whose producer lies in another tree, ``edges[(a, b)][p][q]`` is the resharding cost from the
+producer's layout at p to the layout the consumer needs at q, forward and backward
+(`reshard.py`), plus, for a parameter, the update-phase gradient synchronization its update mode
+implies. A parameter's own index pays its update: the optimizer's pass over its local shard
+(`OpCosts.update_cost`). A value with several consumers is charged once per distinct recipe, a
+parameter once per synchronization (`fanout.py`): pairwise when that is a function of two roots'
+choices, else as shared costs. Memory per root index: parameter, gradient and optimizer bytes by
+update mode, and the activations kept for backward. The costs themselves come from
+`op_costs.py`; the solver is in `ilp.py`; this module only assembles numbers.
 """
 
 from __future__ import annotations

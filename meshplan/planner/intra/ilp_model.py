@@ -511,18 +511,19 @@ def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     it found it in 5. Where either node is fixed, or both are one group, the marginal bound
     stays (exact at an integral point, as the joint one)."""
     pairs = _PairIndicators(reduced, choice_cols)
-    joint: list[tuple[int, int, tuple[int, ...], list[tuple[float, tuple[int, ...]]]] | None] = []
+    # Per entry its nodes' groups, and where the joint bound applies the gate's open positions
+    # and the node's positions by their seconds (> 0).
+    joint: list[tuple[int, int, tuple[int, ...], list] | None] = []
     for v, g, strategies, seconds in gated:
         gv, gg = int(reduced.group_of_node[v]), int(reduced.group_of_node[g])
         if choice_cols[gv] < 0 or choice_cols[gg] < 0 or gv == gg:
             joint.append(None)
             continue
-        shut = set(strategies)
-        open_pos = tuple(k for k, s in enumerate(reduced.allowed(gg)) if int(s) not in shut)
+        open_pos = tuple(k for k, s in enumerate(reduced.allowed(gg)) if int(s) not in strategies)
         values = seconds[reduced.allowed(gv)] / unit
         levels = [(float(x), tuple(int(k) for k in np.flatnonzero(values == x)))
-                  for x in np.unique(values) if x > 0]
-        for _, pos in levels if open_pos else ():
+                  for x in np.unique(values) if x > 0] if open_pos else []
+        for _, pos in levels:
             pairs.want(gg, gv, open_pos, pos)
         joint.append((gg, gv, open_pos, levels))
     pairs.build(coo)
@@ -530,9 +531,9 @@ def _build_gate_cols(coo: _Coo, reduced: ReducedIlp, choice_cols: np.ndarray,
     for (v, g, strategies, seconds), pair in zip(gated, joint):
         col = coo.add_cols(np.zeros(1), np.inf, False)
         out.append(col)
-        if pair is not None:
+        if pair is not None:   # z <= sum_p seconds[p] e[open, p]; z <= 0 when never open
             gg, gv, open_pos, levels = pair
-            cells = [pairs.cells(gg, gv, open_pos, pos) for _, pos in levels] if open_pos else []
+            cells = [pairs.cells(gg, gv, open_pos, pos) for _, pos in levels]
             _add_row(coo, [np.array([col])] + cells,
                      [np.ones(1)] + [np.full(c.size, -x) for c, (x, _) in zip(cells, levels)],
                      0.0)

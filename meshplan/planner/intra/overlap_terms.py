@@ -20,26 +20,25 @@ Without the order, a tiny model's one bucket counted as hidden behind a backward
 over before it could start (GPT of 2 layers, hidden 256, on 4 V100: objective 187 us, step
 258 us).
 
-A parameter's synchronization depends on both ends of its use: the axes its gradient is
-partial over are the consumer's strategy's, the update mode the parameter's. ``hidden`` is
-attached to the consumer (its first use; a view of the parameter, a transpose or reshape, is
-the parameter, not a use: taken for one, an MoE's expert weights, read through permutes, had
-their 2 x 302 MB of gradients charged and none hidden, and the ILP priced data parallelism
-6 % over its step and took a slower plan), priced as a replicated all-reduce over those axes:
-never more than eq. 1 charges whatever the mode (ZeRO's reduce-scatter and gather sum to an
-all-reduce, once per micro-batch), so the ILP can never gain by a saving it was not charged
-for. Of that all-reduce only the reduce-scatter's share hides under ZeRO, whose gather of the
-new values follows the update: the rest is gated on the parameter not being ZeRO's (once the
-update was priced, ZeRO-2's sharded update made it worth choosing without a memory budget,
-and a Wide-ResNet's ZeRO-2 plan priced 6 % under its own prediction). Hidden by the
-parameter's strategy alone, it counted an all-reduce for a consumer that repeats the work on
-every device and has no partial gradient: planning tiny models, the ILP
-chose such plans for savings that do not exist (a 2-layer MoE on 4 V100: objective 70 us,
-step 132 us). ZeRO's collectives in the earlier micro-batches' backwards, and ZeRO-3's
-gathers, stay charged in full. A parameter SFB may update (`sfb.py`) has its seconds on its
-one consumer gated by its own choice (`OverlapTerm.gated`): they count unless it picks SFB,
-which has no all-reduce. Left out, such weights made a method that offers SFB ("hetero")
-price data parallelism dearer than one that does not.
+A parameter's synchronization depends on both ends of its use: the axes its gradient is partial
+over are the consumer's strategy's, the update mode the parameter's. ``hidden`` is attached to
+the consumer (its first use; a view of the parameter, a transpose or reshape, is the parameter,
+not a use: taken for one, an MoE's expert weights, read through permutes, had their 2 x 302 MB
+of gradients charged and none hidden, and the ILP priced data parallelism 6 % over its step and
+took a slower plan), priced as a replicated all-reduce over those axes: never more than eq. 1
+charges whatever the mode (ZeRO's reduce-scatter and gather sum to an all-reduce, once per
+micro-batch), so the ILP can never gain by a saving it was not charged for. Of that all-reduce
+only the reduce-scatter's share hides under ZeRO, whose gather of the new values follows the
+update: the rest is gated on the parameter not being ZeRO's (once the update was priced,
+ZeRO-2's sharded update made it worth choosing without a memory budget, and a Wide-ResNet's
+ZeRO-2 plan priced 6 % under its own prediction). Hidden by the parameter's strategy alone, it
+counted an all-reduce for a consumer that repeats the work on every device and has no partial
+gradient: planning tiny models, the ILP chose such plans for savings that do not exist (a
+2-layer MoE on 4 V100: objective 70 us, step 132 us). ZeRO's collectives in the earlier
+micro-batches' backwards, and ZeRO-3's gathers, stay charged in full. A parameter SFB may update
+(`sfb.py`) has its seconds on its one consumer gated by its own choice (`OverlapTerm.gated`):
+they count unless it picks SFB, which has no all-reduce. Left out, such weights made a method
+that offers SFB ("hetero") price data parallelism dearer than one that does not.
 Abstract (alpha-beta) problems have no compute to hide behind and get none.
 """
 
