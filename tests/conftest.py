@@ -39,8 +39,8 @@ LONGEST_FIRST = ("test_launchers.py", "test_published_runs.py", "test_stage_cost
                  "test_ilp.py", "test_hf_catalog.py", "test_hetero_plan.py",
                  "test_equivalence_gloo.py", "test_equivalence_zoo.py", "test_devices.py",
                  "test_local_loading.py", "test_report.py", "test_training_step.py",
-                 "test_batch_shapes.py", "test_adafactor.py", "test_infeasible.py",
-                 "test_stage_dp.py")
+                 "test_batch_shapes.py", "test_adafactor.py", "test_memory_may_bind.py",
+                 "test_infeasible.py", "test_stage_dp.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -57,7 +57,7 @@ from functools import partial
 from typing import Callable
 
 from meshplan.cost.cluster import Cluster
-from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
+from meshplan.cost.memory import OptimizerState
 from meshplan.cost.precision import with_compute_dtype
 from meshplan.errors import InfeasiblePlanError, NoPipelineError
 from meshplan.ir.graph import Graph
@@ -77,7 +77,7 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
 from meshplan.planner.inter.to_plan import (FoundPipeline, inbound_discounts, pipeline_plan,
                                             scheduled_step, stage_devices)
 from meshplan.planner.intra.choices import IntraOptions
-from meshplan.planner.intra.op_costs import is_kept
+from meshplan.planner.intra.op_costs import unsharded_bytes
 
 # Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
 # same latency (Alpa eq. 2); 1F1B keeps fewer, so "auto" is 1F1B.
@@ -443,10 +443,7 @@ class _MemoryFloor:
 
     @staticmethod
     def of(traced: Graph, req: PipelineRequest) -> "_MemoryFloor":
-        graph = with_compute_dtype(traced, req.dtype)
-        state = unsharded_state_bytes((n.out.shape for n in graph.nodes if n.role == "param"),
-                                      req.optimizer_state)
-        act = sum(n.out.nbytes for n in graph.nodes if is_kept(n))
+        state, act = unsharded_bytes(with_compute_dtype(traced, req.dtype), req.optimizer_state)
         return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)
 
     def may_fit(self) -> bool:
@@ -506,6 +503,8 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     def candidates(budget: float | None) -> tuple[PipelineSolution, ...]:
         """The DPs' pipelines with ``budget`` bytes per device (raises NoPipelineError)."""
         req_at = replace(req, budget=budget)
+        if budget is not None:
+            profiler.bind_below(budget)
         # Equal stages (Alpa's "equal layer" pipelines, Megatron's) are candidates of every
         # method: by parts their long stages may look slower than they solve.
         searches: list[Callable[[], PipelineSolution]] = [

@@ -59,7 +59,7 @@ from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
 from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
-from meshplan.planner.intra.op_costs import OpCosts
+from meshplan.planner.intra.op_costs import OpCosts, unsharded_bytes
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
 from meshplan.planner.intra.ilp_problem import (IlpProblem, IlpSolution, peak_memory,
                                                 working_peak)
@@ -227,6 +227,8 @@ class StageProfiler:
         self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
         self._parts: tuple[LayerParts, StageProfiler] | None = None
         self._gates: dict[int, bool] = {}   # `_by_parts`
+        self._unsharded: float | None = None   # `memory_may_bind`
+        self._dp_limit = math.inf if self.memory_limit is None else self.memory_limit
         if self.in_parts and self.layering.num_layers > 2:
             self._parts = self._part_pricer()
 
@@ -289,7 +291,7 @@ class StageProfiler:
         stages are priced by parts, so the plans between the fastest and the leanest are only
         those the parts offer: "tp" is the one a Megatron user would pick, whose memory usually
         lies between, so every hand-tuned 3-D configuration is in the DP's space too."""
-        if self.memory_limit is None:
+        if not self.memory_may_bind():
             return ("free",)
         o, per_host = self.options, min(submesh[1], self.cluster.devices_per_host)
         # On a few hosts, only within one: a multi-host stage's own plans are data parallel
@@ -299,6 +301,30 @@ class StageProfiler:
             and (submesh[0] == 1 or self.tensor_within_host)
         deep = ("deep",) if self.deep_in_flight(submesh) > 1 else ()
         return ("free", "lean", *deep, "tp") if tp else ("free", "lean", *deep)
+
+    def memory_may_bind(self) -> bool:
+        """Whether some plan of some stage could come near the memory limit that the DP
+        checks (`bind_below` lowers it). Where none can, the variants that trade speed for
+        memory (`variants`) are not priced: the fastest plan of any stage fits with every
+        micro-batch of the step in flight, so the DP would never pick one of them. A plan
+        holds no more than the program whole on one device, in-flight micro-batches'
+        activations times the step's count; `MAY_BIND_SLACK` covers what the ILP counts
+        beyond (half copies, received inputs, live temporaries). Most of a small model's
+        pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 109 solves, 4.2 of 7.5 s)."""
+        if self.memory_limit is None:
+            return False
+        if self._unsharded is None:
+            state, act = unsharded_bytes(self.graph, self.optimizer_state)
+            self._unsharded = state + act * self.microbatches
+        return MAY_BIND_SLACK * self._unsharded > self._dp_limit
+
+    def bind_below(self, budget: float) -> None:
+        """The DP will check stages against ``budget`` (< `memory_limit`: a pipeline refitted
+        under what its stages solved whole hold as run): the memory-trading variants are
+        priced again where it may bind (`memory_may_bind`)."""
+        self._dp_limit = min(self._dp_limit, budget)
+        if self._parts is not None:
+            self._parts[1].bind_below(budget)
 
     def deep_in_flight(self, submesh: Submesh) -> int:
         """The micro-batches the "deep" variant's memory keeps: those the first of equal
@@ -1108,6 +1134,9 @@ def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> flo
 # much under and over its whole solve (`StageProfiler._by_parts`).
 PARTS_BELOW = 0.01
 PARTS_ABOVE = 0.05
+# How far under the memory limit the program held whole on one device must stay for no
+# stage to need a memory-trading plan (`StageProfiler.memory_may_bind`).
+MAY_BIND_SLACK = 4.0
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.

@@ -16,7 +16,7 @@ from meshplan.cost.collectives import collective_cost
 from meshplan.cost.compute import backward_factor, forward_backward_times
 from meshplan.cost.devices import DeviceType
 from meshplan.cost.memory import (OptimizerState, ParamMemory, param_memory_per_device,
-                                  updated_elements)
+                                  unsharded_state_bytes, updated_elements)
 from meshplan.cost.mesh import LogicalMesh
 from meshplan.cost.precision import HALF_TYPES, runs_half
 from meshplan.ir.graph import DTYPE_BYTES, Graph, Node
@@ -119,6 +119,15 @@ def is_kept(node: Node) -> bool:
         return node.kept
     return node.role == "op" and node.requires_grad and not (
         node.sig is not None and node.sig.kind == "view")
+
+
+def unsharded_bytes(graph: Graph, state: OptimizerState) -> tuple[float, float]:
+    """(parameter state, activations one micro-batch keeps) of ``graph`` held whole on one
+    device: divided by the devices, a lower bound of any plan's share; whole, what no plan
+    holds much more of (sharding only divides a value, recomputation only drops one)."""
+    params = (n.out.shape for n in graph.nodes if n.role == "param")
+    return (unsharded_state_bytes(params, state),
+            float(sum(n.out.nbytes for n in graph.nodes if is_kept(n))))
 
 
 def dp_axes(layout: Layout, mesh_shape: tuple[int, ...]) -> Axes:
