@@ -59,7 +59,7 @@ from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
 from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
-from meshplan.planner.intra.op_costs import OpCosts, unsharded_bytes
+from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
 from meshplan.planner.intra.ilp_problem import (IlpProblem, IlpSolution, peak_memory,
                                                 working_peak)
@@ -227,7 +227,7 @@ class StageProfiler:
         self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
         self._parts: tuple[LayerParts, StageProfiler] | None = None
         self._gates: dict[int, bool] = {}   # `_by_parts`
-        self._unsharded: float | None = None   # `memory_may_bind`
+        self._needs: dict[tuple, float] = {}   # `memory_may_bind`
         self._dp_limit = math.inf if self.memory_limit is None else self.memory_limit
         if self.in_parts and self.layering.num_layers > 2:
             self._parts = self._part_pricer()
@@ -285,13 +285,13 @@ class StageProfiler:
 
     def variants(self, submesh: Submesh, shape: tuple[int, int]) -> tuple[str, ...]:
         """The plans priced per logical shape: "free" (time-optimal), and under a memory limit
-        "lean" (within 5 % of the smallest memory), "deep" (the same for a stage that keeps
+        that may bind there (`memory_may_bind`) "lean" (within 5 % of the smallest memory), "deep" (the same for a stage that keeps
         several micro-batches, `deep_in_flight`) and, where the shape has a tensor axis inside
         a host, "tp" (Megatron-style: batch on axis 0, tensors on axis 1, time-optimal). Long
         stages are priced by parts, so the plans between the fastest and the leanest are only
         those the parts offer: "tp" is the one a Megatron user would pick, whose memory usually
         lies between, so every hand-tuned 3-D configuration is in the DP's space too."""
-        if not self.memory_may_bind():
+        if not self.memory_may_bind(submesh, shape):
             return ("free",)
         o, per_host = self.options, min(submesh[1], self.cluster.devices_per_host)
         # On a few hosts, only within one: a multi-host stage's own plans are data parallel
@@ -302,21 +302,24 @@ class StageProfiler:
         deep = ("deep",) if self.deep_in_flight(submesh) > 1 else ()
         return ("free", "lean", *deep, "tp") if tp else ("free", "lean", *deep)
 
-    def memory_may_bind(self) -> bool:
-        """Whether some plan of some stage could come near the memory limit that the DP
-        checks (`bind_below` lowers it). Where none can, the variants that trade speed for
-        memory (`variants`) are not priced: the fastest plan of any stage fits with every
-        micro-batch of the step in flight, so the DP would never pick one of them. A plan
-        holds no more than the program whole on one device, in-flight micro-batches'
-        activations times the step's count; `MAY_BIND_SLACK` covers what the ILP counts
-        beyond (half copies, received inputs, live temporaries). Most of a small model's
-        pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 109 solves, 4.2 of 7.5 s)."""
+    def memory_may_bind(self, submesh: Submesh, shape: tuple[int, int]) -> bool:
+        """Whether the memory limit the DP checks (`bind_below` lowers it) may bind a stage
+        on ``submesh`` laid out as ``shape``: whether the fastest plans ("free") of all the
+        layers, held as one stage with every micro-batch of the step in flight, exceed it (or
+        a layer has none). Where they do not, every range's fastest plan fits however the
+        pipeline runs it, and nothing is faster, so the DP would never pick a plan that
+        trades speed for memory: those variants are not priced there. Most of a small
+        model's pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 109 solves, 4.2 of
+        7.5 s)."""
         if self.memory_limit is None:
             return False
-        if self._unsharded is None:
-            state, act = unsharded_bytes(self.graph, self.optimizer_state)
-            self._unsharded = state + act * self.microbatches
-        return MAY_BIND_SLACK * self._unsharded > self._dp_limit
+        key = (submesh, shape)
+        if key not in self._needs:
+            sums, missing = self._layer_sums(submesh, shape, "free")[:2]
+            layers = np.maximum(np.diff(sums[:, 2:4], axis=0), 0.0).sum(axis=0)
+            self._needs[key] = math.inf if missing[-1] else \
+                float(layers[0] + layers[1] * self.microbatches)
+        return self._needs[key] > self._dp_limit
 
     def bind_below(self, budget: float) -> None:
         """The DP will check stages against ``budget`` (< `memory_limit`: a pipeline refitted
@@ -547,38 +550,32 @@ class StageProfiler:
                                np.concatenate([[0], np.cumsum(bad)]), act_max, sel_max)
         return self._sums[key]
 
-    def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None,
-                 skip: frozenset[int] = frozenset()) -> None:
+    def prefetch(self, submeshes: tuple[Submesh, ...], workers: int | None = None) -> None:
         """Price every distinct one-layer structure on every submesh and logical shape ahead of
-        the DP, which asks for all of them anyway (but the layers of ``skip``). The solves are
-        independent, so with many of them they run on ``workers`` forked processes (default:
-        the usable cores; fork shares the program without pickling it); results are identical
-        to pricing on demand. Layers with parts are priced by them (`_by_parts`, checked
-        first, so that a part only its layer needs is not priced where the layer is whole)."""
+        the DP, which asks for all of them anyway. The solves are independent, so with many of
+        them they run on ``workers`` forked processes (default: the usable cores; fork shares
+        the program without pickling it); results are identical to pricing on demand. Layers
+        with parts are priced by them (`_by_parts`, checked first, so that a part only its
+        layer needs is not priced where the layer is whole)."""
         firsts: dict[str, int] = {}
         for m in range(self.layering.num_layers):
-            if m not in skip:
-                firsts.setdefault(self.key(m, m + 1), m)
-        if self._parts is not None:
-            parts, pricer = self._parts
-            whole = {m for m, (a, b) in enumerate(parts.spans) if not self._by_parts(m)}
-            rest = frozenset(p for m in whole for p in range(*parts.spans[m])
-                             if (p, p + 1) not in parts.programs)
-            before = pricer.solves
-            pricer.prefetch(submeshes, workers, rest)
-            self.solves += pricer.solves - before
-            firsts = {k: m for k, m in firsts.items() if m in whole}
-        tasks = [(m, sub, shape) for m in firsts.values() for sub in submeshes
-                 for shape in self.shapes(sub)
-                 if any((self.key(m, m + 1), sub, shape, b) not in self._costed
-                        for b in self.variants(sub, shape))]
-        priced = progress(self._map("_price_all", tasks, workers), total=len(tasks),
-                          desc=f"stage costs, {self.microbatches} micro-batches",
+            firsts.setdefault(self.key(m, m + 1), m)
+        for m in firsts.values():
+            self._by_parts(m)
+        # A task per submesh and logical shape, all layers: their fastest plans say whether
+        # memory may bind there (`memory_may_bind`), and the other variants are priced after
+        # them, on the formulations and plans those made, only where it may.
+        layers = tuple(firsts.values())
+        tasks = [(layers, sub, shape) for sub in submeshes for shape in self.shapes(sub)
+                 if any((self.key(m, m + 1), sub, shape, "free") not in self._costed
+                        for m in layers)]
+        priced = progress(self._map("_price_all", tasks, workers,
+                                    -(-PARALLEL_FROM_TASKS // max(len(layers), 1))),
+                          total=len(tasks), desc=f"stage costs, {self.microbatches} micro-batches",
                           enabled=self.show_progress)
-        for (m, sub, shape), (costs, solves) in zip(tasks, priced):
+        for costs, solves in priced:
             self.solves += solves
-            for budget, c in zip(self.variants(sub, shape), costs):
-                self._costed[(self.key(m, m + 1), sub, shape, budget)] = c
+            self._costed.update(costs)
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
              parallel_from: int | None = None) -> Iterator:
@@ -588,11 +585,20 @@ class StageProfiler:
         fork shares the program and the caches without pickling."""
         return _run_tasks(self, [(method, t) for t in tasks], workers, parallel_from)
 
-    def _price_all(self, m: int, submesh: Submesh, shape: tuple[int, int]
-                   ) -> tuple[tuple[_Costed | None, ...], int]:
+    def _price_all(self, layers: tuple[int, ...], submesh: Submesh, shape: tuple[int, int]
+                   ) -> tuple[dict[tuple, _Costed | None], int]:
+        """Every variant of ``layers`` (one-layer ranges) on ``submesh`` laid out as ``shape``:
+        the priced costs by `_costed` key, and the solves it took."""
         before = self.solves
-        costs = tuple(self._exact(m, m + 1, submesh, shape, b)
-                      for b in self.variants(submesh, shape))
+        for m in layers:
+            self._exact(m, m + 1, submesh, shape, "free")
+        variants = self.variants(submesh, shape)
+        for budget in variants[1:]:
+            for m in layers:
+                self._exact(m, m + 1, submesh, shape, budget)
+        costs = {(self.key(m, m + 1), submesh, shape, b):
+                 self._costed[(self.key(m, m + 1), submesh, shape, b)]
+                 for m in layers for b in variants}
         return costs, self.solves - before
 
     def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
@@ -1134,9 +1140,6 @@ def inbound_s(cluster: Cluster, nbytes: float, inside: int | None = None) -> flo
 # much under and over its whole solve (`StageProfiler._by_parts`).
 PARTS_BELOW = 0.01
 PARTS_ABOVE = 0.05
-# How far under the memory limit the program held whole on one device must stay for no
-# stage to need a memory-trading plan (`StageProfiler.memory_may_bind`).
-MAY_BIND_SLACK = 4.0
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
 # Whole solves of long stages take seconds each: two already pay for the fork.
