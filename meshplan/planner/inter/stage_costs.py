@@ -18,7 +18,8 @@ micro-batches kept as an early stage keeps ("deep") and, with a tensor axis insi
 Megatron's plan ("tp"; see `StageProfiler.variants`). Each plan also comes recomputed,
 layer by layer as Megatron-LM's full recomputation: per micro-batch only what each layer
 receives is kept, one layer's activations at a time in backward, and the forward runs twice.
-The DP uses these where memory demands it.
+The DP uses these where memory demands it, so the plans other than "free" are priced only on
+the submeshes and logical shapes where the memory limit may bind (`memory_may_bind`).
 
 Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved once
 per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
