@@ -286,12 +286,13 @@ class StageProfiler:
 
     def variants(self, submesh: Submesh, shape: tuple[int, int]) -> tuple[str, ...]:
         """The plans priced per logical shape: "free" (time-optimal), and under a memory limit
-        that may bind there (`memory_may_bind`) "lean" (within 5 % of the smallest memory), "deep" (the same for a stage that keeps
-        several micro-batches, `deep_in_flight`) and, where the shape has a tensor axis inside
-        a host, "tp" (Megatron-style: batch on axis 0, tensors on axis 1, time-optimal). Long
-        stages are priced by parts, so the plans between the fastest and the leanest are only
-        those the parts offer: "tp" is the one a Megatron user would pick, whose memory usually
-        lies between, so every hand-tuned 3-D configuration is in the DP's space too."""
+        that may bind there (`memory_may_bind`) "lean" (within 5 % of the smallest memory),
+        "deep" (the same for a stage that keeps several micro-batches, `deep_in_flight`) and,
+        where the shape has a tensor axis inside a host, "tp" (Megatron-style: batch on axis
+        0, tensors on axis 1, time-optimal). Long stages are priced by parts, so the plans
+        between the fastest and the leanest are only those the parts offer: "tp" is the one a
+        Megatron user would pick, whose memory usually lies between, so every hand-tuned 3-D
+        configuration is in the DP's space too."""
         if not self.memory_may_bind(submesh, shape):
             return ("free",)
         o, per_host = self.options, min(submesh[1], self.cluster.devices_per_host)

@@ -123,8 +123,8 @@ def is_kept(node: Node) -> bool:
 
 def unsharded_bytes(graph: Graph, state: OptimizerState) -> tuple[float, float]:
     """(parameter state, activations one micro-batch keeps) of ``graph`` held whole on one
-    device: divided by the devices, a lower bound of any plan's share; whole, what no plan
-    holds much more of (sharding only divides a value, recomputation only drops one)."""
+    device: divided by the devices, a lower bound of any plan's share (sharding only divides
+    a value, recomputation only drops one)."""
     params = (n.out.shape for n in graph.nodes if n.role == "param")
     return (unsharded_state_bytes(params, state),
             float(sum(n.out.nbytes for n in graph.nodes if is_kept(n))))
