@@ -311,8 +311,9 @@ class StageProfiler:
         a layer has none). Where they do not, every range's fastest plan fits however the
         pipeline runs it, and nothing is faster, so the DP would never pick a plan that
         trades speed for memory: those variants are not priced there. Most of a small
-        model's pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 109 solves, 4.2 of
-        7.5 s)."""
+        model's pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 198 solves, 4.2 of
+        7.5 s in HiGHS). Decided for the whole program, here only: the part pricer's variants
+        are asked for by its layers' tasks (`_price_all`), never listed."""
         if self.memory_limit is None:
             return False
         key = (submesh, shape)
@@ -328,8 +329,6 @@ class StageProfiler:
         under what its stages solved whole hold as run): the memory-trading variants are
         priced again where it may bind (`memory_may_bind`)."""
         self._dp_limit = min(self._dp_limit, budget)
-        if self._parts is not None:
-            self._parts[1].bind_below(budget)
 
     def deep_in_flight(self, submesh: Submesh) -> int:
         """The micro-batches the "deep" variant's memory keeps: those the first of equal
@@ -571,6 +570,7 @@ class StageProfiler:
         tasks = [(layers, sub, shape) for sub in submeshes for shape in self.shapes(sub)
                  if any((self.key(m, m + 1), sub, shape, "free") not in self._costed
                         for m in layers)]
+        # Each task is a pricing per layer: forked from as many one-layer pricings as before.
         priced = progress(self._map("_price_all", tasks, workers,
                                     -(-PARALLEL_FROM_TASKS // max(len(layers), 1))),
                           total=len(tasks), desc=f"stage costs, {self.microbatches} micro-batches",
@@ -594,13 +594,9 @@ class StageProfiler:
         before = self.solves
         for m in layers:
             self._exact(m, m + 1, submesh, shape, "free")
-        variants = self.variants(submesh, shape)
-        for budget in variants[1:]:
-            for m in layers:
-                self._exact(m, m + 1, submesh, shape, budget)
-        costs = {(self.key(m, m + 1), submesh, shape, b):
-                 self._costed[(self.key(m, m + 1), submesh, shape, b)]
-                 for m in layers for b in variants}
+        variants = self.variants(submesh, shape)   # decided by the "free" costs just priced
+        costs = {(self.key(m, m + 1), submesh, shape, b): self._exact(m, m + 1, submesh, shape, b)
+                 for b in variants for m in layers}
         return costs, self.solves - before
 
     def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
