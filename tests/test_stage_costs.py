@@ -22,6 +22,7 @@ from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import ClusterShape, PipelineProblem, submesh_shapes
 from meshplan.planner.inter.stage_tables import _flatten, profile_all
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
+from meshplan.planner.intra.formulate import renamed
 from meshplan.planner.intra.ilp import min_memory, peak_memory, solve
 from meshplan.zoo.spec import build_workload
 
@@ -202,8 +203,15 @@ def test_a_whole_solve_fits_with_the_transients_the_simulator_holds(
 
 def test_mirror_logical_shapes_are_priced_once(program) -> None:
     assert _profiler(program).shapes((1, 4)) == [(1, 4), (2, 2)]
-    # On two hosts the axes have different links: both orders are different problems.
-    assert len(_profiler(program, "p3.16xlarge:2x2").shapes((2, 2))) == 3
+    # On two hosts the axes of (2, 2) have different links: both orders are different
+    # problems, but (1, 4) and (4, 1) move everything over the one axis of four devices.
+    assert _profiler(program, "p3.16xlarge:2x2").shapes((2, 2)) == [(1, 4), (2, 2)]
+    on = {s: _profiler(program, "p3.16xlarge:2x2", logical_shapes=frozenset({s}))
+          for s in ((1, 4), (4, 1))}
+    priced = {s: [(o.latency, o.state_bytes, o.activation_bytes, o.label.budget,
+                   o.label.kind) for m in range(6) for o in prof(m, m + 1, (2, 2))]
+              for s, prof in on.items()}
+    assert priced[(1, 4)] and priced[(1, 4)] == priced[(4, 1)]
     forced = _profiler(program)
     forced.options = IntraOptions(optimizer="adamw", force_batch_axis=0)
     assert forced.shapes((1, 4)) == [(1, 4), (2, 2), (4, 1)]
@@ -462,3 +470,32 @@ def test_a_whole_solve_under_a_bound_is_cut_only_where_it_cannot_beat_it(program
                 assert got == (latency, memory)
                 kept += 1
     assert cut >= 5 and kept >= 5, (cut, kept)
+
+
+def test_a_structure_formulated_once_names_each_range(program) -> None:
+    """Stages of one structure share one formulation, renamed for each (`renamed`): it is
+    the formulation their own program gives, name for name; one of another structure, or
+    whose parameter an option singles out, is not renamed."""
+    prof = _profiler(program)
+    sub, shape = (1, 2), (1, 2)
+    assert prof.key(2, 4) == prof.key(3, 5) != prof.key(0, 2)
+    first, own = prof._formulate(2, 4, sub, shape), prof._formulate(3, 5, sub, shape)
+    named = renamed(first, prof.stage(3, 5))
+    assert named is not None and named.roots == own.roots
+    for field in ("root_of", "main_of", "choices", "batch_dims"):
+        assert getattr(named.choices, field) == getattr(own.choices, field)
+    assert named.choices.graph is prof.stage(3, 5)
+    a, b = named.problem, own.problem
+    assert [list(r) for r in a.node_costs] == [list(r) for r in b.node_costs]
+    assert [list(r) for r in a.node_memory] == [list(r) for r in b.node_memory]
+    assert [(e.u, e.v, np.asarray(e.costs).tolist()) for e in a.edges] == \
+        [(e.u, e.v, np.asarray(e.costs).tolist()) for e in b.edges]
+    assert (a.live_sets, a.aliases, a.shared, a.overlap, a.tie_leaves) == \
+        (b.live_sets, b.aliases, b.shared, b.overlap, b.tie_leaves)
+    # A whole solve's choices read through either: the same plan.
+    sol = solve(first.problem)
+    assert [named.choices.choices[r][c] for r, c in zip(named.roots, sol.choices)] == \
+        [own.choices.choices[r][c] for r, c in zip(own.roots, sol.choices)]
+    assert renamed(first, prof.stage(0, 2)) is None
+    param = next(n.name for n in prof.stage(3, 5).nodes if n.role == "param")
+    assert renamed(first, prof.stage(3, 5), frozenset({param})) is None

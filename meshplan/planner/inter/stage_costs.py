@@ -57,7 +57,8 @@ from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, StageOption,
                                                   Submesh, submesh_shapes, triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
-from meshplan.planner.intra.formulate import CostContext, Formulation, formulate, without_zero3
+from meshplan.planner.intra.formulate import (CostContext, Formulation, formulate, renamed,
+                                              without_zero3)
 from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
@@ -258,8 +259,8 @@ class StageProfiler:
     def shapes(self, submesh: Submesh) -> list[tuple[int, int]]:
         """The logical meshes of ``submesh`` priced: every one (or those of
         ``logical_shapes``), less mirror images. (r, c) and (c, r) whose axes have the same
-        links are one problem with its axes swapped when no option singles out an axis, so
-        only the first is solved."""
+        links, or (1, n) and (n, 1), are one problem with its axes swapped when no option
+        singles out an axis, so only the first is solved."""
         if submesh not in self._shapes:
             self._shapes[submesh] = self._list_shapes(submesh)
         return self._shapes[submesh]
@@ -281,6 +282,8 @@ class StageProfiler:
         o = self.options
         if o.force_batch_axis is not None or o.tensor_axis is not None:
             return False
+        if 1 in shape:   # an axis of one device moves nothing, whatever its links
+            return True
         mesh = self._context(submesh, shape).mesh
         return mesh.alpha[0] == mesh.alpha[1] and mesh.beta[0] == mesh.beta[1]
 
@@ -806,15 +809,23 @@ class StageProfiler:
         shared = {group: self._wholes[self.whole_key(*first)] for group, first in firsts.items()}
         out = []
         for start, end, submesh, label, in_flight in chosen:
-            # Formulated for this very range: the plan must name its own nodes. Ranges of one
+            # Named for this very range: the plan must name its own nodes. Ranges of one
             # structure list their choices in the same order.
-            form = self._formulate(start, end, submesh, label.logical_shape)
+            form = self._named_form(start, end, submesh, label.logical_shape)
             s = StageSolution(form, shared[(self.key(start, end), submesh, label)],
                               self.stage(start, end))
             latency, memory = self._as_run(s, start, end, submesh, label, in_flight)
             out.append(replace(s, latency=latency + self.transfer_time(start),
                                memory_bytes=memory))
         return out
+
+    def _named_form(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
+                    ) -> Formulation:
+        """The formulation of ``[start, end)`` naming its own nodes: its structure's, renamed
+        (`renamed`), else one of its own."""
+        return renamed(self._form(start, end, submesh, shape), self.stage(start, end),
+                       self.options.replicated_updates) or \
+            self._formulate(start, end, submesh, shape)
 
     def _as_run(self, s: StageSolution, start: int, end: int, submesh: Submesh,
                 label: StageLabel, in_flight: int, transients: bool = False

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from meshplan.ir.graph import Graph
 from meshplan.planner.intra.blocks import repeated_blocks
 from meshplan.planner.intra.choices import NodeChoices
 from meshplan.planner.intra.fanout import charge_operands, shared_costs
@@ -39,6 +40,37 @@ class Formulation:
     ctx: CostContext
     roots: list[str]
     problem: IlpProblem
+
+
+def renamed(form: Formulation, graph: Graph, singled_out: frozenset[str] = frozenset()
+            ) -> Formulation | None:
+    """``form`` naming the nodes of ``graph`` instead of its own program's, where the two
+    differ in nothing a formulation reads but names: node k of one is node k of the other,
+    alike in every field but its name, its operands' names and its state name, and each is
+    in ``singled_out`` (the names options single out: replicated updates) when the other is.
+    None where they differ otherwise. Stages of one structure in a pipeline (GPT-3's 72 of
+    one or two blocks) so share one formulation instead of building one each."""
+    old = form.choices.graph
+    if old is graph:
+        return form
+    if len(old.nodes) != len(graph.nodes):
+        return None
+    names: dict[str, str] = {}
+    for a, b in zip(old.nodes, graph.nodes):
+        names[a.name] = b.name
+        if replace(a, name=b.name, inputs=tuple(names.get(i, "") for i in a.inputs),
+                   state_name=b.state_name) != b or (a.name in singled_out) != (
+                       b.name in singled_out):
+            return None
+    if names.get(old.loss) != graph.loss:
+        return None
+    nc = form.choices
+    choices = NodeChoices(graph, nc.mesh_shape,
+                          {names[k]: names[v] for k, v in nc.root_of.items()},
+                          {names[k]: v for k, v in nc.main_of.items()},
+                          {names[k]: v for k, v in nc.choices.items()},
+                          {names[k]: v for k, v in nc.batch_dims.items()})
+    return replace(form, choices=choices, roots=[names[r] for r in form.roots])
 
 
 def block_aliases(nc: NodeChoices, index: dict[str, int]) -> tuple[tuple[int, int], ...]:
