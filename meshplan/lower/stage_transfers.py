@@ -14,6 +14,7 @@ them.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -22,7 +23,7 @@ import torch
 from meshplan.cost.cluster import cluster_from_dict
 from meshplan.ir.graph import Graph
 from meshplan.lower.cross_mesh import MeshRanks, ReshardPlan, plan_reshard
-from meshplan.lower.pipeline_program import PipelineProgram
+from meshplan.lower.pipeline_program import Exchange
 from meshplan.plan.plan import ParamDecision, Plan, TransferEntry
 from meshplan.planner.intra.layout import Layout
 
@@ -39,23 +40,24 @@ class StageMoves:
     requires_grad: dict[str, bool]
 
 
-def stage_moves(plan: Plan, program: PipelineProgram, graph: Graph, local_gather: bool = True
-                ) -> StageMoves:
-    """The resharding plans of ``plan``'s step (module docstring); ``graph`` is the whole
+def stage_moves(plan: Plan, exchanges: Sequence[Exchange], graph: Graph,
+                local_gather: bool = True) -> StageMoves:
+    """The resharding plans of ``plan``'s step (module docstring), its stages moving
+    ``exchanges`` (`pipeline_exchanges`); ``graph`` is the whole
     program traced at one micro-batch (shapes and dtypes of the values that cross);
     ``local_gather`` False sends every destination replica its whole tile instead. Raises
     NotImplementedError for a shared parameter a holder keeps ZeRO-sharded (its gradient is
     then a shard of the data-parallel group, not the whole in the stage's layout)."""
     meshes = [MeshRanks(tuple(s.mesh_shape), tuple(s.devices)) for s in plan.stages]
     per_host = cluster_from_dict(plan.cluster).devices_per_host
-    exchanges = {}
-    for k, e in enumerate(program.exchanges):
+    moves = {}
+    for k, e in enumerate(exchanges):
         shape, size = _shape_and_itemsize(graph, e.value)
         src, dst = Layout.parse(e.src_spec, len(shape)), Layout.parse(e.dst_spec, len(shape))
-        exchanges[(k, "activation")] = plan_reshard(
+        moves[(k, "activation")] = plan_reshard(
             shape, size, meshes[e.src], src, meshes[e.dst], dst, local_gather=local_gather,
             devices_per_host=per_host)
-        exchanges[(k, "gradient")] = plan_reshard(
+        moves[(k, "gradient")] = plan_reshard(
             shape, size, meshes[e.dst], dst, meshes[e.src], src, local_gather=local_gather,
             devices_per_host=per_host)
     holders: dict[str, list[tuple[int, ParamDecision]]] = {}
@@ -78,20 +80,20 @@ def stage_moves(plan: Plan, program: PipelineProgram, graph: Graph, local_gather
                     tied[(name, a, b)] = plan_reshard(
                         shape, size, meshes[a], Layout.parse(pa.spec, len(shape)),
                         meshes[b], Layout.parse(pb.spec, len(shape)), local_gather=False)
-    requires_grad = {e.value: graph.by_name[e.value].requires_grad for e in program.exchanges}
-    return StageMoves(exchanges, tied, shared, requires_grad)
+    requires_grad = {e.value: graph.by_name[e.value].requires_grad for e in exchanges}
+    return StageMoves(moves, tied, shared, requires_grad)
 
 
-def step_transfers(plan: Plan, program: PipelineProgram, graph: Graph
+def step_transfers(plan: Plan, exchanges: Sequence[Exchange], graph: Graph
                    ) -> tuple[TransferEntry, ...]:
     """Every point-to-point message between two different ranks in one step of ``plan``,
     counted by (stages, kind, source, destination, bytes): "activation" and "gradient"
     transfers and the "gather" slices of local all-gathers once per micro-batch, "tied"
     gradient parts once per step (module docstring)."""
-    moves = stage_moves(plan, program, graph)
+    moves = stage_moves(plan, exchanges, graph)
     count: Counter[tuple[tuple[int, ...], str, int, int, int]] = Counter()
     for (k, kind), move in moves.exchanges.items():
-        e = program.exchanges[k]
+        e = exchanges[k]
         if kind == "gradient" and not moves.requires_grad[e.value]:
             continue
         stages = (e.src, e.dst) if kind == "activation" else (e.dst, e.src)

@@ -96,7 +96,7 @@ class PipelineTrainer:
                                     dropout=False)
                          for s in self.stages}
         self._local = local_batches
-        self._moves = stage_moves(plan, self.program, graph, local_gather)
+        self._moves = stage_moves(plan, self.program.exchanges, graph, local_gather)
         # Other batch shapes (`serve`): each shape's moves and scales, its stage programs.
         self._model, self._loss_fn, self._gather_locally = model, loss_fn, local_gather
         # The stages' dropouts draw the whole program's masks for the whole batch, as one
@@ -153,7 +153,7 @@ class PipelineTrainer:
                 if plan.microbatches > 1 else None
             for s, t in self.trainers.items():
                 t.adopt(key, traced, graphs[s], scales)
-            self._variants[key] = (scales, stage_moves(plan, self.program, graph,
+            self._variants[key] = (scales, stage_moves(plan, self.program.exchanges, graph,
                                                        self._gather_locally),
                                    self._stream(traced, graph, batch))
         for t in self.trainers.values():

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from meshplan.cost.cluster import cluster_from_dict, cluster_to_dict
 from meshplan.cost.mesh import logical_mesh
-from meshplan.lower.pipeline_program import pipeline_program
+from meshplan.lower.pipeline_program import pipeline_exchanges
 from meshplan.lower.stage_transfers import step_transfers
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import stage_hosts
@@ -160,5 +160,5 @@ def pipeline_plan(found: FoundPipeline, req: "PipelineRequest", seconds: float) 
                 options={"memory_budget_bytes": req.budget,
                          "unsupported_ops": list(found.unsupported)})
     # The messages between stages follow from the stage plans and the values' shapes.
-    plan = replace(plan, transfers=step_transfers(plan, pipeline_program(plan), prof.graph))
+    plan = replace(plan, transfers=step_transfers(plan, pipeline_exchanges(plan), prof.graph))
     return with_step_time(plan, compute, transfers)

@@ -101,7 +101,8 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
     micro-batches as the stage DP prices them, its inbound transfer on its link
     (`inbound_s`); the messages between stages anew, and the step from them as the
     search prices it (`to_plan.with_step_time`)."""
-    from meshplan.lower.pipeline_program import pipeline_program, recompute_layers, stage_graphs
+    from meshplan.lower.pipeline_program import (pipeline_exchanges, recompute_layers,
+                                                 stage_graphs)
     from meshplan.lower.stage_transfers import step_transfers
     from meshplan.planner.intra.ilp_problem import peak_memory
     from meshplan.planner.inter.placement import share_a_host
@@ -139,7 +140,7 @@ def _pipeline_at_shape(plan: Plan, graph: Graph) -> Plan:
     peak = max(math.fsum(s.memory_bytes for s in stages[i::meshes]) for i in range(meshes))
     out = replace(plan, graph_fingerprint=graph.fingerprint(), stages=tuple(stages),
                   search_time_s=0.0, predicted={**plan.predicted, "peak_memory_bytes": peak})
-    out = replace(out, transfers=step_transfers(out, pipeline_program(out), graph))
+    out = replace(out, transfers=step_transfers(out, pipeline_exchanges(out), graph))
     return with_step_time(out, compute, transfers)
 
 
