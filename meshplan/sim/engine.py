@@ -113,7 +113,11 @@ class Timeline:
         one mesh that never waits)."""
         if self.step_time_s <= 0:
             return 0.0
-        idle = [1 - self.busy_s(m) / self.step_time_s for m in range(self.num_meshes)]
+        busy = [0.0] * self.num_meshes   # one pass: GPT-3's 72 meshes have 220,000 spans
+        for s in self.spans:
+            if s.what != "wait":
+                busy[s.mesh] += s.end - s.start
+        idle = [1 - b / self.step_time_s for b in busy]
         return max(sum(idle) / len(idle), 0.0)
 
 
