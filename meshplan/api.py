@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from meshplan.capture.batch import batch_size, split_microbatches
+from meshplan.capture.memo import made_already
 from meshplan.capture.to_ir import capture
 from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
@@ -485,7 +486,7 @@ def _microbatch_loss(found: Plan, model: nn.Module, loss_fn: Callable | None,
     traced, graph = capture(model, loss_fn, split_microbatches(example_batch,
                                                                found.microbatches)[0])
     scales = StepScales(traced.graph_module, graph,
-                        lambda: capture(model, loss_fn, _few_samples(example_batch))[1])
+                        lambda: _few_samples_program(model, loss_fn, example_batch))
     found.options["microbatch_loss"] = {
         "exact": scales.inexact is None,
         "reductions": [[r.node, r.kind] for r in scales.reductions],
@@ -498,14 +499,22 @@ def _microbatch_loss(found: Plan, model: nn.Module, loss_fn: Callable | None,
     return found
 
 
-def _few_samples(example_batch: Any) -> Any:
-    """The smallest even cut of ``example_batch`` of more than one sample: where one sample's
-    program hides its batch (a size-1 dim folds away), this one shows it as the whole batch's
-    does, and the micro-batch-count search has usually traced it already (two samples), so
-    `capture`'s memo answers instead of a trace of the whole batch (a Llama-70B on meta: 7 s)."""
+def _few_samples_program(model: nn.Module, loss_fn: Callable | None, example_batch: Any
+                         ) -> Any:
+    """The program of an even cut of ``example_batch`` of more than one sample: where one
+    sample's program hides its batch (a size-1 dim folds away), such a cut's shows it as the
+    whole batch's does. The fewest samples that the micro-batch-count search has traced
+    already (`capture`'s memo: GPT-3 175B on 1024 A100s searched 1 and 3 samples, and a trace
+    of 2 more took 2.9 s), else two (or the fewest that cut evenly), not the whole batch (a
+    Llama-70B on meta: 7 s)."""
     size = batch_size(example_batch)
-    samples = min((d for d in range(2, size + 1) if size % d == 0), default=size)
-    return split_microbatches(example_batch, size // samples)[0]
+    cuts = [d for d in range(2, size + 1) if size % d == 0] or [size]
+    for samples in cuts:
+        traced = made_already(model, loss_fn, split_microbatches(example_batch,
+                                                                 size // samples)[0])
+        if traced is not None:
+            return traced[1]
+    return capture(model, loss_fn, split_microbatches(example_batch, size // cuts[0])[0])[1]
 
 
 def _sfb_choice(sfb: str | None, method: str, pipelines: bool) -> str:

@@ -43,15 +43,22 @@ def _key(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any:
     return (id(loss_fn), _layout(example_batch), state, modes)
 
 
+def made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any | None:
+    """The capture `captured_once` holds for these arguments, or None (nothing is traced)."""
+    with _LOCK:
+        hit = _CACHE.get((id(model), _key(model, loss_fn, example_batch)))
+        return hit[2] if hit is not None and hit[0]() is model and hit[1] is loss_fn else None
+
+
 def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
                   capture: Callable[[torch.nn.Module, Any, Any], Any]) -> Any:
     """``capture(model, loss_fn, example_batch)``, made once per key and under one lock."""
     with _LOCK:
         key = (id(model), _key(model, loss_fn, example_batch))
-        hit = _CACHE.get(key)
-        if hit is not None and hit[0]() is model and hit[1] is loss_fn:
+        hit = made_already(model, loss_fn, example_batch)
+        if hit is not None:
             _CACHE.move_to_end(key)
-            return hit[2]
+            return hit
         result = capture(model, loss_fn, example_batch)
         _CACHE[key] = (weakref.ref(model), loss_fn, result)
         while len(_CACHE) > _RECENT:
