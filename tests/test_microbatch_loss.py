@@ -385,3 +385,24 @@ def test_a_regression_weighted_by_the_data() -> None:
         plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=4)
     assert next(o for o in plan.ops if o.op == "mse_loss").strategy != "replicated"
     _check(_train(w, plan, data), full_batch_reference(w, data))
+
+
+def test_the_few_sample_program_is_one_the_search_traced(monkeypatch) -> None:
+    """A one-sample micro-batch hides its batch, so its loss's reductions are read from a
+    program of a few samples: one the count search traced already when there is one (the
+    fewest samples above one), else two samples, traced once."""
+    from meshplan import api
+    from meshplan.zoo.spec import build_workload
+    w = build_workload("gpt:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=12", device="meta")
+    cut = split_microbatches(w.example_batch, 4)[0]   # 3 samples
+    three = capture(w.model, w.loss_fn, cut)[1]
+    traced = []
+    monkeypatch.setattr("meshplan.capture.to_ir._capture_now",
+                        lambda *a: traced.append(a) or (None, "a new trace"))
+    assert api._few_samples_program(w.model, w.loss_fn, w.example_batch) is three
+    assert not traced
+    other = build_workload("gpt:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=12",
+                           device="meta")
+    assert api._few_samples_program(other.model, other.loss_fn, other.example_batch) == \
+        "a new trace"
+    assert batch_size(traced[0][2]) == 2
