@@ -122,3 +122,30 @@ def test_memory_budget_trades_communication_for_zero() -> None:
                       method="data", memory_budget_gb=0.05 * need / 2**30)
     assert info.value.min_memory_bytes > 0.05 * need
     assert "smallest plan needs" in str(info.value)
+
+
+def test_planning_pauses_the_cycle_collector_and_restores_it(monkeypatch) -> None:
+    """The cycle collector is off while a plan is made (its full collections walked every
+    object planning holds: a quarter of GPT-3 175B's search) and as it was after, also when
+    planning fails."""
+    import gc
+
+    from meshplan import api
+    seen = []
+
+    def fails(*a, **k):
+        seen.append(gc.isenabled())
+        raise ValueError("a bad request")
+
+    monkeypatch.setattr(api, "_plan", fails)
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="a bad request"):
+        api.plan(None, None, "adamw", None, "p3.16xlarge:1")
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError):
+            api.plan(None, None, "adamw", None, "p3.16xlarge:1")
+        assert not gc.isenabled()   # left as the caller had it
+    finally:
+        gc.enable()
