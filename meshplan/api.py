@@ -5,20 +5,19 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import warnings
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.memo import made_already
 from meshplan.capture.to_ir import capture
+from meshplan.collector import cycle_collector_paused
 from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
@@ -459,24 +458,8 @@ def recompute_layering(graph: Any, num_devices: int) -> Any:
 @functools.wraps(_plan, assigned=("__doc__",))
 def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, **kwargs: Any) -> Plan:
-    with _cyclic_gc_paused():
+    with cycle_collector_paused():   # its full collections walk all planning holds
         return _plan_once(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Python's cycle collector off while planning, as it was after. Planning builds millions
-    of small long-lived objects (formulations, schedules, timelines) beside a traced program
-    of millions more, and each full collection walks all of them: GPT-3 175B on 1024 A100s
-    spent 10 of its 43 s in 23 of them, GPT-39B on 64 V100s 1.7 of 27 s. What planning
-    leaves in cycles is little (the peak RSS grew 14 MB in 870) and is collected after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _plan_once(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,

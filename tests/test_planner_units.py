@@ -124,13 +124,16 @@ def test_memory_budget_trades_communication_for_zero() -> None:
     assert "smallest plan needs" in str(info.value)
 
 
-def test_planning_pauses_the_cycle_collector_and_restores_it(monkeypatch) -> None:
-    """The cycle collector is off while a plan is made (its full collections walked every
-    object planning holds: a quarter of GPT-3 175B's search) and as it was after, also when
-    planning fails."""
+def test_planning_and_simulating_pause_the_cycle_collector(monkeypatch) -> None:
+    """The cycle collector is off while a plan is made or simulated (its full collections
+    walked every object they hold: a quarter of GPT-3 175B's search) and as it was after,
+    also when they fail."""
     import gc
 
     from meshplan import api
+    from types import SimpleNamespace
+
+    from meshplan.sim import simulate
     seen = []
 
     def fails(*a, **k):
@@ -138,10 +141,13 @@ def test_planning_pauses_the_cycle_collector_and_restores_it(monkeypatch) -> Non
         raise ValueError("a bad request")
 
     monkeypatch.setattr(api, "_plan", fails)
+    monkeypatch.setattr(simulate, "cluster_from_dict", fails)
     assert gc.isenabled()
     with pytest.raises(ValueError, match="a bad request"):
         api.plan(None, None, "adamw", None, "p3.16xlarge:1")
-    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError, match="a bad request"):
+        simulate.simulate(SimpleNamespace(cluster={}))
+    assert seen == [False, False] and gc.isenabled()
     gc.disable()
     try:
         with pytest.raises(ValueError):

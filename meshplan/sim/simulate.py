@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from meshplan.collector import cycle_collector_paused
 from meshplan.cost.cluster import cluster_from_dict
 from meshplan.cost.precision import DTYPES
 from meshplan.lower.instructions import mesh_programs
@@ -51,6 +52,11 @@ def simulate(plan: Plan) -> Simulation:
     """Simulate one training step of ``plan`` (module docstring) on its cluster (also when it
     was chosen in abstract α-β units). Raises ValueError for a plan made before the
     simulator (no figures to run on)."""
+    with cycle_collector_paused():   # a long pipeline's timeline is 100,000s of spans
+        return _simulate(plan)
+
+
+def _simulate(plan: Plan) -> Simulation:
     cluster = cluster_from_dict(plan.cluster)
     plans = stage_plans(plan)
     costs = {s: task_cost(p, plan.stages[s] if len(plans) > 1 else None)
