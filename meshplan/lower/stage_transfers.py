@@ -43,9 +43,9 @@ class StageMoves:
 def stage_moves(plan: Plan, exchanges: Sequence[Exchange], graph: Graph,
                 local_gather: bool = True) -> StageMoves:
     """The resharding plans of ``plan``'s step (module docstring), its stages moving
-    ``exchanges`` (`pipeline_exchanges`); ``graph`` is the whole
-    program traced at one micro-batch (shapes and dtypes of the values that cross);
-    ``local_gather`` False sends every destination replica its whole tile instead. Raises
+    ``exchanges`` (`pipeline_exchanges`); ``graph`` is the whole program traced at one
+    micro-batch (shapes and dtypes of the values that cross); ``local_gather`` False sends
+    every destination replica its whole tile instead. Raises
     NotImplementedError for a shared parameter a holder keeps ZeRO-sharded (its gradient is
     then a shard of the data-parallel group, not the whole in the stage's layout)."""
     meshes = [MeshRanks(tuple(s.mesh_shape), tuple(s.devices)) for s in plan.stages]
