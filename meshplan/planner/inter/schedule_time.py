@@ -18,6 +18,7 @@ the step is extrapolated from two runs of fewer (exact once the timeline is peri
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from meshplan.lower.instructions import mesh_programs
@@ -38,6 +39,14 @@ def scheduled_latency(compute: Sequence[float], transfer: Sequence[float],
     if len(compute) != len(transfer) or not compute:
         raise ValueError(f"one transfer per stage: {len(compute)} stages, "
                          f"{len(transfer)} transfers")
+    return _scheduled(tuple(compute), tuple(transfer), microbatches, schedule, chunks)
+
+
+# The search times the pipeline it picks, and its plan times it again (GPT-3 175B: 3 runs of
+# 1.1 s each, 2 distinct).
+@functools.lru_cache(maxsize=64)
+def _scheduled(compute: tuple[float, ...], transfer: tuple[float, ...], microbatches: int,
+               schedule: str, chunks: int) -> float:
     meshes = len(compute) // chunks
     period = 2 * meshes   # a multiple of the meshes, as the interleaved schedule needs
     base = DIRECT_ROUNDS * meshes
