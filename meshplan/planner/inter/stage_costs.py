@@ -202,6 +202,9 @@ class StageProfiler:
     solves: int = 0
     # Price an end layer holding a repeated layer as its parts (`layer_parts.py`).
     in_parts: bool = True
+    # The most micro-batches any stage of the pipelines weighed keeps in flight (None: every
+    # micro-batch of the step, as GPipe keeps them): what `memory_may_bind` holds.
+    most_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         # A parameter used by several layers may be held by several stages, which sum its
@@ -310,21 +313,23 @@ class StageProfiler:
     def memory_may_bind(self, submesh: Submesh, shape: tuple[int, int]) -> bool:
         """Whether the memory limit the DP checks (`bind_below` lowers it) may bind a stage
         on ``submesh`` laid out as ``shape``: whether the fastest plans ("free") of all the
-        layers, held as one stage with every micro-batch of the step in flight, exceed it (or
-        a layer has none). Where they do not, every range's fastest plan fits however the
-        pipeline runs it, and nothing is faster, so the DP would never pick a plan that
-        trades speed for memory: those variants are not priced there. Most of a small
-        model's pricing (a 2-layer GPT of 2.6B's widths on 8 V100: 27 of 198 solves, 4.2 of
-        7.5 s in HiGHS). Decided for the whole program, here only: the part pricer's variants
-        are asked for by its layers' tasks (`_price_all`), never listed."""
+        layers, held as one stage with the most micro-batches any stage keeps in flight
+        (`most_in_flight`, at most the step's), exceed it (or a layer has none). Where they do
+        not, every range's fastest plan fits however the pipeline runs it, and nothing is
+        faster, so the DP would never pick a plan that trades speed for memory: those
+        variants are not priced there. Most of a small model's pricing (a 2-layer GPT of
+        2.6B's widths on 8 V100: 27 of 198 solves, 4.2 of 7.5 s in HiGHS). Decided for the
+        whole program, here only: the part pricer's variants are asked for by its layers'
+        tasks (`_price_all`), never listed."""
         if self.memory_limit is None:
             return False
         key = (submesh, shape)
         if key not in self._needs:
             sums, missing = self._layer_sums(submesh, shape, "free")[:2]
             layers = np.maximum(np.diff(sums[:, 2:4], axis=0), 0.0).sum(axis=0)
-            self._needs[key] = math.inf if missing[-1] else \
-                float(layers[0] + layers[1] * self.microbatches)
+            held = self.microbatches if self.most_in_flight is None else \
+                min(self.microbatches, self.most_in_flight)
+            self._needs[key] = math.inf if missing[-1] else float(layers[0] + layers[1] * held)
         return self._needs[key] > self._dp_limit
 
     def bind_below(self, budget: float) -> None:

@@ -111,6 +111,20 @@ def gpipe(stage_index: int, num_stages: int, num_microbatches: int) -> int:
     return num_microbatches
 
 
+def most_in_flight(schedule: str, num_layers: int, num_devices: int, microbatches: int
+                   ) -> int:
+    """The most micro-batches a stage of any pipeline the searches weigh keeps in flight on
+    ``schedule`` ("gpipe" or "1f1b", interleaved 1F1B included): GPipe keeps every one;
+    1F1B's stage i of S keeps S - i, and S is at most the layers and the devices; interleaved
+    1F1B's virtual stages keep at most 2S (its warm-up,
+    `lower.schedules.Schedule.in_flight_of`), where v >= 2 chunks on each of S meshes divide
+    the layers, so 2S is at most the layers and twice the devices. A small model at many
+    micro-batches (ViT on HAP's 64 GPUs at 4,096) keeps a dozen, not thousands."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, num_layers, 2 * num_devices)
+
+
 def submesh_shapes(cluster: ClusterShape) -> tuple[Submesh, ...]:
     """Alpa's submesh shapes: ``(1, 2^k)`` for ``2^k <= M`` (and ``(1, M)``), then ``(k, M)``.
 
