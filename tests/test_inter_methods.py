@@ -5,6 +5,7 @@ and the cost model."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -345,6 +346,35 @@ def test_auto_on_one_host_weighs_intra_onlys_plan() -> None:
     assert p.predicted["step_time_s"] == min(steps.values())
     assert p.predicted["peak_memory_bytes"] <= 0.3 * 2**30
     assert f"intra-only check chose the {check['chosen']}" in p.explain()
+
+
+@pytest.mark.parametrize("pipeline_step,fitted", [(1e-9, False), (1e9, True)],
+                         ids=["pipeline-faster", "pipeline-slower"])
+def test_a_one_stage_plan_slower_than_a_pipeline_that_fits_is_not_fitted(
+        pipeline_step: float, fitted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fitted under the budget as simulated (`api._within_as_simulated`: solved again under
+    a lower bound), a one-stage plan is no faster: where it already loses to a pipeline that
+    fits, it is weighed as it is and the pipeline chosen; where it may win, it is fitted
+    first."""
+    w = build_workload("gpt:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=64",
+                       device="meta")
+    searched = api._plan_pipeline
+
+    def piped(*args, **kwargs):
+        p = searched(*args, **kwargs)
+        return replace(p, predicted={**p.predicted, "step_time_s": pipeline_step})
+
+    monkeypatch.setattr(api, "_plan_pipeline", piped)
+    fits = api._within_as_simulated
+    calls = []
+    monkeypatch.setattr(api, "_within_as_simulated",
+                        lambda *a, **k: calls.append(1) or fits(*a, **k))
+    p = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, dtype="fp16",
+                 memory_budget_gb=0.3)
+    check = p.options["single_stage_check"]
+    assert bool(calls) is fitted
+    assert "pipeline" not in check["over_budget_simulated"]
+    assert check["chosen"] == ("one stage" if fitted else "pipeline")
 
 
 def test_auto_weighs_intra_only_on_one_host_or_where_it_answered_one_stage() -> None:
