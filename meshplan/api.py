@@ -6,6 +6,7 @@ The whole intra-operator pipeline, one named pass per line: capture -> choices -
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import time
@@ -146,8 +147,11 @@ def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> Infe
             f"gradients and optimizer state and about {rest / gib:.3f} GiB activations."]
     if state > budget:
         devices = form.ctx.mesh.shape[0] * form.ctx.mesh.shape[1]
-        tips.append(f"The state alone exceeds the budget: use about {state / budget:.1f}x more "
-                    f"devices than {devices}.")
+        # Sharded over every device the state shrinks with their number: "1.0x more" read
+        # as twice as many where 5 of 4 would do.
+        tips.append(f"The state alone exceeds the budget: use at least "
+                    f"{math.ceil(devices * state / budget)} devices (about "
+                    f"{state / budget:.1f}x the {devices} of this mesh).")
     elif rest > 0:
         tips.append(f"A micro-batch about {rest / max(budget - state, 1.0):.1f}x smaller "
                     f"(more micro-batches than {form.ctx.microbatches}, or a smaller global "
