@@ -356,7 +356,7 @@ def test_a_one_stage_plan_slower_than_a_pipeline_that_fits_is_not_fitted(
     a lower bound), a one-stage plan is no faster: where it already loses to a pipeline that
     fits, it is weighed as it is and the pipeline chosen; where it may win, it is fitted
     first."""
-    w = build_workload("gpt:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=64",
+    w = build_workload("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128,batch=8",
                        device="meta")
     searched = api._plan_pipeline
 
