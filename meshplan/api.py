@@ -393,20 +393,20 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     piped_over = piped is not None and budget is not None and \
         max(simulate(piped).peak_memory_bytes) > budget
     result = as_plan(sol)
-    if budget is not None and not abstract and not (
-            piped is not None and not piped_over and
-            result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]):
-        # Fitted under a lower bound a plan is no faster: one already slower than a pipeline
-        # that fits is not fitted (BERT-Base's one stage on HAP's cluster: two more solves,
-        # 8 of 39 s, for a plan the pipeline beat anyway).
+    # Fitted under a lower bound a plan is no faster: one already slower than a pipeline that
+    # fits is not fitted (BERT-Base's one stage on HAP's cluster: two more solves, 8 of 39 s,
+    # for a plan the pipeline beat anyway).
+    loses = piped is not None and not piped_over and \
+        result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]
+    if budget is not None and not abstract and not loses:
         result = _within_as_simulated(result, form.problem, sol, budget, as_plan)
     if piped is None:
         return result
     steps = {"pipeline": piped.predicted["step_time_s"],
              "one stage": result.predicted["step_time_s"]}
     plans = {"pipeline": piped, "one stage": result}
-    over = [k for k, p in plans.items() if budget is not None and (
-        piped_over if k == "pipeline" else max(simulate(p).peak_memory_bytes) > budget)]
+    over = ["pipeline"] * piped_over + ["one stage"] * (
+        budget is not None and max(simulate(result).peak_memory_bytes) > budget)
     name = min(plans, key=lambda k: (k in over, steps[k]))
     # The pipeline search's own weighing of one stage (`search._one_stage_if_simulated_faster`)
     # stays on record whichever plan is chosen.

@@ -37,7 +37,7 @@ BUDGET_ONES = 10 * 2**20
 
 
 def _profiler(budget: float, spec: str = GPT, microbatches: int = MICROBATCHES,
-              most: int | None = None, per_microbatch: bool = False) -> StageProfiler:
+              schedule: str = "gpipe", per_microbatch: bool = False) -> StageProfiler:
     """A profiler of ``spec``'s program (traced at one micro-batch's samples with
     ``per_microbatch``, else at the whole batch) on one host of 4 V100s."""
     w = build_workload(spec, device="meta")
@@ -47,7 +47,7 @@ def _profiler(budget: float, spec: str = GPT, microbatches: int = MICROBATCHES,
     graph = with_compute_dtype(graph, "fp16")
     return StageProfiler(graph, cluster_layers(graph, 6), parse_cluster_spec("p3.16xlarge:1x4"),
                          IntraOptions(), OptimizerState(), microbatches, budget,
-                         most_in_flight=most)
+                         schedule=schedule)
 
 
 def _pairs(prof: StageProfiler) -> list:
@@ -109,7 +109,7 @@ def test_a_pipeline_keeps_its_stages_not_the_steps_micro_batches() -> None:
     kw = dict(spec=GPT_ONES, microbatches=32, per_microbatch=True)
     sub, shape = (1, 4), (1, 4)
     assert _profiler(BUDGET_ONES, **kw).memory_may_bind(sub, shape)
-    prof = _profiler(BUDGET_ONES, most=most_in_flight("1f1b", 6, 4, 32), **kw)
+    prof = _profiler(BUDGET_ONES, schedule="1f1b", **kw)
     assert not prof.memory_may_bind(sub, shape)
     for a in range(6):
         for b in range(a + 1, 7):

@@ -47,7 +47,7 @@ from meshplan.planner.inter.megatron_spec import (MegatronSpec, check_on_cluster
 from meshplan.planner.inter.search import (REFINE_MARGIN, REFINE_MAX, GraphFor,
                                           PipelineRequest, equal_stages, solved_as_whole)
 from meshplan.planner.inter.stage_costs import StageProfiler
-from meshplan.planner.inter.stage_problem import DpStats, make_solution, most_in_flight
+from meshplan.planner.inter.stage_problem import DpStats, make_solution
 from meshplan.planner.inter.to_plan import FoundPipeline, pipeline_plan
 
 MAX_MICRO_BATCH = 8  # Megatron's GPT recipes use micro-batches of 1-8 sequences per replica
@@ -229,10 +229,7 @@ def _profiled(graph_for: GraphFor, b: int, req: PipelineRequest,
     profiler = StageProfiler(graph, layering, req.cluster, req.options,
                              req.optimizer_state, b, req.budget, req.recompute,
                              logical_shapes=frozenset((s.dp, s.tp) for s in specs),
-                             show_progress=req.progress,
-                             most_in_flight=most_in_flight(req.dp_schedule,
-                                                           layering.num_layers,
-                                                           req.cluster.num_devices, b))
+                             show_progress=req.progress, schedule=req.dp_schedule)
     return _Profiled(profiler, fingerprint, traced.unsupported_ops)
 
 

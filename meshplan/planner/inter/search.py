@@ -71,8 +71,8 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
                                                   PipelineProblem,
                                                   PipelineSolution, Profile, StageOption,
                                                   StagePlacement, Submesh,
-                                                  gpipe, linked, make_solution, most_in_flight,
-                                                  one_f_one_b, submesh_shapes)
+                                                  gpipe, linked, make_solution, one_f_one_b,
+                                                  submesh_shapes)
 # The result of a search and its Plan, shared with the hand-style pipelines (`manual.py`).
 from meshplan.planner.inter.to_plan import (FoundPipeline, inbound_discounts, pipeline_plan,
                                             scheduled_step, stage_devices)
@@ -482,9 +482,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_state, b,
                              req.budget, req.recompute, show_progress=req.progress,
                              tensor_within_host=by_hosts, kinds=kinds,
-                             most_in_flight=most_in_flight(req.dp_schedule,
-                                                           layering.num_layers,
-                                                           cl.num_devices, b))
+                             schedule=req.dp_schedule)
     # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a
     # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
     shape = ClusterShape(1, cl.num_hosts, divisor_widths=not kinds) if by_hosts else \

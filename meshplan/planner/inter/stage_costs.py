@@ -55,7 +55,8 @@ from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.layer_parts import LayerParts, split_layers
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, StageOption,
-                                                  Submesh, submesh_shapes, triple_index)
+                                                  Submesh, most_in_flight, submesh_shapes,
+                                                  triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import (CostContext, Formulation, formulate, renamed,
                                               without_zero3)
@@ -202,9 +203,9 @@ class StageProfiler:
     solves: int = 0
     # Price an end layer holding a repeated layer as its parts (`layer_parts.py`).
     in_parts: bool = True
-    # The most micro-batches any stage of the pipelines weighed keeps in flight (None: every
-    # micro-batch of the step, as GPipe keeps them): what `memory_may_bind` holds.
-    most_in_flight: int | None = None
+    # The schedule the pipelines weighed run, "gpipe" or "1f1b" (interleaving included): how
+    # many micro-batches `memory_may_bind` holds in flight (`most_in_flight`).
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         # A parameter used by several layers may be held by several stages, which sum its
@@ -314,10 +315,10 @@ class StageProfiler:
         """Whether the memory limit the DP checks (`bind_below` lowers it) may bind a stage
         on ``submesh`` laid out as ``shape``: whether the fastest plans ("free") of all the
         layers, held as one stage with the most micro-batches any stage keeps in flight
-        (`most_in_flight`, at most the step's), exceed it (or a layer has none). Where they do
-        not, every range's fastest plan fits however the pipeline runs it, and nothing is
-        faster, so the DP would never pick a plan that trades speed for memory: those
-        variants are not priced there. Most of a small model's pricing (a 2-layer GPT of
+        (`stage_problem.most_in_flight` on ``schedule``), exceed it (or a layer has none).
+        Where they do not, every range's fastest plan fits however the pipeline runs it, and
+        nothing is faster, so the DP would never pick a plan that trades speed for memory:
+        those variants are not priced there. Most of a small model's pricing (a 2-layer GPT of
         2.6B's widths on 8 V100: 27 of 198 solves, 4.2 of 7.5 s in HiGHS). Decided for the
         whole program, here only: the part pricer's variants are asked for by its layers'
         tasks (`_price_all`), never listed."""
@@ -327,8 +328,8 @@ class StageProfiler:
         if key not in self._needs:
             sums, missing = self._layer_sums(submesh, shape, "free")[:2]
             layers = np.maximum(np.diff(sums[:, 2:4], axis=0), 0.0).sum(axis=0)
-            held = self.microbatches if self.most_in_flight is None else \
-                min(self.microbatches, self.most_in_flight)
+            held = most_in_flight(self.schedule, self.layering.num_layers,
+                                  self.cluster.num_devices, self.microbatches)
             self._needs[key] = math.inf if missing[-1] else float(layers[0] + layers[1] * held)
         return self._needs[key] > self._dp_limit
 
