@@ -589,7 +589,7 @@ def test_accept_stops_early_only_within_its_gap() -> None:
     """``accept=(nodes, gap)``: the first ``nodes`` nodes' plan is kept when proved within
     ``gap`` of the optimum (whole stage solves: the proof, not the plan, is what costs), and
     otherwise the search goes on to the optimum (or ``max_nodes``)."""
-    problem = memory_bound_dag(30, 0)
+    problem = memory_bound_dag(30, 3)   # one whose root does not find the optimum
     exact = solve(problem)
     loose = solve(problem, max_nodes=10**6, accept=(1, 0.5))
     assert exact.objective < loose.objective <= exact.objective * (1 + 0.5)   # stopped early
@@ -602,7 +602,7 @@ def test_a_start_is_kept_unless_the_search_finds_better() -> None:
     shared answer) is the search's first incumbent, so even one node returns no worse; a start
     that is not a point of the problem (aliased nodes choosing apart, one over the memory
     budget) is ignored, not an error."""
-    problem = memory_bound_dag(30, 0)
+    problem = memory_bound_dag(30, 3)
     exact = solve(problem)
     assert solve(problem, max_nodes=1).objective > exact.objective   # without the start
     assert solve(problem, max_nodes=1, start=exact.choices).objective == exact.objective
@@ -633,6 +633,41 @@ def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> 
     with multiprocessing.get_context("fork").Pool(1) as pool:
         got = pool.apply_async(solve, (problem,), {"solver": "highs"}).get(timeout=60)
     assert got.choices == expected
+
+
+def test_node_limited_solves_turn_off_the_presolve_rules_of_each_highs_version(monkeypatch
+                                                                               ) -> None:
+    """A node-limited solve (the planner's pricing and whole-stage solves: mostly their root)
+    turns off the aggregator, parallel rows and columns, sparsify and probing: bits of HiGHS's
+    rule enum, which moved as HiGHS added rules, so each version gets those rules' bits in its
+    own enum and none of another rule's. The installed HiGHS accepts the mask; an unlimited
+    solve keeps every rule (a long search gains from probing); both reach the optimum."""
+    import highspy
+    from meshplan.planner.intra.ilp_backends import _presolve_rules_off
+    bits = lambda mask: {b for b in range(32) if mask >> b & 1}   # noqa: E731
+    assert bits(_presolve_rules_off((1, 15))) == {12, 13, 14, 15}
+    assert bits(_presolve_rules_off((1, 12))) == {12, 13, 14, 15}
+    assert bits(_presolve_rules_off((1, 11))) == {12, 13, 14}     # probing at 14, no sparsify
+    assert bits(_presolve_rules_off((1, 7))) == {12, 13}
+    statuses: list[object] = []
+
+    class Recording(highspy.Highs):
+        def setOptionValue(self, name, value):   # noqa: N802 (HiGHS's name)
+            status = super().setOptionValue(name, value)
+            if name == "presolve_rule_off":
+                statuses.append((value, status))
+            return status
+
+    monkeypatch.setattr(highspy, "Highs", Recording)
+    problem = memory_bound_dag(12, 0)
+    unlimited = solve(problem, solver="highs")
+    assert statuses == []
+    limited = solve(problem, solver="highs", max_nodes=10**6)
+    h = highspy.Highs()
+    assert statuses == [(_presolve_rules_off((h.versionMajor(), h.versionMinor())),
+                         highspy.HighsStatus.kOk)]
+    assert limited.objective == pytest.approx(unlimited.objective, rel=1e-9)
+    assert limited.gap == unlimited.gap == 0.0
 
 
 def test_a_gated_saving_on_a_tree_keeps_the_lp_relaxation_integral() -> None:

@@ -51,6 +51,17 @@ _FEASIBILITY_JUMP = False
 # under a memory bound) 14.0 -> 9.8 s with 5 of 67 answers worse, by at most 0.057 %: within
 # `ilp.PLAN_REL_GAP`, which every such answer was only proved to anyway.
 _ROOT_REDUCED_COST = False
+# Presolve rules off in node-limited solves (HiGHS's ``presolve_rule_off`` bits,
+# `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and probing.
+# The planner's node-limited solves (a stage's layer priced, a stage solved whole) are
+# mostly their root, where these rules reduce little (a 3,800-column MoE layer: 169 rows of
+# 1,642) and probing the binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five
+# planning runs (GPT-39B, MoE-70B, BERT-MoE, BERT-Base and ViT on HAP's cluster), each as
+# the planner solved it, one worker: the node-limited ones 44.5 -> 27.1 s, none of the
+# answers more than 0.1 % worse. A long search keeps them: Wide-ResNet-4B's whole program on
+# 16 V100s (unlimited, 1,632 binaries) took 10.3 s with probing, 21.3 s without. Without any
+# presolve (``presolve`` off) GPT-39B planned slower and worse.
+_PRESOLVE_RULES_OFF = ("Aggregator", "ParallelRowsAndCols", "Sparsify", "Probing")
 # Largest cost coefficient handed to a backend (see the module docstring).
 _COST_SCALE = 1e6
 
@@ -205,6 +216,19 @@ def _highspy():
     return highspy
 
 
+def _presolve_rules_off(version: tuple[int, int]) -> int:
+    """The ``presolve_rule_off`` mask of `_PRESOLVE_RULES_OFF` for HiGHS ``version`` (major,
+    minor): the rules' bits moved as HiGHS added rules (its ``PresolveRuleType``: sparsify at 14
+    from 1.12, probing at 14 in 1.11 and at 15 from 1.12), so a rule of unknown place is left
+    on."""
+    places = {"Aggregator": 12, "ParallelRowsAndCols": 13}
+    if version >= (1, 12):
+        places.update(Sparsify=14, Probing=15)
+    elif version >= (1, 11):
+        places.update(Probing=14)
+    return sum(1 << places[rule] for rule in _PRESOLVE_RULES_OFF if rule in places)
+
+
 def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
     """The model as a continuous HighsLp, passed in bulk (no per-nonzero Python calls)."""
     highspy = _highspy()
@@ -244,6 +268,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         h.setOptionValue("time_limit", left)
     if max_nodes is not None and not relax:
         h.setOptionValue("mip_max_nodes", max_nodes)
+        h.setOptionValue("presolve_rule_off",
+                         _presolve_rules_off((h.versionMajor(), h.versionMinor())))
     if objective_bound is not None:
         h.setOptionValue("objective_bound", objective_bound)
     h.passModel(lp)
