@@ -635,13 +635,14 @@ def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> 
     assert got.choices == expected
 
 
-def test_node_limited_solves_turn_off_the_presolve_rules_of_each_highs_version(monkeypatch
-                                                                               ) -> None:
-    """A node-limited solve (the planner's pricing and whole-stage solves: mostly their root)
-    turns off the aggregator, parallel rows and columns, sparsify and probing: bits of HiGHS's
-    rule enum, which moved as HiGHS added rules, so each version gets those rules' bits in its
-    own enum and none of another rule's. The installed HiGHS accepts the mask; an unlimited
-    solve keeps every rule (a long search gains from probing); both reach the optimum."""
+def test_an_accept_searchs_first_nodes_turn_off_the_presolve_rules_of_each_highs_version(
+        monkeypatch) -> None:
+    """The first nodes of an ``accept`` search (the planner's pricing and whole-stage solves:
+    mostly their root) turn off the aggregator, parallel rows and columns, sparsify and
+    probing: bits of HiGHS's rule enum, which moved as HiGHS added rules, so each version gets
+    those rules' bits in its own enum and none of another rule's. The installed HiGHS accepts
+    the mask; the search that goes on from there, and any other, keeps every rule (a long
+    search gains from probing); each reaches the optimum."""
     import highspy
     from meshplan.planner.intra.ilp_backends import _presolve_rules_off
     bits = lambda mask: {b for b in range(32) if mask >> b & 1}   # noqa: E731
@@ -659,15 +660,15 @@ def test_node_limited_solves_turn_off_the_presolve_rules_of_each_highs_version(m
             return status
 
     monkeypatch.setattr(highspy, "Highs", Recording)
-    problem = memory_bound_dag(12, 0)
-    unlimited = solve(problem, solver="highs")
+    problem = memory_bound_dag(30, 3)   # one whose root does not find the optimum
+    exact = solve(problem, solver="highs")
+    assert solve(problem, solver="highs", max_nodes=10**6).objective == exact.objective
     assert statuses == []
-    limited = solve(problem, solver="highs", max_nodes=10**6)
+    accepted = solve(problem, solver="highs", max_nodes=10**6, accept=(1, 0.0))
     h = highspy.Highs()
     assert statuses == [(_presolve_rules_off((h.versionMajor(), h.versionMinor())),
-                         highspy.HighsStatus.kOk)]
-    assert limited.objective == pytest.approx(unlimited.objective, rel=1e-9)
-    assert limited.gap == unlimited.gap == 0.0
+                         highspy.HighsStatus.kOk)]      # the first node's search only
+    assert accepted.objective == exact.objective and accepted.gap == 0.0
 
 
 def test_a_gated_saving_on_a_tree_keeps_the_lp_relaxation_integral() -> None:

@@ -51,16 +51,17 @@ _FEASIBILITY_JUMP = False
 # under a memory bound) 14.0 -> 9.8 s with 5 of 67 answers worse, by at most 0.057 %: within
 # `ilp.PLAN_REL_GAP`, which every such answer was only proved to anyway.
 _ROOT_REDUCED_COST = False
-# Presolve rules off in node-limited solves (HiGHS's ``presolve_rule_off`` bits,
-# `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and probing.
-# The planner's node-limited solves (a stage's layer priced, a stage solved whole) are
-# mostly their root, where these rules reduce little (a 3,800-column MoE layer: 169 rows of
-# 1,642) and probing the binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five
-# planning runs (GPT-39B, MoE-70B, BERT-MoE, BERT-Base and ViT on HAP's cluster), each as
-# the planner solved it, one worker: the node-limited ones 44.5 -> 27.1 s, none of the
-# answers more than 0.1 % worse. A long search keeps them: Wide-ResNet-4B's whole program on
-# 16 V100s (unlimited, 1,632 binaries) took 10.3 s with probing, 21.3 s without. Without any
-# presolve (``presolve`` off) GPT-39B planned slower and worse.
+# Presolve rules off in the first nodes of an ``accept`` search (HiGHS's ``presolve_rule_off``
+# bits, `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and
+# probing. That search is mostly its root (a stage's layer priced, a stage solved whole),
+# where these rules reduce little (a 3,800-column MoE layer: 169 rows of 1,642) and probing
+# the binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five planning runs (GPT-39B,
+# MoE-70B, BERT-MoE, BERT-Base and ViT on HAP's cluster), each as the planner solved it, one
+# worker: those first 50 nodes 40.2 -> 23.6 s, none of the answers more than 0.1 % worse.
+# A long search keeps them: a stage solved whole under a tight memory bound (5,000 nodes)
+# took 11.4 s with probing and 19.7 s without; Wide-ResNet-4B's whole program on 16 V100s
+# (unlimited) 10.3 and 21.3 s. Without any presolve (``presolve`` off) GPT-39B planned
+# slower and worse.
 _PRESOLVE_RULES_OFF = ("Aggregator", "ParallelRowsAndCols", "Sparsify", "Probing")
 # Largest cost coefficient handed to a backend (see the module docstring).
 _COST_SCALE = 1e6
@@ -126,7 +127,7 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         probe_nodes, gap = accept
         if max_nodes is None or probe_nodes < max_nodes:
             probe = run(model, relax=False, deadline=deadline, max_nodes=probe_nodes,
-                        start=start, rel_gap=rel_gap)
+                        start=start, rel_gap=rel_gap, light=True)
             if probe is not None and probe.gap <= gap:
                 return probe
             if probe is not None:
@@ -246,8 +247,9 @@ def _highs_lp(model: MilpModel) -> "highspy.HighsLp":  # noqa: F821
 def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
                start: tuple[np.ndarray, np.ndarray] | None = None,
-               rel_gap: float = 0.0, objective_bound: float | None = None
-               ) -> RawSolution | None:
+               rel_gap: float = 0.0, objective_bound: float | None = None,
+               light: bool = False) -> RawSolution | None:
+    """``light``: the presolve of a search that is mostly its root (`_PRESOLVE_RULES_OFF`)."""
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
@@ -268,6 +270,7 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         h.setOptionValue("time_limit", left)
     if max_nodes is not None and not relax:
         h.setOptionValue("mip_max_nodes", max_nodes)
+    if light:
         h.setOptionValue("presolve_rule_off",
                          _presolve_rules_off((h.versionMajor(), h.versionMinor())))
     if objective_bound is not None:
@@ -306,8 +309,9 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
 def _run_scipy(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
                start: tuple[np.ndarray, np.ndarray] | None = None,
-               rel_gap: float = 0.0) -> RawSolution | None:
-    # scipy.optimize.milp takes no starting point: ``start`` is ignored.
+               rel_gap: float = 0.0, light: bool = False) -> RawSolution | None:
+    # scipy.optimize.milp takes no starting point (``start`` is ignored) nor presolve rules
+    # (``light`` is).
     try:  # scipy is optional: only this backend needs it
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import csr_array
