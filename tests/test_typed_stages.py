@@ -183,3 +183,34 @@ def test_a_typed_pipeline_trains_like_one_device() -> None:
     for losses, state, *_ in results:
         params.update(state)
     assert_matches((results[0][0], params, []), ref, plan, SGD)
+
+
+def test_hosts_of_the_slowest_type_are_priced_once_with_stages_spanning_types() -> None:
+    """A stage spanning types is priced as the cluster's slowest device; where one type has
+    exactly its figures (HAP's P100 against "the slowest of V100+P100", whose peak has the
+    P100's efficiency folded in), the stage on that type's hosts costs the same and is
+    priced once for both."""
+    from meshplan.cost.cluster import Cluster
+    from meshplan.cost.memory import OptimizerState
+    from meshplan.cost.precision import with_compute_dtype
+    from meshplan.planner.inter.clustering import cluster_layers
+    from meshplan.planner.inter.stage_costs import StageProfiler
+    from meshplan.planner.intra.choices import IntraOptions
+    w = build_workload(GPT, device="meta")
+    graph = with_compute_dtype(capture(w.model, w.loss_fn, w.example_batch)[1], "fp16")
+    layering = cluster_layers(graph, 4)
+
+    def profiler(cl: Cluster, kinds: tuple[DeviceType, ...] = ()) -> StageProfiler:
+        return StageProfiler(graph, layering, cl, IntraOptions(optimizer="adamw"),
+                             OptimizerState(), 2, kinds=kinds, tensor_within_host=True)
+    mixed = _hosts(2, 3)
+    assert mixed.device != P100 and mixed.device.figures == P100.figures
+    prof = profiler(mixed, kind_types(host_types(mixed), "fp16"))
+    assert prof.priced_as((2, 2, 1)) == (2, 2) and prof.priced_as((2, 2, 0)) == (2, 2, 0)
+    untyped = prof(0, 2, (2, 2))
+    solves = prof.solves
+    assert prof(0, 2, (2, 2, 1)) == untyped and prof.solves == solves
+    assert min(o.latency for o in prof(0, 2, (2, 2, 0))) < min(o.latency for o in untyped)
+    # Equal figures, equal prices: the cost model reads nothing else of a device.
+    p100s = Cluster("p100s", 4, 2, P100, mixed.intra_host, mixed.inter_host)
+    assert profiler(p100s)(0, 2, (2, 2)) == untyped

@@ -120,6 +120,14 @@ class DeviceType:
         """Bytes/s memory-bound ops reach: `mem_bandwidth` × `memory_efficiency`."""
         return self.mem_bandwidth * self.memory_efficiency
 
+    @property
+    def figures(self) -> tuple:
+        """What the cost model reads of the device: each dtype's `matmul_flops`, the
+        `effective_mem_bandwidth` and the memory. Types of equal figures price every plan alike
+        (a mixed cluster's `bottleneck_device` and its slowest type: HAP's P100)."""
+        return (tuple((d, self.matmul_flops(d)) for d, _ in self.peak_flops),
+                self.effective_mem_bandwidth, self.memory_bytes)
+
 
 def bottleneck_device(types: Iterable[DeviceType]) -> DeviceType:
     """The device even shards run as on a mix of ``types``: each dtype's matmul FLOP/s, memory

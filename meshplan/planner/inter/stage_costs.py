@@ -235,6 +235,9 @@ class StageProfiler:
         self._gates: dict[int, bool] = {}   # `_by_parts`
         self._needs: dict[tuple, float] = {}   # `memory_may_bind`
         self._dp_limit = math.inf if self.memory_limit is None else self.memory_limit
+        # The kinds priced as the cluster's slowest device (`priced_as`).
+        self._as_slowest = frozenset(k for k, t in enumerate(self.kinds)
+                                     if t.figures == self.cluster.device.figures)
         if self.in_parts and self.layering.num_layers > 2:
             self._parts = self._part_pricer()
 
@@ -249,6 +252,17 @@ class StageProfiler:
         pricer = replace(self, layering=parts.parts, in_parts=False, solves=0)
         pricer._graphs.update(parts.programs)
         return parts, pricer
+
+    def priced_as(self, submesh: Submesh) -> Submesh:
+        """The submesh whose prices ``submesh``'s are: a typed one of a kind with the figures
+        of the cluster's slowest device (`DeviceType.figures`: HAP's P100 hosts against "the
+        slowest of V100+P100") is the untyped one, priced once for both. Every method taking
+        a submesh asks this first; `stage_cluster` keeps the kind (a plan names its device)."""
+        return submesh[:2] if len(submesh) > 2 and submesh[2] in self._as_slowest else submesh
+
+    def _priced_stages(self, stages: list[tuple]) -> list[tuple]:
+        """``(start, end, submesh, ...)`` each, its submesh `priced_as`."""
+        return [(a, b, self.priced_as(sub), *rest) for a, b, sub, *rest in stages]
 
     def stage(self, start: int, end: int) -> Graph:
         if (start, end) not in self._graphs:
@@ -351,6 +365,7 @@ class StageProfiler:
         return min(self.microbatches, max(self.cluster.num_devices // n, 1))
 
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
+        submesh = self.priced_as(submesh)
         out = []
         # What a stage receives is what its first layer does (a one-layer program is cheaper
         # to build than the whole range).
@@ -434,6 +449,7 @@ class StageProfiler:
         for all L(L+1)/2 ranges, which one by one cost more than the pricing they sum.
         Telescoped ranges come from vectorized prefix-sum differences (the same float
         operations as `_slot`); ranges solved as they are (one layer) from `_slot`."""
+        submeshes = tuple(self.priced_as(sub) for sub in submeshes)
         n = self.layering.num_layers
         k, i = np.triu_indices(n + 1, 1)   # every range [k, i), 0 <= k < i <= n
         keep = k < n
@@ -567,6 +583,7 @@ class StageProfiler:
         the program without pickling it); results are identical to pricing on demand. Layers
         with parts are priced by them (`_by_parts`, checked first, so that a part only its
         layer needs is not priced where the layer is whole)."""
+        submeshes = tuple(dict.fromkeys(self.priced_as(sub) for sub in submeshes))
         firsts: dict[str, int] = {}
         for m in range(self.layering.num_layers):
             firsts.setdefault(self.key(m, m + 1), m)
@@ -702,6 +719,7 @@ class StageProfiler:
         stage before it is on its host (`stage_problem.Links`): each device then moves its
         share of the boundary over its own link, as the simulator sends it, instead of the
         whole over the hosts' network."""
+        submesh = self.priced_as(submesh)
         return self.transfer_time(start) - inbound_s(self.cluster, self._boundary_bytes(start),
                                                      submesh[0] * submesh[1])
 
@@ -799,6 +817,7 @@ class StageProfiler:
         submesh and plan kind share one solve, at the most micro-batches any of them keeps (a
         plan that fits it fits the others), so a long pipeline of repeated blocks costs a
         few solves. Each carries its latency and peak memory as the pipeline runs it."""
+        chosen = self._priced_stages(chosen)
         firsts: dict[tuple, tuple] = {}
         for start, end, submesh, label, in_flight in sorted(chosen, key=lambda c: -c[4]):
             firsts.setdefault((self.key(start, end), submesh, label),
@@ -903,6 +922,7 @@ class StageProfiler:
         do not end up one after the other on a worker: more layers, more micro-batches in
         flight (a tighter memory bound) and a 2-D logical mesh make a whole solve slower.
         With ``bounds`` (one per stage), `whole_cost_below` of each instead."""
+        stages = self._priced_stages(stages)
         bounds = bounds if bounds is not None else [math.inf] * len(stages)
         tasks = sorted(self._whole_tasks(stages, bounds).items(),
                        key=lambda t: -(t[1][1] - t[1][0]) * t[1][4] *
@@ -948,13 +968,14 @@ class StageProfiler:
         whole solve is the unconstrained ILP under the pipeline's memory whatever variant
         priced the option, so stages of one structure that the DP priced by different
         variants share one solve."""
-        return (self.key(start, end), submesh, label.logical_shape, label.kind, in_flight)
+        return (self.key(start, end), self.priced_as(submesh), label.logical_shape, label.kind, in_flight)
 
     def whole_cost(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                    in_flight: int) -> tuple[float, float]:
         """(seconds per micro-batch, peak bytes per device) of the stage solved whole with
         ``in_flight`` micro-batches kept, as `solutions` gives them; cached by structure, so
         comparing candidate pipelines of repeated blocks costs a solve per distinct stage."""
+        submesh = self.priced_as(submesh)
         key = self.whole_key(start, end, submesh, label, in_flight)
         if key not in self._whole_costs:
             # `_solve` has counted the solves already.
@@ -976,6 +997,7 @@ class StageProfiler:
         often long before it would prove its optimum). For choosing between a stage's logical
         meshes and recomputations: an option that cannot beat the best one found is not
         solved to the end."""
+        submesh = self.priced_as(submesh)
         if self._cut_off(start, end, submesh, label, in_flight,
                          bound - self.transfer_time(start)):
             return None
