@@ -217,6 +217,21 @@ def test_mirror_logical_shapes_are_priced_once(program) -> None:
     assert forced.shapes((1, 4)) == [(1, 4), (2, 2), (4, 1)]
 
 
+def test_a_multi_host_submesh_prices_no_mesh_whose_two_axes_cross_hosts(program) -> None:
+    """On hosts of 8, a stage of 3 hosts is priced on (3, 8), (6, 4), (12, 2) and the ring of
+    all 24, not on (2, 12), (4, 6) or (8, 3), whose axes both cross hosts; host-granular
+    searches price the same shapes (the ring as (24, 1)); one host's stage every shape; a
+    method's own shape always."""
+    prof = _profiler(program, "p3.16xlarge:3")
+    assert prof.shapes((3, 8)) == [(1, 24), (3, 8), (6, 4), (12, 2)]
+    assert prof.shapes((2, 8)) == [(1, 16), (2, 8), (4, 4), (8, 2)]
+    assert prof.shapes((1, 8)) == [(1, 8), (2, 4)]
+    granular = _profiler(program, "p3.16xlarge:3", tensor_within_host=True)
+    assert granular.shapes((3, 8)) == [(3, 8), (6, 4), (12, 2), (24, 1)]
+    own = _profiler(program, "p3.16xlarge:3", logical_shapes=frozenset({(2, 12)}))
+    assert own.shapes((3, 8)) == [(2, 12)]
+
+
 def test_many_hosts_are_planned_host_granular() -> None:
     """Beyond 8 hosts stages take whole hosts and keep tensor parallelism inside one."""
     w = build_workload("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128,batch=32",
