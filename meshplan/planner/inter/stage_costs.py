@@ -980,7 +980,8 @@ class StageProfiler:
         whole solve is the unconstrained ILP under the pipeline's memory whatever variant
         priced the option, so stages of one structure that the DP priced by different
         variants share one solve."""
-        return (self.key(start, end), self.priced_as(submesh), label.logical_shape, label.kind, in_flight)
+        return (self.key(start, end), self.priced_as(submesh), label.logical_shape, label.kind,
+                in_flight)
 
     def whole_cost(self, start: int, end: int, submesh: Submesh, label: StageLabel,
                    in_flight: int) -> tuple[float, float]:
