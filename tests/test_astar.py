@@ -86,3 +86,24 @@ def test_a_binding_budget_past_the_state_limit_goes_to_the_ilp() -> None:
     assert stats.solver == "ilp"
     assert sol.objective == pytest.approx(solve(tight).objective)
     assert peak_memory(tight, sol.choices) <= used - 25.0
+
+
+def test_the_ilp_stops_at_the_planners_node_limit_and_says_how_far_it_may_be(monkeypatch
+                                                                              ) -> None:
+    # A budget-bound program often has its answer at the root and then spends minutes on the
+    # proof (`ilp.PLAN_MAX_NODES`); stopped early, the solution carries the gap left.
+    import meshplan.planner.hetero.astar as astar
+    from meshplan.planner.intra.ilp import PLAN_REL_GAP
+    rng = random.Random(12)
+    problem, order = chain(60, 4, 7)
+    memory = tuple(tuple(float(rng.randint(1, 9)) for _ in range(4)) for _ in range(120))
+    used = sum(memory[v][p] for v, p in enumerate(synthesize(problem, order)[0].choices))
+    tight = dataclasses.replace(problem, node_memory=memory, live_sets=(tuple(range(120)),),
+                                memory_budget=used - 25.0)
+    proved, stats = synthesize(tight, order, max_states=2_000)
+    assert stats.solver == "ilp" and proved.gap <= PLAN_REL_GAP
+    monkeypatch.setattr(astar, "PLAN_MAX_NODES", 1)
+    stopped, _ = synthesize(tight, order, max_states=2_000)
+    assert stopped.gap > PLAN_REL_GAP
+    assert stopped.objective >= proved.objective * (1 - proved.gap) - 1e-9
+    assert peak_memory(tight, stopped.choices) <= used - 25.0

@@ -186,6 +186,33 @@ def test_fixed_ratios_skip_balancing() -> None:
     assert balanced.options["hetero"]["ratios"] != pytest.approx([0.25] * 4)
 
 
+def test_the_loop_never_synthesizes_twice_for_the_same_ratios(monkeypatch) -> None:
+    # Ratios that come back to an earlier round's would synthesize that round's program
+    # again (a budget-bound program can take HiGHS minutes): the loop stops there. Here it
+    # starts even, the balancer answers the speed shares, then even again.
+    import meshplan.planner.hetero.alternate as alt
+    from meshplan.planner.hetero.load_balance import Balance
+    even, shares = (0.25,) * 4, (0.4, 0.3, 0.2, 0.1)
+    answers = iter([shares, even, shares])
+    monkeypatch.setattr(alt, "speed_shares", lambda types, dtype: even)
+    monkeypatch.setattr(alt, "balance", lambda *a: Balance((next(answers),), 1.0))
+    synthesized: list[object] = []
+    real = alt.synthesize
+
+    def counted(problem, **kw):   # type: ignore[no-untyped-def]
+        synthesized.append(problem)
+        return real(problem, **kw)
+
+    monkeypatch.setattr(alt, "synthesize", counted)
+    w = workload(MODELS["bert"])
+    _, graph = capture(w.model, w.loss_fn, w.example_batch)
+    found = alt.alternate(graph, four_speeds(), IntraOptions(), alt.StepSettings(), None, "fp32")
+    assert [r.ratios for r in found.rounds] == [even, shares]
+    assert len(synthesized) == 2
+    assert found.ratios == shares   # the speed shares' program is the better of the two
+    assert found.rounds[1].synthesized_s < found.rounds[0].synthesized_s
+
+
 def test_auto_on_a_mixed_cluster_is_the_faster_of_hetero_and_uniform() -> None:
     auto = plan(MODELS["mlp"], four_speeds(), "auto")
     hetero = mixed_plan("four-speeds", "mlp", "hetero")

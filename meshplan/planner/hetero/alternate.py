@@ -8,8 +8,9 @@ slowest ``t_j`` for replicated work — and collectives with the uneven formulas
 (`meshplan.cost.collectives`); the balancer (`load_balance.py`) takes the program as phases
 (one per kind of work: every op whose device times are proportional shares one phase) and
 returns the ratios minimizing the step. The first ratios are the devices' matmul speeds
-(DP-CP); the loop stops when the ratios settle, or when a new round is no better than the best
-so far — the pair that oscillates back is dropped and the best pair is kept.
+(DP-CP); the loop stops when the ratios settle or come back to those of an earlier round
+(whose program is already known), or when a new round is no better than the best so far —
+the pair that oscillates back is dropped and the best pair is kept.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def alternate(graph: Graph, cluster: Cluster, opts: IntraOptions, step: StepSett
             break   # no better than a pair already found: the loop went back
         best = (sol.objective, form, sol, ratios, stats)
         new = tuple(found.ratios)
-        if max(abs(a - b) for a, b in zip(new, ratios)) < tolerance:
-            break
+        if any(max(abs(a - b) for a, b in zip(new, r.ratios)) < tolerance for r in rounds):
+            break   # settled, or back at ratios a round has synthesized for (the same program)
         ratios = new
     assert best is not None
     _, form, sol, ratios, stats = best

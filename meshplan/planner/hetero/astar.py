@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from meshplan.errors import InfeasibleIlpError
-from meshplan.planner.intra.ilp import PLAN_REL_GAP, solve
+from meshplan.planner.intra.ilp import PLAN_MAX_NODES, PLAN_REL_GAP, solve
 from meshplan.planner.intra.ilp_reduce import merge_aliases
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution, evaluate, peak_memory
 
@@ -64,26 +64,37 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
     memory budget and ``max_cost``), SearchLimitError past ``max_states`` generated states."""
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
+    gap = 0.0   # A* proves its answer; an ILP within `PLAN_MAX_NODES` may stop short
     if memory_bound and space.budget is not None:
-        choices = solve(problem, rel_gap=PLAN_REL_GAP).choices
+        choices, gap = _ilp(problem)
         stats = SearchStats(0, 0, 0, solver="ilp")
     else:
-        choices, stats = _within_budget(space, max_states)
+        choices, gap, stats = _within_budget(space, max_states)
     if problem.overlap and stats.solver == "astar":
         # The overlap's saving (`OverlapTerm`) is a minimum over the whole program, which no
         # path cost prices: A*'s answer, optimal without it, starts the ILP that has it.
-        choices = solve(problem, start=choices, rel_gap=PLAN_REL_GAP).choices
+        choices, gap = _ilp(problem, start=choices)
         stats = replace(stats, solver="astar+ilp")
     node, edge = evaluate(problem, choices)
     if problem.max_cost is not None and node + edge > problem.max_cost * (1 + 1e-9):
         raise InfeasibleIlpError(f"the cheapest assignment costs {node + edge:.6g}, above "
                                  f"max_cost {problem.max_cost:.6g}")
     sol = IlpSolution(choices, node + edge, node, edge, space.num_vars, len(problem.edges),
-                      time.perf_counter() - t0, "astar")
+                      time.perf_counter() - t0, "astar", gap)
     return sol, stats
 
 
-def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], SearchStats]:
+def _ilp(problem: IlpProblem, start: tuple[int, ...] | None = None
+         ) -> tuple[tuple[int, ...], float]:
+    """The ILP's answer and its gap: the planner's solves stop at `PLAN_MAX_NODES` (a
+    budget-bound program often has its answer at the root and then spends minutes on the
+    proof's last fraction of a per cent)."""
+    sol = solve(problem, start=start, rel_gap=PLAN_REL_GAP, max_nodes=PLAN_MAX_NODES)
+    return sol.choices, sol.gap
+
+
+def _within_budget(space: "_Space", max_states: int
+                   ) -> tuple[tuple[int, ...], float, SearchStats]:
     """Memory first relaxed: the cheapest program, if it fits, is the answer (HAP's search has
     no memory at all). Else the exact search with memory in the states (a state prunes another
     only when no worse in cost and in memory); trading cost against memory multiplies the
@@ -93,14 +104,15 @@ def _within_budget(space: "_Space", max_states: int) -> tuple[tuple[int, ...], S
     budget = space.budget
     choices, stats = space.search(max_states, with_memory=False)
     if budget is None or space.peak(choices) <= budget * (1 + 1e-9):
-        return choices, stats
+        return choices, 0.0, stats
     try:
-        return space.search(min(max_states, 20_000), with_memory=True)
+        choices, stats = space.search(min(max_states, 20_000), with_memory=True)
+        return choices, 0.0, stats
     except SearchLimitError:
         pass
-    sol = solve(space.p, rel_gap=PLAN_REL_GAP)
-    return sol.choices, SearchStats(stats.expanded, stats.generated, stats.widest_state,
-                                    solver="ilp")
+    choices, gap = _ilp(space.p)
+    return choices, gap, SearchStats(stats.expanded, stats.generated, stats.widest_state,
+                                     solver="ilp")
 
 
 class _Space:

@@ -60,7 +60,8 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, Sta
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import (CostContext, Formulation, formulate, renamed,
                                               without_zero3)
-from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, solve
+from meshplan.planner.intra.ilp import (PLAN_ACCEPT, PLAN_MAX_NODES, PLAN_REL_GAP, min_memory,
+                                        solve)
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
@@ -787,7 +788,7 @@ class StageProfiler:
         free = (self.key(start, end), submesh, shape)
         if budget not in ("lean", "deep"):
             s = self._solve(start, end, form, replace(form.problem, live_sets=()),
-                            WHOLE_MAX_NODES)
+                            PLAN_MAX_NODES)
             if budget == "free":
                 self._free[free] = s
         else:
@@ -803,7 +804,7 @@ class StageProfiler:
             # same objective, one constraint more.
             if s is None or peak_memory(problem, s.solution.choices) > limit:
                 s = self._solve(start, end, form, replace(problem, memory_budget=limit),
-                                WHOLE_MAX_NODES)
+                                PLAN_MAX_NODES)
         if s is None:
             return None
         state, act, inputs = _memory_parts(s)
@@ -1085,9 +1086,9 @@ class StageProfiler:
         before = self.solves
         form, first, segments, weighted = self._whole_problem(start, end, submesh, label,
                                                               in_flight)
-        # Solved to optimality or `WHOLE_MAX_NODES`, not under a wall-clock limit, which
+        # Solved to optimality or `PLAN_MAX_NODES`, not under a wall-clock limit, which
         # would make the plan depend on the load.
-        nodes = WHOLE_MAX_NODES
+        nodes = PLAN_MAX_NODES
         if self.memory_limit is None:
             s = self._solve(start, end, form, replace(weighted, live_sets=()), nodes)
         else:
@@ -1117,7 +1118,7 @@ class StageProfiler:
             if over <= 0:
                 return s
             tighter = self._solve(start, end, form,
-                                  replace(weighted, memory_budget=peak - over), WHOLE_MAX_NODES)
+                                  replace(weighted, memory_budget=peak - over), PLAN_MAX_NODES)
             if tighter is None:
                 return s
             s = tighter
@@ -1130,7 +1131,7 @@ class StageProfiler:
         self.solves += 1
         try:
             sol = solve(problem, max_nodes=max_nodes, rel_gap=PLAN_REL_GAP,
-                        accept=None if max_nodes is None else WHOLE_ACCEPT)
+                        accept=None if max_nodes is None else PLAN_ACCEPT)
         except InfeasibleIlpError:
             return None
         return StageSolution(form, sol, self.stage(start, end))
@@ -1234,24 +1235,6 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
 
-
-# Whole stage solves stop after this many branch-and-bound nodes with the best plan found. A
-# memory-bound stage's ILP often finds its plan at once and then spends minutes closing the
-# last 0.05 % (GPT-6.7B's grid, a 4-block stage on 2x2 with 4 in flight: its plan at node 0,
-# 0.5 s, proved optimal after ~200,000 nodes, 384 s; stopped at 5000 nodes, 3.6 s, the same
-# plan); the slowest solves that end proved take under 5000 (Llama 3 70B's first stage 737,
-# GPT-6.7B auto's 3195 and 4600), so they are unchanged. A node count, unlike a time limit,
-# gives the same plan on any machine; and unlike a relative gap it leaves the search as it is
-# up to the limit (HiGHS with mip_rel_gap 1e-3 took 255 s on a stage it proves in 72 s).
-# The pricings of short ranges too: MoE-2.4B's first layer, "lean" on a (2, 4) mesh of one
-# host, ran over 13 minutes without it.
-WHOLE_MAX_NODES = 5000
-# ... and stop after the first 50 nodes when the plan found is proved within 0.5 % of the
-# optimum (`ilp.solve`'s ``accept``). The root's heuristics find the plan, the proof is what
-# costs: GPT-2.6B auto's nine slowest whole solves (15-98 s each, 8-block stages on 2x4) were
-# within 0.08-0.18 % after 50 nodes (0.7-5.8 s), eight of them at the proved optimum and one
-# 0.013 % above it.
-WHOLE_ACCEPT = (50, 0.005)
 
 # Branch-and-bound nodes `StageProfiler._cut_off` searches before it gives up proving that
 # no plan of a whole solve beats another option's and solves it for its answer, where a point

@@ -68,7 +68,7 @@ from meshplan.planner.intra.ilp_reduce import (ReducedIlp, interchangeable_leave
 
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
            "peak_memory", "solve", "reduce_for_costs", "tied_leaves", "DEFAULT_SOLVER",
-           "PLAN_REL_GAP"]
+           "PLAN_REL_GAP", "PLAN_MAX_NODES", "PLAN_ACCEPT"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
 # (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)
@@ -83,6 +83,27 @@ DEFAULT_SOLVER = "highs"
 # counts): the same problem gives the same plan. `solve`'s own default stays the proved
 # optimum.
 PLAN_REL_GAP = 1e-3
+
+# The planner's solves also stop after this many branch-and-bound nodes with the best plan
+# found (its ``gap`` says how far it may be from the optimum). A memory-bound ILP often finds
+# its plan at once and then spends minutes closing the last fraction of a per cent: a whole
+# stage of GPT-6.7B's grid (4 blocks on 2x2, 4 in flight) had its plan at node 0, 0.5 s, and
+# proved it after ~200,000 nodes, 384 s (stopped at 5000 nodes: 3.6 s, the same plan); a
+# heterogeneous program of six attention blocks on 16 mixed devices under 0.05 GiB had its
+# plan at node 0 and was still 0.15 % from the proof after 40 s (the dual bound never moved
+# past the root; 165 s to 0.1 %). The slowest stage solves that end proved take under 5000
+# nodes (Llama 3 70B's first stage 737, GPT-6.7B auto's 3195 and 4600), so they are
+# unchanged. A node count, unlike a time limit, gives the same plan on any machine; and unlike
+# a looser relative gap it leaves the search as it is up to the limit (HiGHS with mip_rel_gap
+# 1e-3 took 255 s on a stage it proves in 72 s). The pricings of short ranges too: MoE-2.4B's
+# first layer, "lean" on a (2, 4) mesh of one host, ran over 13 minutes without it.
+PLAN_MAX_NODES = 5000
+# ... and, where many such solves are made (the stage profiler's whole solves), stop after the
+# first 50 nodes when the plan found is proved within 0.5 % of the optimum (`solve`'s
+# ``accept``). The root's heuristics find the plan, the proof is what costs: GPT-2.6B auto's
+# nine slowest whole solves (15-98 s each, 8-block stages on 2x4) were within 0.08-0.18 %
+# after 50 nodes (0.7-5.8 s), eight of them at the proved optimum and one 0.013 % above it.
+PLAN_ACCEPT = (50, 0.005)
 
 
 def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
