@@ -39,7 +39,8 @@ from meshplan.planner.recompute import FULL, NoReplayError, Replay, parse_recomp
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import CostContext, formulate, without_zero3
-from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, peak_memory, solve, tied_leaves
+from meshplan.planner.intra.ilp import (PLAN_REL_GAP, min_memory, peak_memory, plan_solve, solve,
+                                        tied_leaves)
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
@@ -419,8 +420,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
 # Rounds of `_within_as_simulated`.
 AS_SIMULATED_ROUNDS = 3
 # A one-stage plan this much slower than a pipeline that fits is not fitted under the budget
-# as simulated (`_plan`): its solves stop within `PLAN_REL_GAP` of their optimum, so a fitted
-# plan could come out that much under an unfitted one, never 1 %.
+# as simulated (`_plan`): its solves stop within `PLAN_ACCEPT`'s gap of their optimum (0.5 %),
+# so a fitted plan could come out that much under an unfitted one, never 1 %.
 FITTED_LOSES = 0.01
 
 
@@ -442,7 +443,7 @@ def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budg
             break
         tight = replace(problem, memory_budget=peak_memory(problem, sol.choices) - over)
         try:
-            sol = _refine(tight, solve(tight, rel_gap=PLAN_REL_GAP))
+            sol = _refine(tight, plan_solve(tight))
         except InfeasibleIlpError:
             break
         plan = as_plan(sol)
@@ -715,7 +716,7 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
     if step.recompute and not step.replay.whole:
         form = replace(form, problem=without_zero3(form, form.problem))
     try:
-        sol = _refine(form.problem, solve(form.problem, rel_gap=PLAN_REL_GAP))
+        sol = _refine(form.problem, plan_solve(form.problem))
     except InfeasibleIlpError as e:
         if budget is None:
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "

@@ -61,6 +61,7 @@ def random_plan(model: Any, loss_fn: Any, optimizer: Any, example_batch: Any,
     units = {"alpha": (1.0, 1.0), "beta": (1.0, 1.0), "memory_budget_gb": 0} if abstract \
         else {"memory_budget_gb": OPEN_BUDGET_GB}
     monkeypatch.setattr(api, "solve", random_solve)
+    monkeypatch.setattr(api, "plan_solve", random_solve)
     try:
         return api.plan(model, loss_fn, optimizer, example_batch,
                         f"local:{shape[0] * shape[1]}", mesh_shape=shape, share_blocks=False,

@@ -60,8 +60,7 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, Sta
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import (CostContext, Formulation, formulate, renamed,
                                               without_zero3)
-from meshplan.planner.intra.ilp import (PLAN_ACCEPT, PLAN_MAX_NODES, PLAN_REL_GAP, min_memory,
-                                        solve)
+from meshplan.planner.intra.ilp import PLAN_REL_GAP, min_memory, plan_solve, solve
 from meshplan.planner.intra.extract import node_indices, recompute_extra_s, step_peaks_of
 from meshplan.planner.intra.op_costs import OpCosts
 from meshplan.planner.recompute import FULL, SELECTIVE, Replay, attention_cores
@@ -787,8 +786,7 @@ class StageProfiler:
         start, end = self._form_ranges[(self.key(start, end), submesh, shape, budget == "tp")]
         free = (self.key(start, end), submesh, shape)
         if budget not in ("lean", "deep"):
-            s = self._solve(start, end, form, replace(form.problem, live_sets=()),
-                            PLAN_MAX_NODES)
+            s = self._solve(start, end, form, replace(form.problem, live_sets=()))
             if budget == "free":
                 self._free[free] = s
         else:
@@ -803,8 +801,7 @@ class StageProfiler:
             # The fastest plan of all is the fastest within the limit when it fits it: the
             # same objective, one constraint more.
             if s is None or peak_memory(problem, s.solution.choices) > limit:
-                s = self._solve(start, end, form, replace(problem, memory_budget=limit),
-                                PLAN_MAX_NODES)
+                s = self._solve(start, end, form, replace(problem, memory_budget=limit))
         if s is None:
             return None
         state, act, inputs = _memory_parts(s)
@@ -1086,17 +1083,15 @@ class StageProfiler:
         before = self.solves
         form, first, segments, weighted = self._whole_problem(start, end, submesh, label,
                                                               in_flight)
-        # Solved to optimality or `PLAN_MAX_NODES`, not under a wall-clock limit, which
+        # Solved within `plan_solve`'s node limits, not under a wall-clock limit, which
         # would make the plan depend on the load.
-        nodes = PLAN_MAX_NODES
         if self.memory_limit is None:
-            s = self._solve(start, end, form, replace(weighted, live_sets=()), nodes)
+            s = self._solve(start, end, form, replace(weighted, live_sets=()))
         else:
-            s = self._solve(start, end, form,
-                            replace(weighted, memory_budget=self.memory_limit), nodes)
+            s = self._solve(start, end, form, replace(weighted, memory_budget=self.memory_limit))
             if s is None:
                 s = self._solve(start, end, form, replace(
-                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)), nodes)
+                    weighted, memory_budget=min_memory(weighted) * (1 + 1e-9)))
             else:   # the structure's names: those of its first range
                 s = self._within_as_run(*first, form, weighted, segments, in_flight,
                                         StageSolution(form, s.solution, self.stage(*first)))
@@ -1118,20 +1113,19 @@ class StageProfiler:
             if over <= 0:
                 return s
             tighter = self._solve(start, end, form,
-                                  replace(weighted, memory_budget=peak - over), PLAN_MAX_NODES)
+                                  replace(weighted, memory_budget=peak - over))
             if tighter is None:
                 return s
             s = tighter
         return s
 
-    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem,
-               max_nodes: int | None = None) -> StageSolution | None:
-        """The ILP's answer (the best within ``max_nodes`` nodes), or None when nothing
-        fits."""
+    def _solve(self, start: int, end: int, form: Formulation, problem: IlpProblem
+               ) -> StageSolution | None:
+        """The ILP's answer (`plan_solve`: the best within its node limits), or None when
+        nothing fits."""
         self.solves += 1
         try:
-            sol = solve(problem, max_nodes=max_nodes, rel_gap=PLAN_REL_GAP,
-                        accept=None if max_nodes is None else PLAN_ACCEPT)
+            sol = plan_solve(problem)
         except InfeasibleIlpError:
             return None
         return StageSolution(form, sol, self.stage(start, end))

@@ -68,7 +68,7 @@ from meshplan.planner.intra.ilp_reduce import (ReducedIlp, interchangeable_leave
 
 __all__ = ["IlpEdge", "IlpProblem", "IlpSolution", "OverlapTerm", "evaluate", "min_memory",
            "peak_memory", "solve", "reduce_for_costs", "tied_leaves", "DEFAULT_SOLVER",
-           "PLAN_REL_GAP", "PLAN_MAX_NODES", "PLAN_ACCEPT"]
+           "PLAN_REL_GAP", "PLAN_MAX_NODES", "PLAN_ACCEPT", "plan_solve"]
 
 # highspy (HiGHS 1.15.1) without MIP restarts (`ilp_backends`): on the planner's own problems
 # (one layer of Llama 3 70B on meshes of 4-64 devices, `benchmarks/stage_ilps.py`)
@@ -158,6 +158,14 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
                        edge_cost=edge_cost, num_variables=model.num_cols,
                        num_constraints=model.num_rows, solve_time_s=time.perf_counter() - began,
                        solver=raw.how, gap=raw.gap)
+
+
+def plan_solve(problem: IlpProblem, **options: object) -> IlpSolution:
+    """`solve` as the planner's searches call it for a plan: stopped within `PLAN_REL_GAP` of
+    the optimum, after `PLAN_ACCEPT`'s first nodes when proved within its gap, or at
+    `PLAN_MAX_NODES` (``options``: `solve`'s others, e.g. ``start``)."""
+    return solve(problem, rel_gap=PLAN_REL_GAP, max_nodes=PLAN_MAX_NODES, accept=PLAN_ACCEPT,
+                 **options)  # type: ignore[arg-type]
 
 
 def min_memory(problem: IlpProblem, *, time_limit_s: float | None = None,
