@@ -78,3 +78,30 @@ def test_blocks_that_read_one_mask_and_rotary_table_repeat(monkeypatch) -> None:
     assert (shared, total) == (7 * 3, 7 * 4 + 1)   # 7 per block, the LM head's alone
     monkeypatch.setattr(blocks, "HUB_READERS", 10**9)
     assert _covered_matmuls(graph)[0] < shared
+
+
+def test_doubling_runs_let_any_number_of_repeats_take_another_plan() -> None:
+    """`api._refine` loosens the block ties into runs of 1, 2, 4, ... consecutive repeats and
+    a free last repeat: few decisions, and yet any number of a block's repeats can take
+    another plan (a budget mixing lean and fast blocks), each run tied to its own first."""
+    from itertools import combinations
+
+    from meshplan.planner.intra.formulate import doubling_runs
+    for repeats in range(2, 40):
+        others = tuple(range(1, repeats))
+        loose = doubling_runs(tuple((0, v) for v in others) + tuple((100, 100 + v)
+                                                                    for v in others))
+        runs: dict[int, list[int]] = {}
+        for first, other in loose:
+            assert first < other and first not in {o for _, o in loose}
+            runs.setdefault(first, [first]).append(other)
+        tied = {v for run in runs.values() for v in run}
+        runs.update({v: [v] for v in range(repeats) if v not in tied})   # untied: own runs
+        runs.update({v: [v] for v in range(100, 100 + repeats) if v not in tied})
+        mine = [run for first, run in runs.items() if first < 100]
+        assert sorted(v for run in mine for v in run) == list(range(repeats))
+        assert all(run == list(range(run[0], run[-1] + 1)) for run in mine)   # consecutive
+        assert len(mine) <= repeats.bit_length() + 1 and [repeats - 1] in mine
+        sums = {sum(len(r) for r in chosen) for k in range(len(mine) + 1)
+                for chosen in combinations(mine, k)}
+        assert sums == set(range(repeats + 1)), repeats

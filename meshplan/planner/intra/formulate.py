@@ -90,6 +90,25 @@ def block_aliases(nc: NodeChoices, index: dict[str, int]) -> tuple[tuple[int, in
     return tuple(out)
 
 
+def doubling_runs(aliases: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """`block_aliases` loosened: each block's repeats but the last in runs of 1, 2, 4, 8, ...
+    consecutive repeats, each run tied to its own first, and the last repeat free (it feeds
+    what follows the blocks, a head). Any number of repeats can then take another plan (a
+    subset of the runs sums to it), as mixing plans under a memory budget wants (k blocks
+    lean, the rest fast), with log2 of the repeats' decisions: GPT-39B's 24 pairs of layers
+    as 6 runs."""
+    members: dict[int, list[int]] = {}
+    for first, other in aliases:
+        members.setdefault(first, [first]).append(other)
+    out = []
+    for repeats in members.values():
+        body = repeats[:-1]
+        for k in range(1, len(body).bit_length()):
+            run = body[(1 << k) - 1:(1 << (k + 1)) - 1]
+            out += [(run[0], v) for v in run[1:]]
+    return tuple(out)
+
+
 def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
               share_blocks: bool = False, layers: Mapping[str, int] | None = None
               ) -> Formulation:
