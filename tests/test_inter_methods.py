@@ -390,3 +390,29 @@ def test_auto_weighs_intra_only_on_one_host_or_where_it_answered_one_stage() -> 
                                            (1, 8, two_hosts, True), (1, 1, two_hosts, True)]:
         piped = NS(num_stages=stages, microbatches=micro)
         assert api._weighs_intra_only(piped, cluster) is weighs, (stages, micro)
+
+
+@pytest.mark.parametrize("excesses,kept", [((1, 5, 3, 2), 0), ((1, 5, 0), 2), ((0,), 0)],
+                         ids=["none-fits", "a-later-round-fits", "fits-at-once"])
+def test_fitting_as_simulated_keeps_the_first_fit_or_the_plan_least_over(
+        excesses: tuple[int, ...], kept: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`api._within_as_simulated` solves again under a lower bound while the simulated peak
+    exceeds the budget; each round's plan has transients of its own and may be over by more
+    than the last: the first plan that fits is returned, else the one least over."""
+    import math
+    import types
+
+    import meshplan.sim.simulate as sim
+    from meshplan.planner.intra.ilp_problem import IlpProblem
+    budget, rounds = 100.0, iter(range(1, len(excesses)))
+    sol = types.SimpleNamespace(choices=())
+    monkeypatch.setattr(api, "_peak_bound", lambda plan: math.inf)
+    monkeypatch.setattr(sim, "simulate", lambda plan: types.SimpleNamespace(
+        peak_memory_bytes=[budget + excesses[plan]]))
+    monkeypatch.setattr(api, "peak_memory", lambda problem, choices: budget)
+    monkeypatch.setattr(api, "plan_solve", lambda problem: sol)
+    monkeypatch.setattr(api, "_refine", lambda problem, found: found)
+    got = api._within_as_simulated(0, IlpProblem(((0.0,),), node_memory=((0.0,),),
+                                                  live_sets=((0,),)), sol, budget,
+                                   lambda s: next(rounds))
+    assert got == kept
