@@ -64,7 +64,7 @@ def synthesize(problem: IlpProblem, order: Sequence[int] | None = None, *,
     memory budget and ``max_cost``), SearchLimitError past ``max_states`` generated states."""
     t0 = time.perf_counter()
     space = _Space(problem, list(range(problem.num_nodes)) if order is None else list(order))
-    gap = 0.0   # A* proves its answer; an ILP within `PLAN_MAX_NODES` may stop short
+    # ``gap``: 0 where A* answers (it proves its optimum); an ILP may stop at `PLAN_MAX_NODES`
     if memory_bound and space.budget is not None:
         choices, gap = _ilp(problem)
         stats = SearchStats(0, 0, 0, solver="ilp")

@@ -89,11 +89,10 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     ``accept=(nodes, gap)`` first searches ``nodes`` nodes and keeps the best point when it is
     proved within the relative ``gap`` of the optimum; otherwise the search runs again, up to
     ``max_nodes``, as it would have without the probe (the better of its answer and the
-    probe's point is returned). The planner's stage
-    problems mostly find their optimum at the root and then spend minutes proving the last
-    0.1 % (GPT-2.6B's 8-block stage: 4.4 s to the plan, 62 s to the proof); those first nodes
-    are mostly the root, and presolve without the rules only a long search gains from
-    (`_PRESOLVE_RULES_OFF`). ``start``
+    probe's point is returned). The planner's stage problems mostly find their optimum at
+    the root and then spend minutes proving the last 0.1 % (GPT-2.6B's 8-block stage: 4.4 s
+    to the plan, 62 s to the proof); those first nodes are mostly the root, and presolve
+    without the rules only a long search gains from (`_PRESOLVE_RULES_OFF`). ``start``
     (column indices and values, possibly of some columns only) is a known point the search
     begins from (highspy; scipy takes none).
 
