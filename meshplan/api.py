@@ -23,7 +23,8 @@ from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
-from meshplan.errors import InfeasibleIlpError, InfeasiblePlanError, NoPipelineError
+from meshplan.errors import (IlpCutOffError, InfeasibleIlpError, InfeasiblePlanError,
+                             NodeLimitError, NoPipelineError)
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import host_types
 from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
@@ -40,8 +41,8 @@ from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_ch
 from meshplan.planner.intra.to_plan import intra_plan
 from meshplan.planner.intra.formulate import (CostContext, doubling_runs, formulate,
                                              without_zero3)
-from meshplan.planner.intra.ilp import (PLAN_REL_GAP, min_memory, peak_memory, plan_solve, solve,
-                                        tied_leaves)
+from meshplan.planner.intra.ilp import (PLAN_ACCEPT, PLAN_REL_GAP, min_memory,
+                                        peak_memory, plan_solve, solve, tied_leaves)
 from meshplan.planner.intra.ilp_problem import IlpProblem, IlpSolution
 from meshplan.runtime.optim import optimizer_spec
 
@@ -354,29 +355,92 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         if piped is not None and not (method == "auto"
                                       and _weighs_intra_only(piped, cl)):
             return piped
-    last: InfeasiblePlanError | None = None
+    # Each plan as the simulator runs it, op by op: a single-stage ILP fits by its live sets,
+    # and the transients beyond them can take it over the budget (GPT-2.6B on 8 V100: 16.37
+    # GiB simulated at 15.98 planned), where the pipeline's stages fit with theirs.
+    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
+    piped_over = piped is not None and budget is not None and \
+        max(simulate(piped).peak_memory_bytes) > budget
     # "auto" on one given mesh recomputes nothing: its ILP holds a recomputed program's
     # memory per segment without the replay's gradients in flight, short of the op-by-op
     # peak, so a plan it found at the budget could predict above it. (The pipeline search
     # weighs recomputation per stage, a one-stage pipeline on every device included.)
+    # The counts from the fewest micro-batches up: the first whose plan fits as simulated,
+    # and on while the budget binds and each is faster than the last. A count whose plan the
+    # ILP fits but whose transients still take it over goes on to the next (more micro-batches
+    # hold less: MoE-70B on 64 V100s, one stage, 0.27 GiB over at 64); where the budget costs
+    # a plan time, fewer activations per micro-batch can buy faster layouts than the extra
+    # micro-batches cost (the same at 128 micro-batches: 289 s a step, not 632); where it
+    # does not, more micro-batches only add latency. Where none fits, the plan least over.
+    last: InfeasiblePlanError | None = None
+    best: tuple[tuple, Plan] | None = None
     for num in counts:
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
                                opts, budget, replace(step, microbatches=num))
-            break
         except InfeasiblePlanError as e:
             last = e
+            continue
         except ValueError:
+            if best is not None:
+                break   # fewer samples per micro-batch than the model takes (batch norm of 1)
             if piped is not None:
                 return piped
             if last is None:
                 raise
-            raise last from None  # a micro-batch too small for the model (batch norm of 1)
-    else:
+            raise last from None
+        one = _one_stage(found, name, method, opt, opts, budget, step, real_mesh, cl, gather,
+                         axis_weights, abstract, piped if not piped_over else None, t0)
+        key = (one.excess > 0, max(one.excess, 0.0), one.plan.predicted["step_time_s"])
+        if best is not None and one.excess <= 0 and key >= best[0]:
+            break   # fits, but slower than the count before
+        if best is None or key < best[0]:
+            best = (key, one.plan)
+        if not (one.excess > 0 and one.fitted) and not (one.excess <= 0 and one.binds):
+            break
+    if best is None:
         if piped is not None:
             return piped
         assert last is not None
         raise last
+    result = best[1]
+    if piped is None:
+        return result
+    steps = {"pipeline": piped.predicted["step_time_s"],
+             "one stage": result.predicted["step_time_s"]}
+    plans = {"pipeline": piped, "one stage": result}
+    over = ["pipeline"] * piped_over + ["one stage"] * best[0][0]
+    name = min(plans, key=lambda k: (k in over, steps[k]))
+    # The pipeline search's own weighing of one stage (`search._one_stage_if_simulated_faster`)
+    # stays on record whichever plan is chosen.
+    kept = {k: v for k, v in piped.options.items() if k == "pipeline_check"}
+    return replace(plans[name], search_time_s=time.perf_counter() - t0,
+                   options={**plans[name].options, **kept, "single_stage_check": {
+                       "step_s": steps, "chosen": name, "over_budget_simulated": over}})
+
+
+@dataclass(frozen=True)
+class _OneStage:
+    """A single-stage plan at one micro-batch count, as `_plan` weighs it: the bytes its
+    simulated peak is over the budget by (0 or less: it fits), whether it was fitted under the
+    budget as simulated, and whether the budget costs it time (the fastest plan without it is
+    faster by more than the solves' acceptance gap)."""
+
+    plan: Plan
+    excess: float
+    fitted: bool
+    binds: bool
+
+
+def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOptions,
+               budget: float | None, step: "_TrainingStep", real_mesh: LogicalMesh,
+               cl: Cluster, gather: str, axis_weights: Sequence[Sequence[float]] | None,
+               abstract: bool, piped: Plan | None, t0: float) -> _OneStage:
+    """The single-stage plan of `_plan_step`'s answer ``found``, fitted under the budget as
+    simulated (`_within_as_simulated`) unless it is already slower than the pipeline
+    ``piped`` (one that fits as simulated): fitted under a lower bound it would be no faster
+    (BERT-Base's one stage on HAP's cluster: two more solves, 8 of 39 s, for a plan the
+    pipeline beat anyway)."""
     form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
 
@@ -393,34 +457,36 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             result = replace(result, num_layers=num_layers_run)
         return replace(result, stages=(_whole_mesh_stage(result, cl),))
 
-    # Each as the simulator runs it, op by op: a single-stage ILP fits by its live sets, and
-    # the transients beyond them can take it over the budget (GPT-2.6B on 8 V100: 16.37 GiB
-    # simulated at 15.98 planned), where the pipeline's stages fit with theirs.
-    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
-    piped_over = piped is not None and budget is not None and \
-        max(simulate(piped).peak_memory_bytes) > budget
     result = as_plan(sol)
-    # Fitted under a lower bound a plan is no faster: one already slower than a pipeline that
-    # fits is not fitted (BERT-Base's one stage on HAP's cluster: two more solves, 8 of 39 s,
-    # for a plan the pipeline beat anyway).
-    loses = piped is not None and not piped_over and \
+    if budget is None or abstract:
+        return _OneStage(result, 0.0, False, False)
+    loses = piped is not None and \
         result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]
-    if budget is not None and not abstract and not loses:
-        result = _within_as_simulated(result, form.problem, sol, budget, as_plan)
-    if piped is None:
-        return result
-    steps = {"pipeline": piped.predicted["step_time_s"],
-             "one stage": result.predicted["step_time_s"]}
-    plans = {"pipeline": piped, "one stage": result}
-    over = ["pipeline"] * piped_over + ["one stage"] * (
-        budget is not None and max(simulate(result).peak_memory_bytes) > budget)
-    name = min(plans, key=lambda k: (k in over, steps[k]))
-    # The pipeline search's own weighing of one stage (`search._one_stage_if_simulated_faster`)
-    # stays on record whichever plan is chosen.
-    kept = {k: v for k, v in piped.options.items() if k == "pipeline_check"}
-    return replace(plans[name], search_time_s=time.perf_counter() - t0,
-                   options={**plans[name].options, **kept, "single_stage_check": {
-                       "step_s": steps, "chosen": name, "over_budget_simulated": over}})
+    excess = _over(result, budget)
+    if excess > 0 and not loses:
+        fitted, excess = _within_as_simulated(result, form.problem, sol, budget, as_plan,
+                                              excess)
+        return _OneStage(fitted, excess, True, True)
+    return _OneStage(result, excess, False, excess > 0 or _budget_binds(form.problem, sol))
+
+
+def _budget_binds(problem: IlpProblem, sol: IlpSolution) -> bool:
+    """Whether ``problem``'s memory budget is known to cost its solution ``sol`` time: a plan
+    without it faster by more than `PLAN_ACCEPT`'s gap (within which both are solved) found
+    in as many nodes as `PLAN_ACCEPT` probes. HiGHS prunes by that cutoff; a proof that none
+    exists can take long where the root's bound is weak (Wide-ResNet-6.8B at 26 layers on 32
+    V100s, one stage: 13 % at the root, 8.5 s to prove none, 2.5 s for 50 nodes), so a probe
+    that ends undecided counts as not binding: the plan stays at the fewest micro-batches
+    that fit, as without the question."""
+    if problem.memory_budget is None:
+        return False
+    nodes, gap = PLAN_ACCEPT
+    try:
+        solve(replace(problem, memory_budget=None, live_sets=()), cutoff=(1 - gap) * sol.objective,
+              rel_gap=gap, max_nodes=nodes, search_on=False)
+    except (IlpCutOffError, NodeLimitError):
+        return False
+    return True
 
 
 # Rounds of `_within_as_simulated`.
@@ -432,27 +498,23 @@ FITTED_LOSES = 0.01
 
 
 def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budget: float,
-                         as_plan: Callable[[IlpSolution], Plan]) -> Plan:
+                         as_plan: Callable[[IlpSolution], Plan],
+                         excess: float | None = None) -> tuple[Plan, float]:
     """``plan`` (of ``sol``), or when its peak as the simulator walks the step op by op
     exceeds ``budget``, the problem solved again under its bound less the excess (a few
     rounds: another plan has other transients), the first that fits or else the one least
-    over it.
+    over it, with the bytes it is over by (0 or less: it fits).
     The ILP's live sets hold the kept activations and every gradient at once and nothing in
     between; the forward's temporaries and the backward's gradients in flight take a plan at
     the budget over it (GPT-2.6B on 8 V100: 16.37 GiB simulated at 15.98 planned, 16 GiB
-    devices), as whole pipeline stages' solves already count (`stage_costs`)."""
-    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
-
-    def over(plan: Plan) -> float:
-        if _peak_bound(plan) <= budget:   # no walk can exceed it: nothing to simulate
-            return 0.0
-        return max(simulate(plan).peak_memory_bytes) - budget
-
-    excess = over(plan)
+    devices), as whole pipeline stages' solves already count (`stage_costs`). ``excess``:
+    ``plan``'s own, where known."""
+    if excess is None:
+        excess = _over(plan, budget)
     least = (excess, plan)
     for _ in range(AS_SIMULATED_ROUNDS):
         if excess <= 0:
-            return plan
+            return plan, excess
         tight = replace(problem, memory_budget=peak_memory(problem, sol.choices) - excess)
         try:
             sol = _refine(tight, plan_solve(tight))
@@ -461,9 +523,18 @@ def _within_as_simulated(plan: Plan, problem: IlpProblem, sol: IlpSolution, budg
         # Each round's plan has transients of its own, and may be over by more than the last
         # (MoE-70B on 64 V100s, one stage: 0.27 GiB over, then 1.76): the least over is kept.
         plan = as_plan(sol)
-        excess = over(plan)
+        excess = _over(plan, budget)
         least = min(least, (excess, plan), key=lambda e: e[0])
-    return plan if excess <= 0 else least[1]
+    return (plan, excess) if excess <= 0 else (least[1], least[0])
+
+
+def _over(plan: Plan, budget: float) -> float:
+    """The bytes a single-stage plan's simulated peak exceeds ``budget`` by (0 where its
+    bound `_peak_bound` is within it: no walk can exceed it)."""
+    from meshplan.sim.simulate import simulate   # the simulator reads plans: not at import
+    if _peak_bound(plan) <= budget:
+        return 0.0
+    return max(simulate(plan).peak_memory_bytes) - budget
 
 
 def _peak_bound(plan: Plan) -> float:

@@ -14,6 +14,11 @@ class IlpCutOffError(InfeasibleIlpError):
     already holds a better answer elsewhere); raised by ``solve`` instead of an answer."""
 
 
+class NodeLimitError(RuntimeError):
+    """A solve told to stop at its node limit (``solve(..., search_on=False)``) reached it
+    without a feasible point and without proving there is none: nothing is known either way."""
+
+
 class WorkerError(RuntimeError):
     """A worker process of a multi-process run failed: it raised, or died without a result.
 

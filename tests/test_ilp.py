@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from meshplan.errors import IlpCutOffError, InfeasibleIlpError
+from meshplan.errors import IlpCutOffError, InfeasibleIlpError, NodeLimitError
 from meshplan.planner.intra.ilp import (IlpEdge, IlpProblem, OverlapTerm, evaluate, min_memory,
                                         peak_memory, reduce_for_costs, solve)
 from meshplan.planner.intra.ilp_backends import run_model
@@ -704,3 +704,19 @@ def test_a_gated_saving_on_a_tree_keeps_the_lp_relaxation_integral() -> None:
         relaxed = solve(problem, lp_first=True)
         assert relaxed.solver == "highs:lp", problem
         assert relaxed.objective == pytest.approx(brute_force(problem)[0], abs=1e-9)
+
+
+def test_a_probe_with_a_cutoff_tells_better_none_and_undecided() -> None:
+    """``solve(..., cutoff, max_nodes, search_on=False)``: an assignment within the cutoff
+    found in the nodes is returned; none proved to exist raises IlpCutOffError; the node
+    limit reached with neither, NodeLimitError (not a proof, so not IlpCutOffError, and no
+    search on unlimited)."""
+    problem = memory_bound_dag(30, 3)   # its root does not find the optimum
+    exact = solve(problem).objective
+    probe = dict(max_nodes=1, search_on=False)
+    with pytest.raises(NodeLimitError):
+        solve(problem, cutoff=exact, **probe)
+    assert solve(problem, cutoff=exact, max_nodes=10**6, search_on=False).objective == exact
+    with pytest.raises(IlpCutOffError):
+        solve(problem, cutoff=0.99 * exact, max_nodes=10**6, search_on=False)
+    assert solve(problem, cutoff=2 * exact, **probe).objective <= 2 * exact

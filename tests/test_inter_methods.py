@@ -365,6 +365,10 @@ def test_a_one_stage_plan_slower_than_a_pipeline_that_fits_is_not_fitted(
         return replace(p, predicted={**p.predicted, "step_time_s": pipeline_step})
 
     monkeypatch.setattr(api, "_plan_pipeline", piped)
+    # The first count's plan a byte over as simulated: fitting it means solving again.
+    real_over, first = api._over, []
+    monkeypatch.setattr(api, "_over", lambda plan, budget: 1.0 if not first and not
+                        first.append(1) else real_over(plan, budget))
     fits = api._within_as_simulated
     calls = []
     monkeypatch.setattr(api, "_within_as_simulated",
@@ -392,13 +396,73 @@ def test_auto_weighs_intra_only_on_one_host_or_where_it_answered_one_stage() -> 
         assert api._weighs_intra_only(piped, cluster) is weighs, (stages, micro)
 
 
+@pytest.mark.parametrize("over,chosen", [({1: 5.0, 2: 3.0}, 4),
+                                         ({1: 5.0, 2: 3.0, 4: 4.0, 8: 6.0}, 2)],
+                         ids=["a-later-count-fits", "none-fits"])
+def test_a_one_stage_plan_over_as_simulated_goes_on_to_more_microbatches(
+        over: dict[int, float], chosen: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single-stage plan the ILP fits but whose transients take it over the budget as
+    simulated, refitted in vain (`api._within_as_simulated`), gives way to the next count (more
+    micro-batches hold less): the fewest micro-batches that fit as simulated, else the count
+    whose plan is least over."""
+    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8",
+                       device="meta")
+    monkeypatch.setattr(api, "_over", lambda plan, budget: over.get(plan.microbatches, 0.0))
+    p = api.plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, method="intra-only",
+                 dtype="fp32", memory_budget_gb=8)
+    assert p.microbatches == chosen
+
+
+@pytest.mark.parametrize("steps,binds,chosen,tried", [
+    ({1: 3.0, 2: 2.0, 4: 2.5, 8: 1.0}, True, 2, [1, 2, 4]),
+    ({1: 3.0, 2: 2.0, 4: 1.5, 8: 1.0}, True, 8, [1, 2, 4, 8]),
+    ({1: 3.0, 2: 2.0, 4: 2.5, 8: 1.0}, False, 1, [1])], ids=["binds", "binds-to-the-last", "free"])
+def test_a_one_stage_plan_the_budget_binds_walks_on_while_faster(
+        steps: dict[int, float], binds: bool, chosen: int, tried: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the budget costs a single-stage plan time, more micro-batches (fewer activations
+    each) may buy faster layouts than they cost: the counts are walked up while each plan is
+    faster than the last; where the budget does not bind, the fewest micro-batches that fit
+    are the plan (more only add latency)."""
+    from types import SimpleNamespace as NS
+    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8",
+                       device="meta")
+    seen = []
+
+    def one_stage(found, *args):
+        num = found[4].microbatches   # the CostContext of the count's solve
+        seen.append(num)
+        return api._OneStage(NS(microbatches=num, predicted={"step_time_s": steps[num]}),
+                             0.0, False, binds)
+
+    monkeypatch.setattr(api, "_one_stage", one_stage)
+    p = api._plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, method="intra-only",
+                  dtype="fp32", memory_budget_gb=8)
+    assert (p.microbatches, seen) == (chosen, tried)
+
+
+def test_whether_the_budget_binds_a_single_stage_plan() -> None:
+    """`api._budget_binds`: the fastest plan without the budget faster than the budget's by
+    more than the solves' gap."""
+    from meshplan.planner.intra.ilp import plan_solve
+    from meshplan.planner.intra.ilp_problem import IlpProblem
+    # Two nodes, strategy 0 fast and large, 1 slow and small; one live set of both.
+    problem = IlpProblem(((1.0, 2.0), (1.0, 2.0)), node_memory=((4.0, 1.0), (4.0, 1.0)),
+                         live_sets=((0, 1),))
+    for budget, binds in ((8.0, False), (5.0, True), (2.0, True)):
+        tight = replace(problem, memory_budget=budget)
+        assert api._budget_binds(tight, plan_solve(tight)) is binds, budget
+    assert not api._budget_binds(problem, plan_solve(problem))
+
+
 @pytest.mark.parametrize("excesses,kept", [((1, 5, 3, 2), 0), ((1, 5, 0), 2), ((0,), 0)],
                          ids=["none-fits", "a-later-round-fits", "fits-at-once"])
 def test_fitting_as_simulated_keeps_the_first_fit_or_the_plan_least_over(
         excesses: tuple[int, ...], kept: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """`api._within_as_simulated` solves again under a lower bound while the simulated peak
     exceeds the budget; each round's plan has transients of its own and may be over by more
-    than the last: the first plan that fits is returned, else the one least over."""
+    than the last: the first plan that fits is returned, else the one least over, each with
+    the bytes it is over by."""
     import math
     import types
 
@@ -415,4 +479,4 @@ def test_fitting_as_simulated_keeps_the_first_fit_or_the_plan_least_over(
     got = api._within_as_simulated(0, IlpProblem(((0.0,),), node_memory=((0.0,),),
                                                   live_sets=((0,),)), sol, budget,
                                    lambda s: next(rounds))
-    assert got == kept
+    assert got == (kept, excesses[kept])

@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from meshplan.errors import IlpCutOffError
+from meshplan.errors import IlpCutOffError, NodeLimitError
 from meshplan.planner.intra.ilp_backends import SOLVERS, run_model
 from meshplan.planner.intra.ilp_model import (MemorySpec, OverlapSpec, build_model,
                                              choice_start, extract_choices)
@@ -110,7 +110,7 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
           solver: str = DEFAULT_SOLVER, lp_first: bool | None = None,
           max_nodes: int | None = None, accept: tuple[int, float] | None = None,
           start: tuple[int, ...] | None = None, rel_gap: float = 0.0,
-          cutoff: float | None = None) -> IlpSolution:
+          cutoff: float | None = None, search_on: bool = True) -> IlpSolution:
     """Return a minimum-cost assignment of ``problem`` with zero optimality gap (``rel_gap``:
     one proved within that relative gap of the optimum, `PLAN_REL_GAP`), or, when the
     search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
@@ -124,6 +124,9 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     ``cutoff``: only an assignment of objective at most this is wanted (to a relative 1e-9);
     where there is none, IlpCutOffError (highspy prunes by it and may prove so long before a
     proof of the optimum would end; scipy, without such an option, solves and compares).
+    ``search_on`` False: a ``max_nodes`` search that finds no assignment raises
+    NodeLimitError instead of searching on unlimited (a probe: with a cutoff, whether a
+    better assignment exists within so many nodes).
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
@@ -148,10 +151,14 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
                         overlap=_overlap_spec(linear))
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
                     max_nodes=max_nodes, accept=accept, rel_gap=rel_gap, cutoff=cutoff,
+                    search_on=search_on,
                     start=None if start is None else choice_start(reduced, model, start))
     choices = extract_choices(reduced, model, raw.x)
     node_cost, edge_cost = evaluate(problem, choices)
     if cutoff is not None and node_cost + edge_cost > cutoff + 1e-9 * abs(cutoff):
+        if not search_on and raw.gap > rel_gap:   # stopped by the node limit, not a proof
+            raise NodeLimitError(f"{max_nodes} nodes searched without an assignment within "
+                                 f"the cutoff {cutoff}, none proved impossible")
         raise IlpCutOffError(f"the best assignment costs {node_cost + edge_cost}, over the "
                              f"cutoff {cutoff}")
     return IlpSolution(choices=choices, objective=node_cost + edge_cost, node_cost=node_cost,

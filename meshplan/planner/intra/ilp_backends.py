@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.errors import IlpCutOffError, InfeasibleIlpError
+from meshplan.errors import IlpCutOffError, InfeasibleIlpError, NodeLimitError
 from meshplan.planner.intra.ilp_model import MilpModel
 
 SOLVERS = ("highs", "scipy")
@@ -80,11 +80,12 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
               time_limit_s: float | None, max_nodes: int | None = None,
               accept: tuple[int, float] | None = None,
               start: tuple[np.ndarray, np.ndarray] | None = None,
-              rel_gap: float = 0.0, cutoff: float | None = None) -> RawSolution:
+              rel_gap: float = 0.0, cutoff: float | None = None,
+              search_on: bool = True) -> RawSolution:
     """Solve ``model`` to optimality with the named backend (with ``rel_gap`` > 0: until its
     best point is proved within that relative gap of the optimum), or stop after
     ``max_nodes`` branch-and-bound nodes with the best point found (a run without one goes on
-    unlimited).
+    unlimited; with ``search_on`` False it raises NodeLimitError instead).
 
     ``accept=(nodes, gap)`` first searches ``nodes`` nodes and keeps the best point when it is
     proved within the relative ``gap`` of the optimum; otherwise the search runs again, up to
@@ -138,6 +139,8 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start,
               rel_gap=rel_gap)
     if raw is None:   # the node limit came before any feasible point
+        if not search_on:
+            raise NodeLimitError(f"{max_nodes} nodes searched without a feasible point")
         raw = run(model, relax=False, deadline=deadline, rel_gap=rel_gap)
     assert raw is not None
     if probe is not None and float(model.cost @ probe.x) < float(model.cost @ raw.x):
