@@ -5,6 +5,7 @@ and the cost model."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -324,6 +325,33 @@ def test_auto_weighs_a_pipeline_as_the_simulator_runs_it() -> None:
     from test_demo_pipeline import demo_plan
     kept = demo_plan(4)
     assert kept.num_stages >= 2 and "one_stage_s" not in kept.options["pipeline_check"]
+
+
+def test_one_stage_far_slower_than_the_pipeline_is_not_simulated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where one stage's fastest estimate is `search.ONE_STAGE_WITHIN` times the pipeline's
+    prediction or more, the pipeline is not simulated to weigh it (a long pipeline's simulation
+    costs seconds): the check records both estimates and keeps the pipeline. The demo's
+    pipeline on two hosts of two: one stage over all four estimated 15x slower."""
+    import meshplan.planner.inter.search as search
+    import meshplan.sim.simulate as sim
+    from meshplan.demo_pipeline import OPT, SPEC
+    w = build_workload(SPEC, device="meta")
+    kw = dict(dtype="fp32", memory_budget_gb=0, method="inter-only")
+    with monkeypatch.context() as m:
+        m.setattr(search, "ONE_STAGE_WITHIN", math.inf)
+        weighed = api.plan(w.model, w.loss_fn, OPT, w.example_batch, "p3.16xlarge:2x2", **kw)
+    assert weighed.num_stages >= 2 and "pipeline_simulated_s" in weighed.options[
+        "pipeline_check"]
+    monkeypatch.setattr(sim, "simulate", lambda plan: pytest.fail("simulated"))
+    p = api.plan(w.model, w.loss_fn, OPT, w.example_batch, "p3.16xlarge:2x2", **kw)
+    check = p.options["pipeline_check"]
+    def layout(plan):
+        return [(s.layers, s.devices, s.mesh_shape, s.recompute) for s in plan.stages]
+    assert layout(p) == layout(weighed)
+    assert set(check) == {"pipeline_estimated_s", "one_stage_estimated_s"}
+    assert check["one_stage_estimated_s"] >= search.ONE_STAGE_WITHIN * check[
+        "pipeline_estimated_s"]
 
 
 def test_auto_on_one_host_weighs_intra_onlys_plan() -> None:
