@@ -198,8 +198,9 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
 
     The training step: ``dtype`` "fp32", "bf16", "fp16" or "auto" (bf16 where the device runs
     it faster, else fp16 where that is faster, else fp32); ``microbatches`` a count dividing
-    the batch, or "auto" for the fewest that fit the budget (more only add per-micro-batch
-    latency on one stage); ``recompute`` "none", "full" (the forward again during backward,
+    the batch, or "auto" for the fewest that fit the budget as simulated, and more while the
+    budget costs the plan time and each count is faster (where it does not bind, more only
+    add per-micro-batch latency on one stage); ``recompute`` "none", "full" (the forward again during backward,
     each clustered layer checkpointed on its own: Megatron-LM's full recomputation),
     "selective" (only the attention cores: Megatron-LM's selective recomputation),
     "layers:K" (the first K layers of each stage) or "auto" (only where memory demands it:
@@ -232,7 +233,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     clustered layers (default: chosen from the program and the cluster), each stage's
     intra-operator plan, and the micro-batch count; it may return a plan of several stages,
     which `PipelineTrainer` runs. On one host, or where that search answers one stage, it also
-    weighs "intra-only"'s plan (one stage at the fewest micro-batches that fit) and returns
+    weighs "intra-only"'s plan (one stage, its micro-batches walked as above) and returns
     the faster of those that fit as simulated (``options["single_stage_check"]`` records both
     steps and the choice). "intra-only", or "auto" with a ``mesh_shape``, plans one stage over
     the whole mesh. Alpa's ablations search pipelines too: "inter-only" (stages data
