@@ -200,9 +200,10 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     it faster, else fp16 where that is faster, else fp32); ``microbatches`` a count dividing
     the batch, or "auto" for the fewest that fit the budget as simulated, and more while the
     budget costs the plan time and each count is faster (where it does not bind, more only
-    add per-micro-batch latency on one stage); ``recompute`` "none", "full" (the forward again during backward,
-    each clustered layer checkpointed on its own: Megatron-LM's full recomputation),
-    "selective" (only the attention cores: Megatron-LM's selective recomputation),
+    add per-micro-batch latency on one stage); ``recompute`` "none", "full" (the forward
+    again during backward, each clustered layer checkpointed on its own: Megatron-LM's full
+    recomputation), "selective" (only the attention cores: Megatron-LM's selective
+    recomputation),
     "layers:K" (the first K layers of each stage) or "auto" (only where memory demands it:
     per pipeline stage the fastest of these that fits; none on one given mesh);
     ``schedule`` of a pipeline "auto" (1F1B, or interleaved 1F1B when the planner finds it
@@ -441,7 +442,8 @@ def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOption
     simulated (`_within_as_simulated`) unless it is already slower than the pipeline
     ``piped`` (one that fits as simulated): fitted under a lower bound it would be no faster
     (BERT-Base's one stage on HAP's cluster: two more solves, 8 of 39 s, for a plan the
-    pipeline beat anyway)."""
+    pipeline beat anyway), and not walked on to more micro-batches either (the pipeline
+    search priced one stage over every device at each of its counts)."""
     form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
 
@@ -468,7 +470,8 @@ def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOption
         fitted, excess = _within_as_simulated(result, form.problem, sol, budget, as_plan,
                                               excess)
         return _OneStage(fitted, excess, True, True)
-    return _OneStage(result, excess, False, excess > 0 or _budget_binds(form.problem, sol))
+    binds = excess > 0 or not loses and _budget_binds(form.problem, sol)
+    return _OneStage(result, excess, False, binds)
 
 
 def _budget_binds(problem: IlpProblem, sol: IlpSolution) -> bool:
