@@ -398,7 +398,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             break   # fits, but slower than the count before
         if best is None or key < best[0]:
             best = (key, one.plan)
-        if not (one.excess > 0 and one.fitted) and not (one.excess <= 0 and one.binds):
+        if not one.walks_on:
             break
     if best is None:
         if piped is not None:
@@ -424,14 +424,13 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
 @dataclass(frozen=True)
 class _OneStage:
     """A single-stage plan at one micro-batch count, as `_plan` weighs it: the bytes its
-    simulated peak is over the budget by (0 or less: it fits), whether it was fitted under the
-    budget as simulated, and whether the budget costs it time (the fastest plan without it is
-    faster by more than the solves' acceptance gap)."""
+    simulated peak is over the budget by (0 or less: it fits), and whether the count walk goes
+    on to the next count (it was fitted under the budget as simulated, or the budget costs it
+    time: `_budget_binds`)."""
 
     plan: Plan
     excess: float
-    fitted: bool
-    binds: bool
+    walks_on: bool
 
 
 def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOptions,
@@ -462,16 +461,16 @@ def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOption
 
     result = as_plan(sol)
     if budget is None or abstract:
-        return _OneStage(result, 0.0, False, False)
-    loses = piped is not None and \
-        result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]
+        return _OneStage(result, 0.0, False)
     excess = _over(result, budget)
-    if excess > 0 and not loses:
+    if piped is not None and \
+            result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]:
+        return _OneStage(result, excess, False)
+    if excess > 0:
         fitted, excess = _within_as_simulated(result, form.problem, sol, budget, as_plan,
                                               excess)
-        return _OneStage(fitted, excess, True, True)
-    binds = excess > 0 or not loses and _budget_binds(form.problem, sol)
-    return _OneStage(result, excess, False, binds)
+        return _OneStage(fitted, excess, True)
+    return _OneStage(result, excess, _budget_binds(form.problem, sol))
 
 
 def _budget_binds(problem: IlpProblem, sol: IlpSolution) -> bool:

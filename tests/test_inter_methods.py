@@ -461,7 +461,7 @@ def test_a_one_stage_plan_the_budget_binds_walks_on_while_faster(
         num = found[4].microbatches   # the CostContext of the count's solve
         seen.append(num)
         return api._OneStage(NS(microbatches=num, predicted={"step_time_s": steps[num]}),
-                             0.0, False, binds)
+                             0.0, binds)
 
     monkeypatch.setattr(api, "_one_stage", one_stage)
     p = api._plan(w.model, w.loss_fn, "adam", w.example_batch, FOUR, method="intra-only",

@@ -203,7 +203,7 @@ def _one_stage_if_simulated_faster(plan: Plan, found: FoundPipeline, req: Pipeli
     simulated = simulate(plan).step_time_s
     record = {"pipeline_estimated_s": plan.predicted["step_time_s"],
               "pipeline_simulated_s": simulated}
-    one = _one_stage_below(found, req, simulated)
+    one = _one_stage_below(found, req, simulated, options)
     if one is None:
         return replace(plan, options={**plan.options, "pipeline_check": record})
     single = pipeline_plan(replace(found, solution=one, estimated_s=None), req,
@@ -215,17 +215,17 @@ def _one_stage_if_simulated_faster(plan: Plan, found: FoundPipeline, req: Pipeli
     return replace(chosen, options={**chosen.options, "pipeline_check": record})
 
 
-def _one_stage_below(found: FoundPipeline, req: PipelineRequest, bound: float
-                     ) -> PipelineSolution | None:
+def _one_stage_below(found: FoundPipeline, req: PipelineRequest, bound: float,
+                     options: tuple[StageOption, ...]) -> PipelineSolution | None:
     """The fastest one-stage pipeline over every device, solved whole, that fits the budget
     and takes less than ``bound`` seconds per step; None if none does. Tries the few stage
-    options (logical mesh, recomputation, memory variant) whose by-parts estimate is below
-    the bound, fastest first."""
+    of its ``options`` (logical mesh, recomputation, memory variant, priced by parts) whose
+    estimate is below the bound, fastest first."""
     prof, cl = found.profiler, req.cluster
     last, full = prof.layering.num_layers, (cl.num_hosts, cl.devices_per_host)
     budget = req.budget if req.budget is not None else math.inf
-    options = sorted((o for o in prof(0, last, full)
-                      if o.latency * prof.microbatches < bound), key=lambda o: o.latency)
+    options = sorted((o for o in options if o.latency * prof.microbatches < bound),
+                     key=lambda o: o.latency)
     best = None
     for o in options[:ONE_STAGE_TRIES]:
         solved = prof.solutions([(0, last, full, o.label, 1)])[0]
