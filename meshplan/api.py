@@ -132,14 +132,19 @@ def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
     return replace(shared, solve_time_s=free.solve_time_s + shared.solve_time_s)
 
 
-# `_refine`'s search. Started from the shared answer, HiGHS's root heuristics find the unshared
-# improvement at once: MoE-10B on 16 V100 (40,853 columns), 156.6475 -> 156.6300 at the root in
-# 4.9 s, where the unstarted search had 156.6297 after its 194 s time limit (10x the shared
-# solve); 1000 nodes (34 s) found nothing better. Each repeat untied, the root is what costs on
-# the largest: GPT-39B on 64 V100 (128 micro-batches, 84,252 columns) 4460.1 -> 4013.7 in
-# 232 s of root cuts; in doubling runs (21,924 columns) 4013.3 in 19 s. MoE-70B (64): untied
-# no better in 38 s, in runs 644.16 -> 643.22 in 15 s.
-REFINE_MAX_NODES = 50
+# `_refine`'s search: its root only. Started from the shared answer, HiGHS's root heuristics
+# find the unshared improvement at once: MoE-10B on 16 V100 (40,853 columns), 156.6475 ->
+# 156.6300 at the root in 4.9 s, where the unstarted search had 156.6297 after its 194 s time
+# limit (10x the shared solve); 1000 nodes (34 s) found nothing better. Each repeat untied, the
+# root is what costs on the largest: GPT-39B on 64 V100 (128 micro-batches, 84,252 columns)
+# 4460.1 -> 4013.7 in 232 s of root cuts; in doubling runs (21,924 columns) 4013.2 at the root
+# in 9 s. The nodes after it rarely add: the 36 refinements of six intra-only walks of the
+# weak-scaling suite (GPT-6.7B to 39B, MoE-10B to 70B, Wide-ResNet-13B) took 369 s at 50
+# nodes and 226 s at the root, 31 of them the same and five 0.02-1.3 % dearer (10 nodes lost
+# the same five). The suite's 21 intra-only plans: 19 the same, GPT-39B's 0.155 % and
+# MoE-690M's 0.001 % dearer, within what `PLAN_ACCEPT` accepts of any solve; their
+# searches 1,024 -> 859 s (session 63).
+REFINE_MAX_NODES = 1
 
 
 def _infeasible(form: Any, budget: float, cluster: Cluster, method: str) -> InfeasiblePlanError:
