@@ -589,7 +589,7 @@ def test_accept_stops_early_only_within_its_gap() -> None:
     """``accept=(nodes, gap)``: the first ``nodes`` nodes' plan is kept when proved within
     ``gap`` of the optimum (whole stage solves: the proof, not the plan, is what costs), and
     otherwise the search goes on to the optimum (or ``max_nodes``)."""
-    problem = memory_bound_dag(30, 3)   # one whose root does not find the optimum
+    problem = memory_bound_dag(40, 6)   # one whose root does not find the optimum
     exact = solve(problem)
     loose = solve(problem, max_nodes=10**6, accept=(1, 0.5))
     assert exact.objective < loose.objective <= exact.objective * (1 + 0.5)   # stopped early
@@ -649,18 +649,18 @@ def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> 
 def test_an_accept_searchs_first_nodes_turn_off_the_presolve_rules_of_each_highs_version(
         monkeypatch) -> None:
     """The first nodes of an ``accept`` search (the planner's pricing and whole-stage solves:
-    mostly their root) turn off the aggregator, parallel rows and columns, sparsify and
-    probing: bits of HiGHS's rule enum, which moved as HiGHS added rules, so each version gets
+    mostly their root) turn off parallel rows and columns, sparsify and probing (the
+    aggregator stays on): bits of HiGHS's rule enum, which moved as HiGHS added rules, so each version gets
     those rules' bits in its own enum and none of another rule's. The installed HiGHS accepts
     the mask; the search that goes on from there, and any other, keeps every rule (a long
     search gains from probing); each reaches the optimum."""
     import highspy
     from meshplan.planner.intra.ilp_backends import _presolve_rules_off
     bits = lambda mask: {b for b in range(32) if mask >> b & 1}   # noqa: E731
-    assert bits(_presolve_rules_off((1, 15))) == {12, 13, 14, 15}
-    assert bits(_presolve_rules_off((1, 12))) == {12, 13, 14, 15}
-    assert bits(_presolve_rules_off((1, 11))) == {12, 13, 14}     # probing at 14, no sparsify
-    assert bits(_presolve_rules_off((1, 7))) == {12, 13}
+    assert bits(_presolve_rules_off((1, 15))) == {13, 14, 15}
+    assert bits(_presolve_rules_off((1, 12))) == {13, 14, 15}
+    assert bits(_presolve_rules_off((1, 11))) == {13, 14}     # probing at 14, no sparsify
+    assert bits(_presolve_rules_off((1, 7))) == {13}
     statuses: list[object] = []
 
     class Recording(highspy.Highs):
@@ -671,7 +671,7 @@ def test_an_accept_searchs_first_nodes_turn_off_the_presolve_rules_of_each_highs
             return status
 
     monkeypatch.setattr(highspy, "Highs", Recording)
-    problem = memory_bound_dag(30, 3)   # one whose root does not find the optimum
+    problem = memory_bound_dag(40, 6)   # one whose root does not find the optimum
     exact = solve(problem, solver="highs")
     assert solve(problem, solver="highs", max_nodes=10**6).objective == exact.objective
     assert statuses == []
