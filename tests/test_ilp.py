@@ -589,7 +589,7 @@ def test_accept_stops_early_only_within_its_gap() -> None:
     """``accept=(nodes, gap)``: the first ``nodes`` nodes' plan is kept when proved within
     ``gap`` of the optimum (whole stage solves: the proof, not the plan, is what costs), and
     otherwise the search goes on to the optimum (or ``max_nodes``)."""
-    problem = memory_bound_dag(40, 6)   # one whose root does not find the optimum
+    problem = memory_bound_dag(24, 5)   # one whose root does not find the optimum
     exact = solve(problem)
     loose = solve(problem, max_nodes=10**6, accept=(1, 0.5))
     assert exact.objective < loose.objective <= exact.objective * (1 + 0.5)   # stopped early
@@ -671,7 +671,7 @@ def test_an_accept_searchs_first_nodes_turn_off_the_presolve_rules_of_each_highs
             return status
 
     monkeypatch.setattr(highspy, "Highs", Recording)
-    problem = memory_bound_dag(40, 6)   # one whose root does not find the optimum
+    problem = memory_bound_dag(24, 5)   # one whose root does not find the optimum
     exact = solve(problem, solver="highs")
     assert solve(problem, solver="highs", max_nodes=10**6).objective == exact.objective
     assert statuses == []
