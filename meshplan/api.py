@@ -114,15 +114,15 @@ def _budget(memory_budget_gb: float | None, cluster: Cluster) -> float | None:
 
 
 def _refine(problem: IlpProblem, shared: IlpSolution) -> IlpSolution:
-    """Shared blocks give a fast answer; the problem with each block's repeats tied only in
-    runs of 1, 2, 4, ... (`doubling_runs`), searched from that answer for `REFINE_MAX_NODES`
-    nodes, may be better: under a binding budget some blocks take a leaner plan and the rest
-    a faster one (GPT-39B on 64 V100s, one stage: 10 % faster). Keep the better, so sharing
-    never costs plan quality. A node count, not a time limit: the same inputs give the same
-    plan on any machine. Interchangeable leaves are untied here too
-    (`IlpProblem.tie_leaves`): under a binding budget, identical experts may fit a faster
-    plan by mixing (OLMoE's 64 experts on one DGX A100: 889.8 ms tied, 886.8 untied, at
-    79.99 of 80 GiB)."""
+    """Shared blocks give a fast answer; the problem with each block's repeats tied only in runs
+    of 1, 2, 4, ... (`doubling_runs`), searched from that answer at HiGHS's root
+    (`REFINE_MAX_NODES`), may be better: under a binding budget some blocks take a leaner plan
+    and the rest a faster one (GPT-39B on 64 V100s, one stage: 10 % faster). Keep the better, so
+    sharing never costs plan quality. A node count, not a time limit: the same inputs give the
+    same plan on any machine. Interchangeable leaves are untied here too
+    (`IlpProblem.tie_leaves`): under a binding budget, identical experts may fit a faster plan
+    by mixing (OLMoE's 64 experts on one DGX A100: 889.8 ms tied, 886.8 untied, at 79.99 of 80
+    GiB)."""
     if not problem.aliases and not tied_leaves(problem):
         return shared
     free = solve(replace(problem, aliases=doubling_runs(problem.aliases), tie_leaves=False),

@@ -51,11 +51,11 @@ _FEASIBILITY_JUMP = False
 # under a memory bound) 14.0 -> 9.8 s with 5 of 67 answers worse, by at most 0.057 %: within
 # `ilp.PLAN_REL_GAP`, which every such answer was only proved to anyway.
 _ROOT_REDUCED_COST = False
-# Presolve rules off in the first nodes of an ``accept`` search (HiGHS's ``presolve_rule_off``
-# bits, `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and
-# probing. That search is mostly its root (a stage's layer priced, a stage solved whole),
-# where these rules reduce little (a 3,800-column MoE layer: 169 rows of 1,642) and probing
-# the binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five planning runs (GPT-39B,
+# Presolve rules off in the first nodes of an ``accept`` search (HiGHS's ``presolve_rule_off`` bits,
+# `_presolve_rules_off`): parallel rows and columns, sparsify and probing (the aggregator too until
+# session 63, below). That search is mostly its root (a stage's layer priced, a stage solved whole),
+# where these rules reduce little (a 3,800-column MoE layer: 169 rows of 1,642) and probing the
+# binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five planning runs (GPT-39B,
 # MoE-70B, BERT-MoE, BERT-Base and ViT on HAP's cluster), each as the planner solved it, one
 # worker: those first 50 nodes 40.2 -> 23.6 s, none of the answers more than 0.1 % worse.
 # A long search keeps them: a stage solved whole under a tight memory bound (5,000 nodes)
