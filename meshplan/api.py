@@ -36,6 +36,7 @@ from meshplan.planner.hetero.alternate import (StepSettings, flat_choices, heter
 from meshplan.planner.hetero.to_plan import (HETERO_METHODS, check_mixed_request,
                                              check_segments, plan_mixed)
 from meshplan.planner.intra import baselines
+from meshplan.planner.memory_floor import CountFloors
 from meshplan.planner.recompute import FULL, NoReplayError, Replay, parse_recompute
 from meshplan.planner.intra.choices import SFB_CHOICES, IntraOptions, resolve_choices
 from meshplan.planner.intra.to_plan import intra_plan
@@ -381,7 +382,15 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     # does not, more micro-batches only add latency. Where none fits, the plan least over.
     last: InfeasiblePlanError | None = None
     best: tuple[tuple, Plan] | None = None
+    # Counts no plan could fit by the memory floor are skipped unsolved, all but the last
+    # (the fewest samples), which explains when none fits (MoE-70B on 64 V100s: 1-16
+    # micro-batches, 4.5 s each to formulate and find infeasible).
+    floors = CountFloors(lambda b: capture(model, loss_fn, split_microbatches(
+        example_batch, b)[0])[1], step.dtype, opt.state(), math.prod(real_mesh.shape), budget,
+        recompute=step.recompute)
     for num in counts:
+        if num != counts[-1] and not _may_fit(floors, num):
+            continue
         try:
             found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
                                opts, budget, replace(step, microbatches=num))
@@ -708,6 +717,15 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
                              replace(req, method=str(spec)))
     return search_pipeline(graph_for, counts, req)
+
+
+def _may_fit(floors: CountFloors, num: int) -> bool:
+    """`CountFloors.may_fit`, True where the count cannot be traced (fewer samples than the
+    model takes: `_plan_step` says so)."""
+    try:
+        return floors.may_fit(num)
+    except ValueError:
+        return True
 
 
 def _weighs_intra_only(piped: Plan, cl: Cluster) -> bool:

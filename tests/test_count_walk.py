@@ -11,6 +11,7 @@ import pytest
 
 import meshplan.api as api
 import meshplan.planner.inter.search as search
+from meshplan.planner.memory_floor import CountFloors
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.spec import build_workload
 
@@ -80,3 +81,33 @@ def test_a_count_is_solved_whole_only_within_the_margin_of_the_best_solved_plan(
     assert solved == ([8, 4] if second_solved else [8])
     assert best.solution.total_latency == min(first_solves_to, 9.5 if second_solved else 99)
     assert best.estimated_s == (10.5 if second_solved and first_solves_to > 9.5 else 10.0)
+
+
+def test_one_stage_counts_below_the_memory_floor_are_not_solved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-stage walk up from the fewest micro-batches skips, unsolved, the counts
+    whose memory floor (`memory_floor.CountFloors`) is over the budget: the same plan as
+    solving each of them to find it infeasible."""
+    w = build_workload("gpt:hidden=32,layers=2,heads=4,seq=128,vocab=128,batch=32",
+                       device="meta")
+    solved: list[int] = []
+    step = api._plan_step
+
+    def spy(*args, **kwargs):   # noqa: ANN002, ANN003 - `_plan_step`'s own signature
+        solved.append(args[-1].microbatches)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_plan_step", spy)
+
+    def plan() -> api.Plan:
+        return api.plan(w.model, w.loss_fn, SGD, w.example_batch, "p3.16xlarge:1x4",
+                        method="intra-only", memory_budget_gb=1 / 1024, dtype="fp32")
+
+    skipped = plan()
+    assert solved == [8]   # floors of 1, 2 and 4 micro-batches: 4.8, 2.4 and 1.3 MiB
+    solved.clear()
+    monkeypatch.setattr(CountFloors, "may_fit", lambda self, b: True)
+    every = plan()
+    assert solved == [1, 2, 4, 8]
+    assert skipped.microbatches == every.microbatches == 8
+    assert skipped.predicted == every.predicted

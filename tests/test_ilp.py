@@ -568,7 +568,7 @@ def test_a_node_limit_gives_the_best_plan_found(solver: str) -> None:
     stage solves use it): a search that needs fewer nodes is the unlimited one; one stopped
     early returns a feasible plan no better than the optimum, the same every time."""
     stopped = 0
-    for seed in range(4):
+    for seed in (1, 3):   # one the root solves, one it does not
         problem = memory_bound_dag(24, seed)
         exact = solve(problem, solver=solver)
         assert solve(problem, solver=solver, max_nodes=10**6).choices == exact.choices

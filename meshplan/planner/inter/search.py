@@ -9,7 +9,7 @@ eq. 2 gives T(B) = (S + B - 1)·(c + k·batch / B): more micro-batches shrink th
 activations kept until the fixed cost c of each dominates, so T is convex in B and the fastest
 count is usually a large one for a large model. Counts are therefore tried from the most
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
-user); counts whose micro-batches cannot fit by a memory floor (`_MemoryFloor`) are not
+user); counts whose micro-batches cannot fit by a memory floor (`memory_floor.py`) are not
 profiled. Under "auto", a count whose fastest pipeline is one stage ends the walk down: fewer
 micro-batches only grow the pipelines' bubbles, and one stage at the fewest count that fits
 is weighed beside the search (`api._weighs_intra_only`). Once a micro-batch is smaller than
@@ -77,7 +77,7 @@ from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
 from meshplan.planner.inter.to_plan import (FoundPipeline, inbound_discounts, pipeline_plan,
                                             scheduled_step, stage_devices)
 from meshplan.planner.intra.choices import IntraOptions
-from meshplan.planner.intra.op_costs import unsharded_bytes
+from meshplan.planner.memory_floor import CountFloors
 
 # Micro-batches each schedule keeps in flight on a stage (the DP's memory check). Both have the
 # same latency (Alpa eq. 2); 1F1B keeps fewer, so "auto" is 1F1B.
@@ -377,31 +377,18 @@ class _CountSearch:
         self.graph_for, self.counts, self.req = graph_for, counts, req
         self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
-        self._floors: dict[int, _MemoryFloor] = {}
+        self._floors = CountFloors(lambda b: graph_for(b)[0], req.dtype, req.optimizer_state,
+                                   req.cluster.num_devices, req.budget)
 
     def fits(self, i: int) -> bool:
-        """Whether count ``i`` passes the memory floor (traced at that count)."""
+        """Whether count ``i`` passes the memory floor (`memory_floor.CountFloors`)."""
         b = self.counts[i]
-        if b not in self._floors and self._surely_too_large(b):
-            return False
-        if b not in self._floors:
-            self._floors[b] = _MemoryFloor.of(self.graph_for(b)[0], self.req)
-        floor = self._floors[b]
-        if not floor.may_fit():
+        if self._floors.may_fit(b):
+            return True
+        if b in self._floors.traced:   # (not where extrapolated: the traced ones say more)
             self.errors.append(NoPipelineError("below the memory floor", self.req.budget,
-                                               floor.per_device))
-        return floor.may_fit()
-
-    def _surely_too_large(self, b: int) -> bool:
-        """Whether the floor at ``b`` micro-batches, extrapolated from two traced counts
-        (activations are affine in the samples per micro-batch), exceeds the budget by 10 %:
-        then tracing that count is not worth it."""
-        if self.req.budget is None or len(self._floors) < 2:
-            return False
-        (b1, f1), (b2, f2) = sorted(self._floors.items())[:2]
-        x, x1, x2 = 1 / b, 1 / b1, 1 / b2     # samples per micro-batch, up to the batch size
-        guess = f1.per_device + (f2.per_device - f1.per_device) * (x - x1) / (x2 - x1)
-        return guess > 1.1 * self.req.budget
+                                               self._floors.traced[b]))
+        return False
 
     def latency(self, i: int) -> float:
         """The fastest pipeline's latency at count ``i`` (inf when none fits)."""
@@ -444,25 +431,6 @@ class _CountSearch:
 
     def best_latency(self) -> float:
         return min((self.latency(i) for i in self.tried), default=math.inf)
-
-
-@dataclass(frozen=True)
-class _MemoryFloor:
-    """A lower bound of any plan's memory, to skip micro-batch counts without profiling them:
-    summed over all devices, a plan holds every parameter's state once and, for at least one
-    micro-batch, every activation once (sharding never shrinks the total; a recomputed stage
-    still materializes its activations in backward)."""
-
-    per_device: float
-    budget: float | None
-
-    @staticmethod
-    def of(traced: Graph, req: PipelineRequest) -> "_MemoryFloor":
-        state, act = unsharded_bytes(with_compute_dtype(traced, req.dtype), req.optimizer_state)
-        return _MemoryFloor((state + act) / req.cluster.num_devices, req.budget)
-
-    def may_fit(self) -> bool:
-        return self.budget is None or self.per_device <= self.budget
 
 
 def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineRequest
