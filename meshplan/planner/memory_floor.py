@@ -5,7 +5,8 @@ the single-stage walk of `api._plan`.
 Summed over all devices, a plan holds every parameter's state once (sharding never shrinks the
 total) and, without recomputation, every activation a micro-batch keeps for its backward at
 once, at the end of its forward. Recomputed, a stage replays its layers one by one and never
-holds them all, so only the state and the batch itself bound it.
+holds them all, so only the state and the batch itself bound it (``recompute``; the pipeline
+search prunes by the plain floor anyway: `inter/search.py`).
 
 A count's floor needs the program traced at its micro-batch size; the activations are affine in
 the samples per micro-batch, so once two counts are traced the others' are extrapolated, and a

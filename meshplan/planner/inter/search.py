@@ -9,8 +9,11 @@ eq. 2 gives T(B) = (S + B - 1)·(c + k·batch / B): more micro-batches shrink th
 activations kept until the fixed cost c of each dominates, so T is convex in B and the fastest
 count is usually a large one for a large model. Counts are therefore tried from the most
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
-user); counts whose micro-batches cannot fit by a memory floor (`memory_floor.py`) are not
-profiled. Under "auto", a count whose fastest pipeline is one stage ends the walk down: fewer
+user); counts whose micro-batches no plan without recomputation could fit (the memory
+floor, `memory_floor.py`) are not profiled: a pruning rule, not a bound, where stages may
+recompute (a replayed stage holds one layer's activations at a time), kept because those
+counts of the largest micro-batches are the slowest to price and the slowest to run (MoE-70B
+on 64 V100s at 16 micro-batches, floored: over 12 minutes of pricing not finished). Under "auto", a count whose fastest pipeline is one stage ends the walk down: fewer
 micro-batches only grow the pipelines' bubbles, and one stage at the fewest count that fits
 is weighed beside the search (`api._weighs_intra_only`). Once a micro-batch is smaller than
 the devices it is spread over, c grows (one sample cannot be split), so the walk also starts
@@ -377,8 +380,10 @@ class _CountSearch:
         self.graph_for, self.counts, self.req = graph_for, counts, req
         self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
+        # The floor of plans that do not recompute, whatever ``req.recompute`` allows (module
+        # docstring).
         self._floors = CountFloors(lambda b: graph_for(b)[0], req.dtype, req.optimizer_state,
-                                   req.cluster.num_devices, req.budget)
+                                   req.cluster.num_devices, req.budget, recompute=False)
 
     def fits(self, i: int) -> bool:
         """Whether count ``i`` passes the memory floor (`memory_floor.CountFloors`)."""
