@@ -11,10 +11,11 @@ count is usually a large one for a large model. Counts are therefore tried from 
 micro-batches down, stopping at the first that is no faster (beyond Alpa, which takes B from the
 user); counts whose micro-batches no plan without recomputation could fit (the memory
 floor, `memory_floor.py`) are not profiled: a pruning rule, not a bound, where stages may
-recompute (a replayed stage holds one layer's activations at a time), kept because those
-counts of the largest micro-batches are the slowest to price and the slowest to run (MoE-70B
-on 64 V100s at 16 micro-batches, floored: over 12 minutes of pricing not finished). Under "auto", a count whose fastest pipeline is one stage ends the walk down: fewer
-micro-batches only grow the pipelines' bubbles, and one stage at the fewest count that fits
+recompute (a replayed stage holds one layer's activations at a time), kept because the
+counts of the largest micro-batches are the slowest to price (MoE-70B on 64 V100s at 16
+micro-batches, below the floor: over 12 minutes of pricing, not finished). Under
+"auto", a count whose fastest pipeline is one stage ends the walk down: fewer micro-batches
+only grow the pipelines' bubbles, and one stage at the fewest count that fits
 is weighed beside the search (`api._weighs_intra_only`). Once a micro-batch is smaller than
 the devices it is spread over, c grows (one sample cannot be split), so the walk also starts
 from the most micro-batches that still give each device a sample, and goes both ways from
