@@ -383,8 +383,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     last: InfeasiblePlanError | None = None
     best: tuple[tuple, Plan] | None = None
     # Counts no plan could fit by the memory floor are skipped unsolved, all but the last
-    # (the fewest samples), which explains when none fits (MoE-70B on 64 V100s: 1-16
-    # micro-batches, 4.5 s each to formulate and find infeasible).
+    # (the fewest samples a micro-batch), which explains when none fits (MoE-70B on 64
+    # V100s: 1-16 micro-batches, 4.5 s each to formulate and find infeasible).
     floors = CountFloors(lambda b: capture(model, loss_fn, split_microbatches(
         example_batch, b)[0])[1], step.dtype, opt.state(), math.prod(real_mesh.shape), budget,
         recompute=step.recompute)
