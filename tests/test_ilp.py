@@ -648,12 +648,12 @@ def test_highs_solves_on_one_thread_so_forked_workers_can_solve(monkeypatch) -> 
 
 def test_an_accept_searchs_first_nodes_turn_off_the_presolve_rules_of_each_highs_version(
         monkeypatch) -> None:
-    """The first nodes of an ``accept`` search (the planner's pricing and whole-stage solves: mostly
-    their root) turn off the aggregator, parallel rows and columns, sparsify and probing:
-    bits of HiGHS's rule enum, which moved as HiGHS added rules, so each version gets those rules'
-    bits in its own enum and none of another rule's. The installed HiGHS accepts the mask; the
-    search that goes on from there, and any other, keeps every rule (a long search gains from
-    probing); each reaches the optimum."""
+    """The first nodes of an ``accept`` search (the planner's pricing and whole-stage solves:
+    mostly their root) turn off the aggregator, parallel rows and columns, sparsify and
+    probing: bits of HiGHS's rule enum, which moved as HiGHS added rules, so each version gets
+    those rules' bits in its own enum and none of another rule's. The installed HiGHS accepts
+    the mask; the search that goes on from there, and any other, keeps every rule (a long
+    search gains from probing); each reaches the optimum."""
     import highspy
     from meshplan.planner.intra.ilp_backends import _presolve_rules_off
     bits = lambda mask: {b for b in range(32) if mask >> b & 1}   # noqa: E731

@@ -44,12 +44,10 @@ class CountFloors:
         """Bytes per device no plan at ``b`` micro-batches holds less than (traced)."""
         if b not in self.traced:
             graph = with_compute_dtype(self.trace(b), self.dtype)
+            state, kept = unsharded_bytes(graph, self.state)
             if self.recompute:
-                graph_state, _ = unsharded_bytes(graph, self.state)
-                batch = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target"))
-                self.traced[b] = (graph_state + batch) / self.num_devices
-            else:
-                self.traced[b] = sum(unsharded_bytes(graph, self.state)) / self.num_devices
+                kept = sum(n.out.nbytes for n in graph.nodes if n.role in ("input", "target"))
+            self.traced[b] = (state + kept) / self.num_devices
         return self.traced[b]
 
     def may_fit(self, b: int) -> bool:

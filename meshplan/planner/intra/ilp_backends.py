@@ -51,16 +51,17 @@ _FEASIBILITY_JUMP = False
 # under a memory bound) 14.0 -> 9.8 s with 5 of 67 answers worse, by at most 0.057 %: within
 # `ilp.PLAN_REL_GAP`, which every such answer was only proved to anyway.
 _ROOT_REDUCED_COST = False
-# Presolve rules off in the first nodes of an ``accept`` search (HiGHS's ``presolve_rule_off`` bits,
-# `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and probing. That
-# search is mostly its root (a stage's layer priced, a stage solved whole), where these rules
-# reduce little (a 3,800-column MoE layer: 169 rows of 1,642) and probing the binaries took
-# 0.10 s of a 0.17 s MIP. Sampled solves of five planning runs (GPT-39B, MoE-70B, BERT-MoE,
-# BERT-Base and ViT on HAP's cluster), each as the planner solved it, one worker: those first 50
-# nodes 40.2 -> 23.6 s, none of the answers more than 0.1 % worse. A long search keeps them: a
-# stage solved whole under a tight memory bound (5,000 nodes) took 11.4 s with probing and 19.7
-# s without; Wide-ResNet-4B's whole program on 16 V100s (unlimited) 10.3 and 21.3 s. Without
-# any presolve (``presolve`` off) GPT-39B planned slower and worse. The aggregator with them:
+# Presolve rules off in the first nodes of an ``accept`` search (HiGHS's ``presolve_rule_off``
+# bits, `_presolve_rules_off`): the aggregator, parallel rows and columns, sparsify and
+# probing. That search is mostly its root (a stage's layer priced, a stage solved whole),
+# where these rules reduce little (a 3,800-column MoE layer: 169 rows of 1,642) and probing
+# the binaries took 0.10 s of a 0.17 s MIP. Sampled solves of five planning runs (GPT-39B,
+# MoE-70B, BERT-MoE, BERT-Base and ViT on HAP's cluster), each as the planner solved it, one
+# worker: those first 50 nodes 40.2 -> 23.6 s, none of the answers more than 0.1 % worse.
+# A long search keeps them: a stage solved whole under a tight memory bound (5,000 nodes)
+# took 11.4 s with probing and 19.7 s without; Wide-ResNet-4B's whole program on 16 V100s
+# (unlimited) 10.3 and 21.3 s. Without any presolve (``presolve`` off) GPT-39B planned
+# slower and worse. The aggregator with them:
 # kept on (session 63), the sampled first nodes took 26.2 s instead of 23.7, and the intra-only
 # rows of the weak-scaling suite searched 824.6 s instead of 684.8 (MoE-70B 234 s instead of
 # 123: at 64 micro-batches its first 50 nodes did not prove the plan within 0.5 %, and the
