@@ -169,8 +169,16 @@ class DeviceKinds:
         return found.pop() if len(found) == 1 else self.mixed
 
     def shapes(self, base: tuple[Submesh, ...]) -> tuple[Submesh, ...]:
-        """Every base submesh once per kind, mixed included: ``(hosts, devices, kind)``."""
-        return tuple((*shape, k) for shape in base for k in range(self.mixed + 1))
+        """Every base submesh once per kind, mixed included, ``(hosts, devices, kind)``, where
+        some run of that many positions is of that kind: the rest could never be laid (HAP's
+        4 or 8 hosts of V100 where there are 2, one host of mixed kind), and each shape asked
+        is priced by the caller (a V100-typed (4, 8) stage cost as much as a real one)."""
+        return tuple((*shape, k) for shape in base for k in range(self.mixed + 1)
+                     if self._laid_anywhere(shape[0] * shape[1], k))
+
+    def _laid_anywhere(self, count: int, kind: int) -> bool:
+        return any(self.kind_of(start, count) == kind
+                   for start in range(len(self.kinds) - count + 1))
 
     def mask(self, shapes: tuple[Submesh, ...]) -> np.ndarray:
         """``(len(shapes), D + 1)``: 0 where a stage of ``shapes[m]`` may start with ``d``
