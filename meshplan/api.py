@@ -405,8 +405,13 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             if last is None:
                 raise
             raise last from None
+        # The plans known to fit as simulated: the pipeline's, an earlier count's.
+        fitting = [piped] if piped is not None and not piped_over else []
+        if best is not None and not best[0][0]:
+            fitting.append(best[1])
         one = _one_stage(found, name, method, opt, opts, budget, step, real_mesh, cl, gather,
-                         axis_weights, abstract, piped if not piped_over else None, t0)
+                         axis_weights, abstract,
+                         min((p.predicted["step_time_s"] for p in fitting), default=None), t0)
         key = (one.excess > 0, max(one.excess, 0.0), one.plan.predicted["step_time_s"])
         if best is not None and one.excess <= 0 and key >= best[0]:
             break   # fits, but slower than the count before
@@ -450,13 +455,15 @@ class _OneStage:
 def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOptions,
                budget: float | None, step: "_TrainingStep", real_mesh: LogicalMesh,
                cl: Cluster, gather: str, axis_weights: Sequence[Sequence[float]] | None,
-               abstract: bool, piped: Plan | None, t0: float) -> _OneStage:
+               abstract: bool, beaten_s: float | None, t0: float) -> _OneStage:
     """The single-stage plan of `_plan_step`'s answer ``found``, fitted under the budget as
-    simulated (`_within_as_simulated`) unless it is already slower than the pipeline
-    ``piped`` (one that fits as simulated): fitted under a lower bound it would be no faster
-    (BERT-Base's one stage on HAP's cluster: two more solves, 8 of 39 s, for a plan the
-    pipeline beat anyway), and not walked on to more micro-batches either (the pipeline
-    search priced one stage over every device at each of its counts)."""
+    simulated (`_within_as_simulated`) unless it is already slower than ``beaten_s``, the step
+    of a plan that fits as simulated (the pipeline's, or an earlier count's of the walk):
+    fitted under a lower bound it would be no faster (BERT-Base's one stage on HAP's cluster:
+    two more solves, 8 of 39 s, for a plan the pipeline beat anyway; GPT-15B's intra-only
+    walk on 32 V100: 3707 s a step at 256 micro-batches before fitting, where 128 fitted at
+    730, 10 s), and not walked on to more micro-batches either (the pipeline search priced
+    one stage over every device at each of its counts; the walk stops at a slower count)."""
     form, sol, graph, fingerprint, ctx, segments, num_layers_run, used = found
     weights = tuple(tuple(float(x) for x in w) for w in axis_weights) if axis_weights else ()
 
@@ -477,8 +484,7 @@ def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOption
     if budget is None or abstract:
         return _OneStage(result, 0.0, False)
     excess = _over(result, budget)
-    if piped is not None and \
-            result.predicted["step_time_s"] > (1 + FITTED_LOSES) * piped.predicted["step_time_s"]:
+    if beaten_s is not None and result.predicted["step_time_s"] > (1 + FITTED_LOSES) * beaten_s:
         return _OneStage(result, excess, False)
     if excess > 0:
         fitted, excess = _within_as_simulated(result, form.problem, sol, budget, as_plan,

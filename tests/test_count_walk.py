@@ -7,6 +7,8 @@ data parallelism) walk the counts down as before."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import meshplan.api as api
@@ -110,4 +112,36 @@ def test_one_stage_counts_below_the_memory_floor_are_not_solved(
     every = plan()
     assert solved == [1, 2, 4, 8]
     assert skipped.microbatches == every.microbatches == 8
+    assert skipped.predicted == every.predicted
+
+
+def test_a_count_slower_than_a_fitting_one_is_not_fitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-stage walk up does not fit under the budget as simulated (more solves) a
+    count whose plan is already slower than an earlier count's that fits: fitted it would be
+    no faster, and the walk stops there either way. The same plan as fitting it, one fitting
+    fewer."""
+    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=128,vocab=256,batch=32",
+                       device="meta")
+    fitted: list[float] = []
+    within = api._within_as_simulated
+
+    def spy(plan, *args, **kwargs):   # noqa: ANN001, ANN002, ANN003 - its own signature
+        fitted.append(plan.predicted["step_time_s"])
+        return within(plan, *args, **kwargs)
+
+    monkeypatch.setattr(api, "_within_as_simulated", spy)
+
+    def plan() -> api.Plan:
+        return api.plan(w.model, w.loss_fn, OptimizerSpec.from_dict({"kind": "adamw"}),
+                        w.example_batch, "p3.16xlarge:1x8", method="intra-only",
+                        memory_budget_gb=2 / 1024, dtype="fp32")
+
+    skipped = plan()
+    kept = list(fitted)
+    fitted.clear()
+    monkeypatch.setattr(api, "FITTED_LOSES", math.inf)   # every count over the budget fitted
+    every = plan()
+    assert len(fitted) == len(kept) + 1
+    assert fitted[-1] > 1.01 * skipped.predicted["step_time_s"]
+    assert skipped.microbatches == every.microbatches
     assert skipped.predicted == every.predicted
