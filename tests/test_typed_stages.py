@@ -110,6 +110,17 @@ def test_each_stage_is_of_the_kind_of_its_positions() -> None:
             at += s.submesh[1]
 
 
+def test_only_typed_shapes_some_positions_can_hold_are_asked() -> None:
+    """HAP's 2 V100 hosts and 6 P100 (the DP's devices are hosts): no V100 stage of 4 or 8
+    hosts, no P100 stage of 8, no mixed stage of one host; the rest in both host orders. The
+    caller prices every shape asked, so a shape no stage can take is time for nothing."""
+    base = ((1, 1), (1, 2), (1, 4), (1, 8))
+    for kinds in ((0, 0, 1, 1, 1, 1, 1, 1), (1, 1, 1, 1, 1, 1, 0, 0)):
+        shapes = DeviceKinds(kinds, ("V100", "P100")).shapes(base)
+        assert shapes == ((1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1), (1, 2, 2), (1, 4, 1),
+                          (1, 4, 2), (1, 8, 2))
+
+
 def _hosts(per_host: int, slow_hosts: int, fast=V100, slow=P100):
     return mixed_cluster("fast+slow", [[fast] * per_host] + [[slow] * per_host] * slow_hosts,
                          link_preset("pcie3"), Link(1.3e9, 50e-6))
