@@ -388,12 +388,18 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     floors = CountFloors(lambda b: capture(model, loss_fn, split_microbatches(
         example_batch, b)[0])[1], step.dtype, opt.state(), math.prod(real_mesh.shape), budget,
         recompute=step.recompute)
+    skipped: list[int] = []
+
+    def solved(num: int) -> tuple:
+        return _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
+                          opts, budget, replace(step, microbatches=num))
+
     for num in counts:
         if num != counts[-1] and not _may_fit(floors, num):
+            skipped.append(num)
             continue
         try:
-            found = _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
-                               opts, budget, replace(step, microbatches=num))
+            found = solved(num)
         except InfeasiblePlanError as e:
             last = e
             continue
@@ -402,6 +408,14 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                 break   # fewer samples per micro-batch than the model takes (batch norm of 1)
             if piped is not None:
                 return piped
+            # What explains it is the count nearest to fitting of those the floor skipped that
+            # can be laid out (MoE-70B by method "expert" on 64 V100s: 1-16 micro-batches do
+            # not fit, and 32 leave a micro-batch too few samples to lay out), solved for its
+            # reasons.
+            for below in reversed(skipped if last is None else []):
+                last = _infeasible_or_none(lambda: solved(below))
+                if last is not None:
+                    break
             if last is None:
                 raise
             raise last from None
@@ -723,6 +737,18 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
                              replace(req, method=str(spec)))
     return search_pipeline(graph_for, counts, req)
+
+
+def _infeasible_or_none(solve: Callable[[], Any]) -> InfeasiblePlanError | None:
+    """The InfeasiblePlanError ``solve`` raises; None where it finds a plan or cannot lay the
+    program out (another ValueError)."""
+    try:
+        solve()
+    except InfeasiblePlanError as e:
+        return e
+    except ValueError:
+        return None
+    return None
 
 
 def _may_fit(floors: CountFloors, num: int) -> bool:

@@ -93,3 +93,18 @@ def test_data_parallel_stages_cut_inside_an_moe_layer() -> None:
                               method=m, dtype="fp16") for m in ("inter-only", "data")}
     assert plans["inter-only"].predicted["step_time_s"] <= \
         plans["data"].predicted["step_time_s"] * 1.01
+
+
+def test_counts_the_floor_skips_still_explain_when_the_next_cannot_be_laid_out() -> None:
+    """Expert parallelism over 8 devices on a batch of 16 under 1.2 MiB: the memory floor skips
+    1, 2 and 4 micro-batches unsolved, and 8 leave a micro-batch two samples, too few to lay
+    out over the devices. The answer is the memory the plans need (the count nearest to
+    fitting that can be laid out, solved), not that layout error (MoE-70B's expert baseline on
+    64 V100s said "cannot lay out" for a session)."""
+    w = build_workload("moe:hidden=64,layers=2,heads=4,seq=64,vocab=128,experts=8,batch=16",
+                       device="meta")
+    with pytest.raises(InfeasiblePlanError) as info:
+        meshplan.plan(w.model, w.loss_fn, "adamw", w.example_batch, "p3.16xlarge:1x8",
+                      method="expert", memory_budget_gb=1.2 / 1024, dtype="fp32")
+    assert info.value.min_memory_bytes > 1.2 * 2 ** 20
+    assert "cannot lay out" not in str(info.value)
