@@ -109,12 +109,13 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(plan_file: str, tmp_path:
 
 
 def test_a_plan_for_another_world_is_one_line(plan_file: str, tmp_path: Path) -> None:
-    # Three processes for the 2-process plan: each starts torch only to be refused.
-    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "3", SCRIPT,
+    # One process for the 2-process plan (three took 9 s on the 2-core machine, each starting
+    # torch only to be refused): the same refusal.
+    done = subprocess.run([sys.executable, "-m", "meshplan", "run", "--nproc", "1", SCRIPT,
                            plan_file], env=ENV, capture_output=True, text=True, timeout=200,
                           cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "train.py: error: the plan runs on 2 processes, this world has 3: launch it " \
+    assert "train.py: error: the plan runs on 2 processes, this world has 1: launch it " \
            "with --nproc 2" in done.stderr
 
 
