@@ -720,3 +720,25 @@ def test_a_probe_with_a_cutoff_tells_better_none_and_undecided() -> None:
     with pytest.raises(IlpCutOffError):
         solve(problem, cutoff=0.99 * exact, max_nodes=10**6, search_on=False)
     assert solve(problem, cutoff=2 * exact, **probe).objective <= 2 * exact
+
+
+def test_rounding_residues_in_the_costs_are_zero_for_the_backend() -> None:
+    """Costs 1e-16 of the largest (a price less an equal one) are below what HiGHS tells from
+    zero, and stalled its simplex for a minute on one of MoE-10B's stage probes: the model it
+    is handed has them zero, and the plans are the brute force's optimum all the same."""
+    from meshplan.planner.intra.ilp_backends import _COST_NOISE, _normalize_costs
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(30):
+        problem = random_problem(rng)
+        residues = tuple(rng.choice((0.0, 3e-23, 1e-21)) for _ in problem.node_costs[0])
+        noisy = dataclasses.replace(problem, node_costs=(residues, *problem.node_costs[1:]),
+                                    memory_budget=None, max_cost=None)
+        best = brute_force(noisy)
+        if best is None or math.isinf(best[0]):
+            continue
+        scaled = _normalize_costs(build_model(reduce_for_costs(noisy)))
+        assert not np.any((scaled.cost != 0) & (np.abs(scaled.cost) < _COST_NOISE))
+        assert solve(noisy).objective == pytest.approx(best[0], rel=1e-9, abs=1e-12)
+        checked += 1
+    assert checked >= 10

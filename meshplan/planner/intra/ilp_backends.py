@@ -72,6 +72,14 @@ _ROOT_REDUCED_COST = False
 _PRESOLVE_RULES_OFF = ("Aggregator", "ParallelRowsAndCols", "Sparsify", "Probing")
 # Largest cost coefficient handed to a backend (see the module docstring).
 _COST_SCALE = 1e6
+# Scaled costs smaller than this are set to zero: HiGHS cannot tell them from zero (its dual
+# feasibility tolerance is 1e-7), they are rounding residues (1e-16 of the largest, a price
+# less an equal one), and they stalled its dual simplex: one of MoE-10B's stage probes (1,969
+# columns after presolve, scaled costs down to 2e-11) spent 64 s and 10,000 iterations in its
+# first round of cuts, 0.2 s with them zero, the same answer. Over 409 other captured solves
+# (MoE-70B's count 256, three intra-only rows' refinements) the same answers and times, but
+# for one unaccepted 50-node probe that stopped at another point (gap 15 % for 10.5 %).
+_COST_NOISE = 1e-7
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,11 +178,15 @@ def _cost_factor(model: MilpModel) -> float:
 
 
 def _normalize_costs(model: MilpModel) -> MilpModel:
-    """Scale the objective so its largest coefficient is ``_COST_SCALE`` (argmin unchanged)."""
+    """Scale the objective so its largest coefficient is ``_COST_SCALE`` (argmin unchanged), and
+    zero the costs that are then under `_COST_NOISE`."""
     factor = _cost_factor(model)
-    if factor == 1.0:
+    cost = model.cost * factor
+    noise = (cost != 0.0) & (np.abs(cost) < _COST_NOISE)
+    if factor == 1.0 and not noise.any():
         return model
-    return dataclasses.replace(model, cost=model.cost * factor, offset=model.offset * factor)
+    cost[noise] = 0.0
+    return dataclasses.replace(model, cost=cost, offset=model.offset * factor)
 
 
 def _with_cutoff(bound: float):
