@@ -744,10 +744,8 @@ def _infeasible_or_none(solve: Callable[[], Any]) -> InfeasiblePlanError | None:
     program out (another ValueError)."""
     try:
         solve()
-    except InfeasiblePlanError as e:
-        return e
-    except ValueError:
-        return None
+    except ValueError as e:   # InfeasiblePlanError is one
+        return e if isinstance(e, InfeasiblePlanError) else None
     return None
 
 

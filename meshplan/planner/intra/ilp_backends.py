@@ -61,14 +61,12 @@ _ROOT_REDUCED_COST = False
 # A long search keeps them: a stage solved whole under a tight memory bound (5,000 nodes)
 # took 11.4 s with probing and 19.7 s without; Wide-ResNet-4B's whole program on 16 V100s
 # (unlimited) 10.3 and 21.3 s. Without any presolve (``presolve`` off) GPT-39B planned
-# slower and worse. The aggregator with them:
-# kept on (session 63), the sampled first nodes took 26.2 s instead of 23.7, and the intra-only
-# rows of the weak-scaling suite searched 824.6 s instead of 684.8 (MoE-70B 234 s instead of
-# 123: at 64 micro-batches its first 50 nodes did not prove the plan within 0.5 %, and the
-# search after them took 101 s); off, one lean layer of MoE-10B on (1, 8) as (2, 4) (2,882
-# columns, 64 micro-batches) spends 63 s in the root's dual simplex (10,073 separation
-# iterations in its bound-flipping ratio test; 0.5 s with the aggregator): auto MoE-10B on 16
-# V100s 67 s on, 132 s off (measured in session 63; weighed in session 64).
+# slower and worse. The aggregator with them: kept on (session 63), the sampled first nodes
+# took 26.2 s instead of 23.7, and the intra-only rows of the weak-scaling suite searched
+# 824.6 s instead of 684.8 (MoE-70B 234 s instead of 123: at 64 micro-batches its first 50
+# nodes did not prove the plan within 0.5 %, and the search after them took 101 s). The one
+# layer it had seemed to rescue (MoE-10B's, 63 s in the root's dual simplex with it off) was
+# stalled by rounding residues among its costs, zero since (`_COST_NOISE`): 0.2 s so.
 _PRESOLVE_RULES_OFF = ("Aggregator", "ParallelRowsAndCols", "Sparsify", "Probing")
 # Largest cost coefficient handed to a backend (see the module docstring).
 _COST_SCALE = 1e6
