@@ -23,6 +23,7 @@ from meshplan.zoo.spec import build_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train.py")
+SLOW_RECEIVER = str(ROOT / "tests" / "slow_receiver.py")
 SPEC = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                    os.environ.get("PYTHONPATH")]))}
@@ -60,11 +61,14 @@ def test_meshplan_run_torchrun_and_ray_train_like_one_device(plan_file: str, tmp
                                                           ) -> None:
     # The three launches at once: the imports and Ray's start, not the training, take their
     # time. Local processes, torchrun's two nodes, and a local Ray cluster (an actor a rank).
+    # The local run's rank 0 is late to receive the tied gradients' parts (SLOW_RECEIVER):
+    # rank 1, done first, exits only once its part is delivered (it hung before).
     ran, torchrun, port = tmp_path / "run.json", tmp_path / "torchrun.json", find_free_port()
     on_ray = tmp_path / "ray.json"
     procs = [subprocess.Popen([sys.executable, "-m", "meshplan", "run", *ray, "--nproc", "2",
-                               SCRIPT, plan_file, "--losses", str(out)], env=ENV, cwd=tmp_path)
-             for ray, out in (([], ran), (["--ray"], on_ray))]
+                               *script, plan_file, "--losses", str(out)], env=ENV, cwd=tmp_path)
+             for ray, script, out in (([], [SLOW_RECEIVER, SCRIPT], ran),
+                                      (["--ray"], [SCRIPT], on_ray))]
     procs += [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -270,6 +270,10 @@ class PipelineTrainer:
             total = self._sum_over_meshes(mine)
             for t in self.trainers.values():
                 t.clip(total)
+        # Gloo moves an isend's data only once its peer posts the receive: a rank whose last
+        # step ends before then (`optimizer.step()` of `parallelize` has no schedule's wait
+        # after it) would exit with its part of the tied gradients never sent.
+        self.p2p.wait_all()
 
     def _exchanges(self, src: int, dst: int, grad: bool = False
                    ) -> list[tuple[int, Exchange]]:
