@@ -13,7 +13,7 @@ from meshplan.cost.cluster import Cluster, mixed_cluster
 from meshplan.cost.devices import DeviceType, Link
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.zoo.spec import build_workload
-from oracle import plan_counter as planned, train_rank  # noqa: F401 (shared)
+from oracle import cpu_capture, plan_counter as planned, train_rank  # noqa: F401 (shared)
 
 MODELS = {
     "mlp": "mlp:layers=3,hidden=16,batch=8,bias=1",
@@ -42,7 +42,8 @@ def impls(comm: Comm) -> Counter:
 def train_gloo(rank: int, nprocs: int, plan: Any, spec: str, data: list) -> tuple:
     """Train on a real gloo rank; the oracle's result and the implementations recorded."""
     comm = ProcessGroupComm(plan.mesh_shape)
-    result = train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data)
+    result = train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data,
+                        cpu_capture(spec, plan.microbatches))
     return result, impls(comm)
 
 

@@ -96,9 +96,14 @@ def cpu_workload(spec: str) -> Workload:
 
 
 @functools.cache
-def cpu_capture(spec: str) -> Any:
-    """The capture of `cpu_workload(spec)`, traced once per session."""
-    return shared_capture(cpu_workload(spec))
+def cpu_capture(spec: str, microbatches: int = 1) -> Any:
+    """The capture of `cpu_workload(spec)` at one of ``microbatches`` micro-batches (a plan's
+    program), traced once per process: a pool's rank reuses it in every test after the first
+    (each run's model a new object, which meshplan's per-model memo would trace again). Not
+    handed over from the test process: a pickled GraphModule is rebuilt from its code, its
+    nodes renamed and their marks (`HALF_BIAS`) lost."""
+    w = cpu_workload(spec)
+    return capture(w.model, w.loss_fn, split_microbatches(w.example_batch, microbatches)[0])
 
 
 def make_plan(spec: str, shape: tuple[int, int], method: str, opt: OptimizerSpec, *,

@@ -11,14 +11,15 @@ from meshplan.runtime.comm import ProcessGroupComm
 from meshplan.runtime.launcher import launch
 from meshplan.runtime.pool import WorkerPool
 from meshplan.zoo.spec import build_workload
-from oracle import (ADAMW, GPT, MLP, SGD, assert_matches, batches, make_plan, seeded_run,
-                    train_rank)
+from oracle import (ADAMW, GPT, MLP, SGD, assert_matches, batches, cpu_capture, make_plan,
+                    seeded_run, train_rank)
 
 
 def _train(rank: int, nprocs: int, plan, spec: str, data) -> tuple:
     comm = ProcessGroupComm(plan.mesh_shape)
     assert comm.rank == rank and plan.num_devices == nprocs
-    return train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data)
+    return train_rank(comm, plan, build_workload(spec, device="cpu", seed=0), data,
+                      cpu_capture(spec, plan.microbatches))
 
 
 def _check(pool: WorkerPool, spec: str, shape, method: str, opt, **kw) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from meshplan.data import LocalBatchSampler, rank_rows, rank_tensors
 from meshplan.zoo.spec import build_workload
-from oracle import SGD, make_plan
+from oracle import SGD, cpu_capture, make_plan
 from user_loop import one_device, parallel, train_steps
 
 GPT = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8"
@@ -61,7 +61,8 @@ def _rank(rank: int, nprocs: int, plan, padded: bool = False) -> tuple[list[floa
     sampler = LocalBatchSampler(SAMPLES, 8, plan, rank)
     data = Tokens(sampler.tensors, padded)   # loads only what this rank reads
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=_collate)
-    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
+    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch,
+                                 captured=cpu_capture(GPT, plan.microbatches))
     batches = [b for _, b in zip(range(STEPS), loader)]
     return train_steps(model, opt, sched, batches), data.served
 
@@ -168,14 +169,16 @@ def _resume_rank(rank: int, nprocs: int, plan, path: str) -> tuple[list[float], 
                                                 collate_fn=_collate))
 
     sampler = LocalBatchSampler(len(data), 8, plan, rank, shuffle=True, seed=1)
-    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
+    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch,
+                                 captured=cpu_capture(GPT, plan.microbatches))
     batches = loader(sampler)
     first = train_steps(model, opt, sched, [next(batches) for _ in range(2)])
     meshplan.save_checkpoint(path, model, opt, extra={"sampler": sampler.state_dict()})
     third = train_steps(model, opt, sched, [next(batches)])
 
     again = LocalBatchSampler(len(data), 8, plan, rank, shuffle=True, seed=1)
-    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch)
+    model, opt, sched = parallel(w, plan, local_batches=True, example_batch=w.example_batch,
+                                 captured=cpu_capture(GPT, plan.microbatches))
     again.load_state_dict(meshplan.load_checkpoint(path, model, opt)["sampler"])
     sched.step(), sched.step()   # the schedule's own position, as a user restores it
     resumed = train_steps(model, opt, sched, [next(loader(again))])

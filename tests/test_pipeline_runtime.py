@@ -21,8 +21,8 @@ from meshplan.runtime.emulated import run_emulated_stages
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.zoo.spec import Workload, build_workload
-from oracle import (SGD, ADAMW, assert_matches, batches, plan_counter, record_counter,
-                    reference)
+from oracle import (SGD, ADAMW, assert_matches, batches, cpu_capture, plan_counter,
+                    record_counter, reference)
 
 MLP = "mlp:layers=6,hidden=16,batch=16,bias=1"
 GPT = "gpt:hidden=32,layers=6,heads=4,seq=8,vocab=64,batch=8"   # embedding tied to the head
@@ -187,7 +187,8 @@ def _gloo_rank(rank: int, nprocs: int, plans, spec: str, data) -> list[tuple]:
         w = build_workload(spec, device="cpu", seed=0)
         comm = ProcessGroupComm.for_stages(plan.stage_meshes())
         p2p = ProcessGroupP2P()
-        tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p)
+        tr = PipelineTrainer(plan, w.model, w.loss_fn, w.example_batch, comm, p2p,
+                             captured=cpu_capture(spec, plan.microbatches))
         losses = []
         for i, b in enumerate(data):
             start, start_p2p = len(comm.records), len(p2p.records)

@@ -15,7 +15,7 @@ import meshplan.api as api
 from meshplan.errors import StepFailed, WorkerError
 from meshplan.runtime.launcher import launch
 from meshplan.zoo.spec import build_workload
-from oracle import ADAMW, SGD, assert_matches, make_plan
+from oracle import ADAMW, SGD, assert_matches, cpu_capture, make_plan
 from user_loop import one_device, parallel
 
 GPT = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8"
@@ -69,7 +69,7 @@ def _arm(model, opt, where: str) -> dict:
 
 def _rank(rank: int, nprocs: int, plan, where: str) -> tuple:
     w = build_workload(GPT, device="cpu", seed=0)
-    model, opt, sched = parallel(w, plan)
+    model, opt, sched = parallel(w, plan, captured=cpu_capture(GPT, plan.microbatches))
     losses, failures, armed = [], [], None
     for i, b in enumerate(DATA):
         if i == FAILS_AT and rank == 1:
