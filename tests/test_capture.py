@@ -233,3 +233,13 @@ def test_a_program_with_in_place_ops_is_functionalized() -> None:
     assert not trace_module._mutates(traced.graph_module)
     ops = {str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
     assert "aten.mul.Tensor" in ops and "aten.relu.default" in ops
+
+
+def test_a_capture_refuses_to_be_pickled() -> None:
+    # Pickled, an fx GraphModule is traced anew from its code: its nodes renamed, their marks
+    # lost, and a plan's lowering then failed on a missing node ("KeyError: 't'"). Handing a
+    # capture to another process is refused where it happens, saying what to do instead.
+    import pickle
+    from oracle import MLP, cpu_capture
+    with pytest.raises(TypeError, match="capture the model in each process"):
+        pickle.dumps(cpu_capture(MLP))

@@ -63,6 +63,14 @@ class Traced:
     # Nodes whose values autograd saves for backward (`capture/saved.py`); None: not known.
     saved: frozenset[str] | None = None
 
+    def __reduce__(self) -> tuple:
+        # A GraphModule pickles as its code and is traced anew from it: its nodes come back
+        # renamed and without their meta (`HALF_BIAS`), so a plan's lowering could not find
+        # its ops in it. Refused here rather than failing later on a missing node's name.
+        raise TypeError("a meshplan capture cannot be pickled: its fx graph would come back "
+                        "renamed and without its node marks; capture the model in each "
+                        "process (threads may share one capture)")
+
 
 # The node meta key of a bias add split from its linear layer or convolution. Autocast runs
 # the fused op (addmm, convolution) at its half type, bias included, where a plain add of a
