@@ -10,6 +10,7 @@ worker), and a test file runs whole on one worker (`--dist loadfile`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +23,13 @@ from meshplan.runtime.pool import WorkerPool
 # other (the 12 Wide-ResNet checks of `test_equivalence_zoo.py` took 82 s instead of 11 on a
 # busy machine). The worker processes use one thread each for the same reason (`pool.py`).
 torch.set_num_threads(1)
+
+# Under `make test` each pytest-xdist worker is one of the two cores' streams already: a plan
+# made in it prices on no forked workers of its own (`stage_costs._usable_cores`), which only
+# added forks and pickling on a busy machine (the planning-heavy files 123 -> 118 s, twice).
+# `test_stage_costs.py` still checks forked pricing against serial, asking for its workers.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("MESHPLAN_WORKERS", "1")
 
 
 # Under `--dist loadfile` each worker takes the next file in collection order when it is done
