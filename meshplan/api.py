@@ -394,6 +394,14 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         return _plan_step(model, loss_fn, opt, example_batch, cl, mesh, real_mesh, method,
                           opts, budget, replace(step, microbatches=num))
 
+    # The first count's plan, where it is over the budget as simulated, is fitted under it
+    # (`_within_as_simulated`, 13-24 s a count on GPT-15B) only once the walk needs its step:
+    # fitting only slows a plan, so its step before fitting bounds it, and where a later
+    # count's fitted plan beats that it is never fitted (GPT-15B at 64 micro-batches: 2,833
+    # s a step before fitting, 128's fitted 730). The later counts' own fits decide whether
+    # the walk stops, so they are fitted at once. Every decision reads what it read with
+    # every count fitted as it came (`_FitWhenNeeded`).
+    walk = _FitWhenNeeded()
     for num in counts:
         if num != counts[-1] and not _may_fit(floors, num):
             skipped.append(num)
@@ -404,7 +412,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             last = e
             continue
         except ValueError:
-            if best is not None:
+            if walk.any():
                 break   # fewer samples per micro-batch than the model takes (batch norm of 1)
             if piped is not None:
                 return piped
@@ -420,19 +428,21 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                 raise
             raise last from None
         # The plans known to fit as simulated: the pipeline's, an earlier count's.
-        fitting = [piped] if piped is not None and not piped_over else []
-        if best is not None and not best[0][0]:
-            fitting.append(best[1])
+        piped_s = piped.predicted["step_time_s"] if piped is not None and not piped_over \
+            else None
+        beaten = functools.partial(walk.beaten, piped_s)
         one = _one_stage(found, name, method, opt, opts, budget, step, real_mesh, cl, gather,
-                         axis_weights, abstract,
-                         min((p.predicted["step_time_s"] for p in fitting), default=None), t0)
-        key = (one.excess > 0, max(one.excess, 0.0), one.plan.predicted["step_time_s"])
-        if best is not None and one.excess <= 0 and key >= best[0]:
+                         axis_weights, abstract, beaten, t0)
+        if one.fit is not None and walk.any():   # whether the walk stops reads its fit
+            fitted, excess = one.fit()
+            one = _OneStage(fitted, excess, one.walks_on)
+        key = _walk_key(one.plan, one.excess)
+        if walk.any() and one.excess <= 0 and walk.beats(key):
             break   # fits, but slower than the count before
-        if best is None or key < best[0]:
-            best = (key, one.plan)
+        walk.add(one, key)
         if not one.walks_on:
             break
+    best = walk.best()
     if best is None:
         if piped is not None:
             return piped
@@ -458,21 +468,100 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
 class _OneStage:
     """A single-stage plan at one micro-batch count, as `_plan` weighs it: the bytes its
     simulated peak is over the budget by (0 or less: it fits), and whether the count walk goes
-    on to the next count (it was fitted under the budget as simulated, or the budget costs it
-    time: `_budget_binds`)."""
+    on to the next count (it is fitted under the budget as simulated, or the budget costs it
+    time: `_budget_binds`). ``fit``: where the plan is to be fitted, the fitting (returning
+    the fitted plan and its excess), left to when the walk needs it (`_FitWhenNeeded`)."""
 
     plan: Plan
     excess: float
     walks_on: bool
+    fit: Callable[[], tuple[Plan, float]] | None = None
+
+
+def _walk_key(plan: Plan, excess: float) -> tuple[bool, float, float]:
+    """How the single-stage walk ranks a count's plan: those that fit first, then the least
+    over; by step time."""
+    return (excess > 0, max(excess, 0.0), plan.predicted["step_time_s"])
+
+
+class _FitWhenNeeded:
+    """The single-stage walk's counts: their plans as weighed (`_walk_key`), and those still
+    to be fitted under the budget as simulated, each fitted only when a decision of the walk
+    needs it. Fitting only slows a plan (it adds a bound), so an unfitted plan's key, that of
+    a plan that fits at its step, bounds its fitted key from below: the counts whose bounds
+    are under what a decision compares with are fitted, smallest first, and then the
+    decision reads what it would have read with every count fitted at once."""
+
+    def __init__(self) -> None:
+        self._known: list[tuple[tuple, int, Plan]] = []   # (key, order, plan)
+        self._unfitted: list[tuple[tuple, int, _OneStage]] = []   # (bound, order, count)
+
+    def any(self) -> bool:
+        return bool(self._known or self._unfitted)
+
+    def add(self, one: _OneStage, key: tuple) -> None:
+        order = len(self._known) + len(self._unfitted)
+        if one.fit is None:
+            self._known.append((key, order, one.plan))
+        else:
+            self._unfitted.append(((False, 0.0, one.plan.predicted["step_time_s"]), order, one))
+
+    def _fit_next(self, bound: tuple) -> bool:
+        """Fit the count of the smallest bound where that bound is ``bound`` or under (a tie
+        may rank either way); whether there was one."""
+        if not self._unfitted:
+            return False
+        self._unfitted.sort(key=lambda e: e[:2])
+        if self._unfitted[0][0] > bound:
+            return False
+        _, order, one = self._unfitted.pop(0)
+        assert one.fit is not None
+        plan, excess = one.fit()
+        self._known.append((_walk_key(plan, excess), order, plan))
+        return True
+
+    def _top(self) -> tuple[tuple, int, Plan] | None:
+        return min(self._known, key=lambda e: e[:2], default=None)
+
+    def best(self) -> tuple[tuple, Plan] | None:
+        """The best count's key and plan (the earlier of equal ones); None before any count."""
+        while True:
+            top = self._top()
+            if not self._fit_next((True, math.inf, math.inf) if top is None else top[0]):
+                return None if top is None else (top[0], top[2])
+
+    def beats(self, key: tuple) -> bool:
+        """Whether a count so far ranks no worse than ``key`` (a count after them all)."""
+        while not any(k <= key for k, _, _ in self._known):
+            if not self._fit_next(key):
+                return False
+        return True
+
+    def beaten(self, piped_s: float | None, step_s: float) -> bool:
+        """Whether a plan that fits as simulated, ``piped_s`` (the pipeline's step, None where
+        it does not fit) or the best count's where it fits, is faster than a step of
+        ``step_s`` by more than `FITTED_LOSES`."""
+        def faster(s: float | None) -> bool:
+            return s is not None and step_s > (1 + FITTED_LOSES) * s
+
+        while True:
+            top = self._top()
+            if faster(piped_s) or (top is not None and not top[0][0]
+                                   and faster(top[2].predicted["step_time_s"])):
+                return True
+            # A count still to fit can only be as fast as its bound.
+            if not self._unfitted or not faster(min(self._unfitted)[0][2]) or \
+                    not self._fit_next(min(self._unfitted)[0]):
+                return False
 
 
 def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOptions,
                budget: float | None, step: "_TrainingStep", real_mesh: LogicalMesh,
                cl: Cluster, gather: str, axis_weights: Sequence[Sequence[float]] | None,
-               abstract: bool, beaten_s: float | None, t0: float) -> _OneStage:
-    """The single-stage plan of `_plan_step`'s answer ``found``, fitted under the budget as
-    simulated (`_within_as_simulated`) unless it is already slower than ``beaten_s``, the step
-    of a plan that fits as simulated (the pipeline's, or an earlier count's of the walk):
+               abstract: bool, beaten: Callable[[float], bool], t0: float) -> _OneStage:
+    """The single-stage plan of `_plan_step`'s answer ``found``, to be fitted under the budget
+    as simulated (`_within_as_simulated`, its ``fit``) unless ``beaten(step)``: a plan that
+    fits as simulated (the pipeline's, or an earlier count's of the walk) is faster:
     fitted under a lower bound it would be no faster (BERT-Base's one stage on HAP's cluster:
     two more solves, 8 of 39 s, for a plan the pipeline beat anyway; GPT-15B's intra-only
     walk on 32 V100: 3707 s a step at 256 micro-batches before fitting, where 128 fitted at
@@ -498,12 +587,11 @@ def _one_stage(found: tuple, name: str, method: str, opt: Any, opts: IntraOption
     if budget is None or abstract:
         return _OneStage(result, 0.0, False)
     excess = _over(result, budget)
-    if beaten_s is not None and result.predicted["step_time_s"] > (1 + FITTED_LOSES) * beaten_s:
+    if beaten(result.predicted["step_time_s"]):
         return _OneStage(result, excess, False)
     if excess > 0:
-        fitted, excess = _within_as_simulated(result, form.problem, sol, budget, as_plan,
-                                              excess)
-        return _OneStage(fitted, excess, True)
+        return _OneStage(result, excess, True, functools.partial(
+            _within_as_simulated, result, form.problem, sol, budget, as_plan, excess))
     return _OneStage(result, excess, _budget_binds(form.problem, sol))
 
 
