@@ -11,6 +11,7 @@ import math
 import random
 from collections import Counter
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -62,7 +63,6 @@ def test_a_count_is_solved_whole_only_within_the_margin_of_the_best_solved_plan(
     """The counts are solved whole fastest estimate first; a further count only while its
     estimate is within `REFINE_MARGIN` of the best plan solved so far that fits (an
     estimate by parts misjudges by up to that margin, and what it must beat is known)."""
-    from types import SimpleNamespace
 
     from meshplan.planner.inter.to_plan import FoundPipeline
 
@@ -118,34 +118,39 @@ def test_one_stage_counts_below_the_memory_floor_are_not_solved(
     assert skipped.predicted == every.predicted
 
 
+def _fits_recorded(monkeypatch: pytest.MonkeyPatch, budget_gb: float
+                   ) -> tuple[list[tuple[int, float]], Callable[[], api.Plan]]:
+    """The (micro-batches, step before fitting) of each plan the walk fits under the budget
+    as simulated, as they come, and a single-stage plan of a small GPT on 8 V100s under
+    ``budget_gb`` that records them."""
+    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=128,vocab=256,batch=32",
+                       device="meta")
+    fitted: list[tuple[int, float]] = []
+    within = api._within_as_simulated
+
+    def spy(plan, *args, **kwargs):   # noqa: ANN001, ANN002, ANN003 - its own signature
+        fitted.append((plan.microbatches, plan.predicted["step_time_s"]))
+        return within(plan, *args, **kwargs)
+
+    monkeypatch.setattr(api, "_within_as_simulated", spy)
+    return fitted, lambda: api.plan(w.model, w.loss_fn, OptimizerSpec.from_dict(
+        {"kind": "adamw"}), w.example_batch, "p3.16xlarge:1x8", method="intra-only",
+        memory_budget_gb=budget_gb, dtype="fp32")
+
+
 def test_a_count_slower_than_a_fitting_one_is_not_fitted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The single-stage walk up does not fit under the budget as simulated (more solves) a
     count whose plan is already slower than an earlier count's that fits: fitted it would be
     no faster, and the walk stops there either way. The same plan as fitting it, one fitting
     fewer."""
-    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=128,vocab=256,batch=32",
-                       device="meta")
-    fitted: list[float] = []
-    within = api._within_as_simulated
-
-    def spy(plan, *args, **kwargs):   # noqa: ANN001, ANN002, ANN003 - its own signature
-        fitted.append(plan.predicted["step_time_s"])
-        return within(plan, *args, **kwargs)
-
-    monkeypatch.setattr(api, "_within_as_simulated", spy)
-
-    def plan() -> api.Plan:
-        return api.plan(w.model, w.loss_fn, OptimizerSpec.from_dict({"kind": "adamw"}),
-                        w.example_batch, "p3.16xlarge:1x8", method="intra-only",
-                        memory_budget_gb=2 / 1024, dtype="fp32")
-
+    fitted, plan = _fits_recorded(monkeypatch, 2 / 1024)
     skipped = plan()
     kept = list(fitted)
     fitted.clear()
     monkeypatch.setattr(api, "FITTED_LOSES", math.inf)   # every count over the budget fitted
     every = plan()
     assert len(fitted) == len(kept) + 1
-    extra = Counter(fitted) - Counter(kept)   # the counts are fitted as the walk needs them
+    extra = Counter(s for _, s in fitted) - Counter(s for _, s in kept)   # in any order
     assert len(extra) == 1 and next(iter(extra)) > 1.01 * skipped.predicted["step_time_s"]
     assert skipped.microbatches == every.microbatches
     assert skipped.predicted == every.predicted
@@ -157,22 +162,7 @@ def test_the_first_counts_fit_waits_until_the_walk_needs_it(
     when one of its decisions needs it: fitting only slows a plan, so where a later count's
     fitted plan is faster than the first's before fitting, the first is never fitted. The
     same plan as fitting every count as it comes, one fitting fewer."""
-    w = build_workload("gpt:hidden=64,layers=2,heads=4,seq=128,vocab=256,batch=32",
-                       device="meta")
-    fitted: list[int] = []
-    within = api._within_as_simulated
-
-    def spy(plan, *args, **kwargs):   # noqa: ANN001, ANN002, ANN003 - its own signature
-        fitted.append(plan.microbatches)
-        return within(plan, *args, **kwargs)
-
-    monkeypatch.setattr(api, "_within_as_simulated", spy)
-
-    def plan() -> api.Plan:
-        return api.plan(w.model, w.loss_fn, OptimizerSpec.from_dict({"kind": "adamw"}),
-                        w.example_batch, "p3.16xlarge:1x8", method="intra-only",
-                        memory_budget_gb=1.5 / 1024, dtype="fp32")
-
+    fitted, plan = _fits_recorded(monkeypatch, 1.5 / 1024)
     lazy = plan()
     lazily = list(fitted)
     fitted.clear()
@@ -186,7 +176,7 @@ def test_the_first_counts_fit_waits_until_the_walk_needs_it(
 
     monkeypatch.setattr(api._FitWhenNeeded, "add", at_once)
     every = plan()
-    assert (lazily, fitted) == ([32], [16, 32])
+    assert ([p[0] for p in lazily], [p[0] for p in fitted]) == ([32], [16, 32])
     assert lazy.microbatches == every.microbatches == 32
     assert lazy.predicted == every.predicted
 
