@@ -550,8 +550,8 @@ class _FitWhenNeeded:
                                    and faster(top[2].predicted["step_time_s"])):
                 return True
             # A count still to fit can only be as fast as its bound.
-            if not self._unfitted or not faster(min(self._unfitted)[0][2]) or \
-                    not self._fit_next(min(self._unfitted)[0]):
+            bound = min(self._unfitted, default=None)
+            if bound is None or not faster(bound[0][2]) or not self._fit_next(bound[0]):
                 return False
 
 
