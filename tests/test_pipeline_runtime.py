@@ -429,3 +429,47 @@ def test_local_all_gather_moves_fewer_bytes_between_meshes() -> None:
                            if mesh[src] != mesh[dst])
         assert all(mesh[src] == mesh[dst] for (kind, src, dst, _) in sent if kind == "gather")
     assert 0 < crossing[True] < crossing[False]
+
+
+class _ParameterFreeTail(nn.Module):
+    """A linear layer, then as many FLOPs again in ops without parameters (products of the
+    activations with themselves): a pipeline of two stages gives the second nothing to
+    update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))                    # (B, 16, 16)
+        for _ in range(3):
+            h = torch.tanh(h @ h.transpose(-1, -2) / 4)
+        return h.mean(dim=(1, 2))
+
+
+@pytest.mark.parametrize("opt", [ADAMW, OptimizerSpec("adamw", lr=1e-2, max_grad_norm=0.05),
+                                 OptimizerSpec("adafactor", lr=1e-2)],
+                         ids=["adamw", "clipped", "adafactor"])
+@pytest.mark.parametrize("method,devices", [("megatron:dp=1,tp=1,pp=2", 2),
+                                            ("megatron:dp=2,tp=1,pp=2", 4)])
+def test_a_stage_without_parameters_trains(opt: OptimizerSpec, method: str, devices: int
+                                           ) -> None:
+    """A stage that holds no parameter (a loss's last ops, a head of pooling) steps an
+    optimizer over nothing, and adds nothing to the clipping norm: the pipeline equals one
+    device (torch refuses an optimizer of an empty parameter list)."""
+    model = _ParameterFreeTail()
+    example = ((torch.randn(8, 16, 16),), torch.randn(8))
+    w = Workload(model, nn.MSELoss(), example, "free-tail")
+    plan = api.plan(model, w.loss_fn, opt, example, f"local:{devices}", method=method,
+                    dtype="fp32", memory_budget_gb=0, microbatches=2, num_layers=2,
+                    name="free-tail")
+    assert [len(s.plan.params) for s in plan.stages] == [2, 0]
+    data = batches(w, 3)
+    captured = capture(model, w.loss_fn, split_microbatches(example, 2)[0])
+    results = run_emulated_stages(_rank, plan.stage_meshes(), plan, w, data, captured)
+    params: dict = {}
+    for _, state, _, _, _ in results:
+        params.update(state)
+    assert_matches((results[0][0], params, []), reference(w, opt, data, microbatches=2), plan,
+                   opt)

@@ -116,15 +116,18 @@ def make_optimizer(spec: OptimizerSpec, tensors: Iterable[torch.Tensor]) -> torc
     model prices: `OptimizerState.update_bytes_per_element`) where torch's default, the
     ``foreach`` kernels, takes about three passes; elsewhere torch's default."""
     tensors = list(tensors)
+    # A pipeline stage may hold no parameters (a loss's last ops, a pooling head): torch
+    # refuses an empty list but steps a group without tensors, as a no-op.
+    params: Any = tensors or [{"params": []}]
     fused = {"fused": True} if tensors and all(t.is_cuda and t.is_floating_point()
                                                for t in tensors) else {}
     if spec.kind == "sgd":
-        return torch.optim.SGD(tensors, lr=spec.lr, momentum=spec.momentum,
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
                                weight_decay=spec.weight_decay, nesterov=spec.nesterov, **fused)
     if spec.kind == "adafactor":
-        return torch.optim.Adafactor(tensors, lr=spec.lr, beta2_decay=spec.beta2_decay,
+        return torch.optim.Adafactor(params, lr=spec.lr, beta2_decay=spec.beta2_decay,
                                      eps=(spec.eps1, spec.eps2), d=spec.d,
                                      weight_decay=spec.weight_decay)
     cls = torch.optim.Adam if spec.kind == "adam" else torch.optim.AdamW
-    return cls(tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                weight_decay=spec.weight_decay, **fused)
