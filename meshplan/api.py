@@ -730,7 +730,7 @@ def _microbatch_loss(found: Plan, model: nn.Module, loss_fn: Callable | None,
         warnings.warn(f"meshplan: {found.microbatches} micro-batches cannot make this loss's "
                       f"full-batch step exactly: {scales.inexact}. Their losses are averaged "
                       "(each micro-batch weighted equally), as plain gradient accumulation "
-                      "does; plan with microbatches=1 for the exact step", stacklevel=3)
+                      "does; plan with microbatches=1 for the exact step", stacklevel=4)
     return found
 
 

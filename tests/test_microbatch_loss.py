@@ -354,6 +354,46 @@ def test_a_statistic_of_the_data_in_a_pipeline() -> None:
     _check(_train(w, plan, data), full_batch_reference(w, data))
 
 
+class _MixesSamples(nn.Module):
+    """A layer whose every output row reads the whole batch: batch norm in training mode
+    (statistics over batch and space), or a softmax over the batch."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        h = self.norm(h) if self.how == "batch_norm" else h * torch.softmax(h, dim=0)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("how,op", [("batch_norm", "'batch_norm'"), ("softmax", "'softmax'")])
+@pytest.mark.parametrize("microbatches", [2, 8])
+def test_a_layer_that_mixes_the_samples_makes_the_step_inexact(how: str, op: str,
+                                                               microbatches: int) -> None:
+    """Each micro-batch's statistics are its own samples', not the whole batch's: no scaling
+    of the loss makes that the full batch's step, and planning says so (eight micro-batches:
+    one sample each, the batch dim of size 1)."""
+    model = _MixesSamples(how)
+    w = Workload(model, nn.CrossEntropyLoss(),
+                 ((torch.randn(8, 3, 6, 6),), torch.randint(0, 5, (8,))), how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=microbatches)
+    said = [str(c.message) for c in caught if "micro-batch" in str(c.message)]
+    assert said and op in said[0] and "whole batch" in said[0], said
+    assert plan.options["microbatch_loss"]["exact"] is False
+    assert [c.filename for c in caught if "micro-batch" in str(c.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = _plan(w, "local:2", mesh_shape=(1, 2), method="data", microbatches=1)
+    assert "microbatch_loss" not in one.options
+
+
 def test_a_data_statistic_no_sum_mean_max_or_min_makes_the_step_inexact() -> None:
     # A median over the batch is no combination of its micro-batches' medians.
     def by_median(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,11 @@ def batch_reductions(graph: Graph) -> Reductions:
         if n.is_source:
             continue
         batch_in = [i for i in n.inputs if carries[i]]
+        if carries[n.name] and _mixes_samples(n, bdims):
+            return Reductions(inexact=f"{n.op!r} ({n.name}) computes each sample's value from "
+                                      "the whole batch (batch norm's statistics in training, "
+                                      "a softmax over the batch): a micro-batch's would come "
+                                      "from its own samples")
         if n.op in _STAT_OPS and batch_in and not carries[n.name] and not learned[n.name]:
             found.append(BatchReduction(n.name, _STAT_OPS[n.op]))
             depends[n.name] = False
@@ -138,6 +143,17 @@ def batch_reductions(graph: Graph) -> Reductions:
         return Reductions(inexact="the loss depends on the batch other than through sums and "
                                   "means of it")
     return Reductions(tuple(found))
+
+
+def _mixes_samples(n: Node, bdims: Mapping[str, frozenset[int]]) -> bool:
+    """Whether op ``n`` mixes the samples of the batch it keeps: a batch atom of its operands
+    that it normalizes over (its statistics, `StatSync`) or cannot be split on."""
+    if n.sig is None:
+        return False
+    atoms = {dims[d][0] for dims, name in zip(n.sig.inputs, n.inputs) for d in bdims[name]
+             if dims[d]}
+    over = n.sig.sync.sync_atoms if n.sig.sync is not None else frozenset()
+    return bool(atoms & (over | n.sig.unsplittable))
 
 
 def _kind(n: Node) -> str | None:
