@@ -360,17 +360,20 @@ def conv_rule(c: OpCall) -> OpRule | None:
 
 def batch_norm_rule(c: OpCall) -> OpRule:
     """Training batch norm normalizes with statistics over batch and space: a split batch
-    all-reduces them (`StatSync`); channels split freely. Eval mode is per-channel affine."""
+    all-reduces them (`StatSync`); channels split freely, unless it updates running statistics:
+    every rank holds those whole and updates them all, so it computes every channel. Eval mode
+    is per-channel affine."""
     x = c.in_shapes[0]
     sp = "".join(fresh_atoms(len(x) - 2, 20))
     training = bool(c.arg(5, "training", True))
+    whole = set(sp) | ({"c"} if training and c.arg(3, "running_mean") is not None else set())
     ins = ["nc" + sp] + ["c"] * (len(c.in_shapes) - 1)
     # Two all-reduces (mean, then squared deviations) of float64 per-channel sums, whatever
     # the input's dtype (`lower.local_ops.sync_batch_norm`).
     ar = ("all_reduce", "all_reduce")
     sync = StatSync(frozenset("n"), ("c",), x[1] * 8, (ar, ar), follows_input=False) \
         if training else None
-    sig = sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=set(sp))
+    sig = sized(ins, "nc" + sp, c.in_shapes, c.out_shape, "elementwise", unsplittable=whole)
     sig = Signature(sig.inputs, sig.output, sig.kind, sig.unsplittable, sig.mean_atoms,
                     sig.atom_sizes, sync)
     return OpRule("batch_norm", sig, 8.0 * math.prod(x))

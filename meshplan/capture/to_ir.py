@@ -22,7 +22,7 @@ from torch import fx
 
 from meshplan.capture.signature_rules import CONSTANT_OPS, LIKE_OPS, RULES, OpCall, rule_for
 from meshplan.capture.trace import HALF_BIAS, Traced
-from meshplan.ir.graph import ALIASING_OPS, Graph, Node, TensorInfo
+from meshplan.ir.graph import ALIASING_OPS, BUFFER_WRITE, Graph, Node, TensorInfo
 from meshplan.ir.signatures import replicated_signature, signature_fits
 
 
@@ -106,10 +106,12 @@ def to_ir(traced: Traced) -> Graph:
     nodes: list[Node] = []
     grad: dict[str, bool] = {}
     placeholders = iter(traced.placeholders)
+    roles: dict[str, str] = {}
     loss = None
     for node in traced.graph_module.graph.nodes:
         if node.op == "placeholder":
             role, state_name = next(placeholders)
+            roles[node.name] = role
             nodes.append(Node(node.name, role, role, (), _info(node.meta["val"]), None,
                               requires_grad=role == "param", state_name=state_name))
         elif node.op == "get_attr":  # a tensor constant of the program
@@ -125,8 +127,11 @@ def to_ir(traced: Traced) -> Graph:
             elif node.args[1] == 0 and parent.name in alias:
                 alias[node.name] = alias[parent.name]
             # else: a secondary output that feeds only the backward pass
+        elif node.target is torch.ops.aten.copy_.default and \
+                roles.get(node.args[0].name) == "buffer":
+            nodes.append(_buffer_write(node, alias))   # placed after its value, below
         elif not node.users:
-            pass  # dead (a functionalized buffer update, an unused intermediate)
+            pass  # dead (an unused intermediate)
         elif _outputs_used_apart(node):
             pass  # represented by its getitem users
         else:
@@ -138,7 +143,8 @@ def to_ir(traced: Traced) -> Graph:
             else:
                 _check_random(node, packet)
                 # A factory's tensor operands are values (eager's linspace has no gradient).
-                rg = packet not in CONSTANT_OPS and any(grad.get(n, False) for n in names)
+                rg = packet not in CONSTANT_OPS and packet != "detach" and \
+                    any(grad.get(n, False) for n in names)
                 nodes.append(_op_node(node.name, names,
                                       _opcall(node, operands, packet, node.meta["val"]),
                                       _info(node.meta["val"]), rg,
@@ -148,7 +154,7 @@ def to_ir(traced: Traced) -> Graph:
             grad[node.name] = nodes[-1].requires_grad
     if loss is None:
         raise AssertionError("meshplan internal error: the traced graph has no output")
-    live = _prune_dead(nodes, loss)
+    live = _prune_dead(_writes_after_values(nodes), loss)
     if traced.saved is not None:
         live = _mark_kept(live, {alias[n] for n in traced.saved if n in alias})
     return Graph(tuple(live), loss, _warn_unsupported(live))
@@ -171,7 +177,7 @@ def _mark_kept(nodes: list[Node], saved: set[str]) -> list[Node]:
 def _warn_unsupported(nodes: list[Node]) -> tuple[str, ...]:
     """One warning per op without a signature that the program really uses."""
     names = tuple(dict.fromkeys(n.op for n in nodes if n.sig is not None
-                                and n.sig.kind == "replicated"))
+                                and n.sig.kind == "replicated" and n.op != BUFFER_WRITE))
     for name in names:
         warnings.warn(f"meshplan: no dimension signature for aten op '{name}'; it is planned "
                       "replicated (every operand gathered, computed on every device)",
@@ -197,8 +203,39 @@ def _item_node(node: fx.Node, alias: dict[str, str], grad: dict[str, bool]) -> N
                     any(grad.get(n, False) for n in names), packet not in SPECIALLY_LOWERED)
 
 
+def _buffer_write(node: fx.Node, alias: dict[str, str]) -> Node:
+    """The functionalized trace's ``copy_(buffer, value)``: the forward's update of a buffer
+    (a running statistic, a counter), which the next step reads. Replicated: every rank holds
+    its buffers whole and writes the whole value (`lower/local_ops.write_buffer`)."""
+    buf, value = node.args[0], node.args[1]
+    out = _info(buf.meta["val"])
+    if not isinstance(value, fx.Node):
+        raise ValueError(f"meshplan cannot plan the forward's write of a Python number into "
+                         f"buffer {buf.name}; write a tensor (buffer.fill_(torch.tensor(x)))")
+    sig = replicated_signature((len(out.shape), len(value.meta["val"].shape)), len(out.shape))
+    return Node(node.name, "op", BUFFER_WRITE, (alias[buf.name], alias[value.name]), out, sig,
+                float(out.numel), 2.0 * out.nbytes)
+
+
+def _writes_after_values(nodes: list[Node]) -> list[Node]:
+    """``nodes`` with each buffer write moved to right after its value (the trace puts the
+    writes last): a layer's update stays in its layer, with the ops that read the buffer."""
+    writes = [n for n in nodes if n.op == BUFFER_WRITE]
+    if not writes:
+        return nodes
+    after: dict[str, list[Node]] = {}
+    for w in writes:
+        after.setdefault(w.inputs[1], []).append(w)
+    out: list[Node] = []
+    for n in nodes:
+        if n.op != BUFFER_WRITE:
+            out.append(n)
+            out.extend(after.get(n.name, ()))
+    return out
+
+
 def _prune_dead(nodes: list[Node], loss: str) -> list[Node]:
-    live = {loss}
+    live = {loss} | {n.name for n in nodes if n.op == BUFFER_WRITE}
     for n in reversed(nodes):
         if n.name in live:
             live.update(n.inputs)

@@ -39,6 +39,7 @@ from meshplan.capture.cse import merge_common_subexpressions
 from meshplan.capture.fold_matmul import fold_batched_matmuls
 from meshplan.capture.in_place import make_pure, pure_forms
 from meshplan.capture.moe_blocks import static_routing
+from meshplan.capture.no_grad import GradRecord, detach_where_autograd_stops
 from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
@@ -151,9 +152,12 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
     variant) would bake in the choice of a model without gradients. Where functionalization has
     no rule the plain trace is kept: its in-place elementwise ops have signatures of their own."""
     saved = SavedForBackward()
+    grads = GradRecord()
     with mode:
-        with saved.recording():
-            plain = make_fx(step, decomposition_table=_decompositions())(state, batch)
+        with saved.recording(), _recording_in(step, grads) as traced:
+            plain = make_fx(traced, decomposition_table=_decompositions())(state, batch)
+        # Values one device's autograd does not differentiate stay constants (`no_grad.py`).
+        detach_where_autograd_stops(plain, grads, [*state, *batch])
         if not _mutates(plain):   # already pure: the retrace would copy it
             return plain, _name_placeholders_as_retraced(plain, saved.names)
         forms = pure_forms(_writes(plain))
@@ -172,6 +176,16 @@ def _make_fx(step: Callable, mode: FakeTensorMode, state: list, batch: list
             if "Functionalize" not in str(exc):
                 raise
     return plain, saved.names
+
+
+@contextlib.contextmanager
+def _recording_in(step: Callable, grads: GradRecord) -> Iterator[Callable]:
+    """``step``, run with ``grads`` recording its ops (the mode is entered inside make_fx's
+    trace, above its proxy mode)."""
+    def traced(state_list: list, batch_list: list) -> Any:   # make_fx names placeholders
+        with grads.recording():                               # after these
+            return step(state_list, batch_list)
+    yield traced
 
 
 def _mutates(gm: GraphModule) -> bool:

@@ -44,6 +44,11 @@ class TensorInfo:
 
 
 # Ops whose output shares its operand's storage: what a saved view keeps alive is its base.
+# The op of a node that writes a new value into a buffer (`capture/to_ir.py`): the forward's
+# update of its running statistics, counters or moving averages. Its operands are the buffer
+# and the value, both replicated; nothing reads its result.
+BUFFER_WRITE = "buffer_write"
+
 ALIASING_OPS = frozenset({"view", "t", "transpose", "permute", "expand", "slice", "split",
                           "unbind", "select", "alias", "detach", "as_strided", "diagonal"})
 

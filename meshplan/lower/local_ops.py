@@ -7,10 +7,12 @@ local sum divided by the global count so the result is a partial sum.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -138,12 +140,20 @@ def sync_batch_norm(comm: Any, x: torch.Tensor, weight: Any, bias: Any, running_
     if bias is not None:
         out = out + bias.view(shape)
     out = out.to(x.dtype)   # torch's batch norm keeps the input's dtype under fp32 parameters
-    if running_mean is not None:
+    if running_mean is not None and not comm.recomputing:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
             running_var.mul_(1 - momentum).add_(var.detach() * (count / max(count - 1, 1)),
                                                 alpha=momentum)
     return out
+
+
+def batch_norm_once(comm: Any, target: Any, x: torch.Tensor, *args: Any) -> Any:
+    """Batch norm (``target``: aten's) whose running statistics a replay of the forward in
+    backward does not update again: one device's forward updates them once."""
+    if comm.recomputing and len(args) > 3 and args[2] is not None:   # updates thrown away
+        args = (args[0], args[1], args[2].clone(), args[3].clone(), *args[4:])
+    return target(x, *args)
 
 
 def _batch_norm(g: fx.Graph, args: tuple, node: Node, comm: fx.Node, axes: tuple[int, ...]
@@ -181,6 +191,9 @@ def emit(g: fx.Graph, orig: fx.Node, node: Node, operands: Sequence[fx.Node],
     if sync_axes:
         assert packet == "native_batch_norm", packet
         return _batch_norm(g, args, node, comm, sync_axes)
+    if packet == "native_batch_norm" and comm is not None:
+        value = g.call_function(batch_norm_once, (comm, orig.target, *args), kwargs)
+        return g.call_function(operator.getitem, (value, 0))
     target = orig.target
     if packet == "convolution" and len(args) > 8 and args[8] != 1:
         # A grouped convolution split over whole groups runs this rank's groups only.
@@ -222,6 +235,36 @@ def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``aten.copy(dst, src)`` (a functionalized ``dst.copy_(src)``) as differentiable ops:
     src cast to dst's dtype and broadcast to its shape; dst's values are not read."""
     return src.to(dst.dtype).expand(dst.shape).clone()
+
+
+# The buffer writes of the forward running in this thread (`buffer_writes`).
+_WRITES = threading.local()
+
+
+@contextlib.contextmanager
+def buffer_writes() -> Iterator[dict[str, torch.Tensor]]:
+    """Within: the forward's buffer writes (`write_buffer`), by the buffer's state name, in
+    the dict given; the caller commits them after the forward. A replay of the forward in
+    backward (recomputation) runs outside and writes nothing: it reads the buffers its
+    forward read, and one device updates them once."""
+    before = getattr(_WRITES, "pending", None)
+    _WRITES.pending = pending = {}
+    try:
+        yield pending
+    finally:
+        _WRITES.pending = before
+
+
+@torch.fx.node.has_side_effect
+def write_buffer(name: str, buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The forward's ``buffer.copy_(value)`` (`ir.graph.BUFFER_WRITE`): the new value,
+    cast and broadcast as copy_ does, recorded for `buffer_writes`' caller. The buffer itself
+    is not written: a micro-batch's forward and its replay read the value it had."""
+    new = value.detach().to(buffer.dtype).expand(buffer.shape).clone()
+    pending = getattr(_WRITES, "pending", None)
+    if pending is not None:
+        pending[name] = new
+    return new
 
 
 def dropout_like_one_device(x: torch.Tensor, p: float, train: bool | None,

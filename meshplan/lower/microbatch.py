@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from meshplan.ir.graph import Graph, Node
+from meshplan.ir.graph import BUFFER_WRITE, Graph, Node
 
 # Ops through which the loss stays linear in a reduction's result: (op, operands that may
 # carry a reduction; the others must not depend on the batch).
@@ -105,6 +105,11 @@ def batch_reductions(graph: Graph) -> Reductions:
         if n.is_source:
             continue
         batch_in = [i for i in n.inputs if carries[i]]
+        if n.op == BUFFER_WRITE:
+            buffer = graph.by_name[n.inputs[0]].state_name
+            return Reductions(inexact=f"the forward updates buffer {buffer!r} (a running "
+                                      "statistic, a counter) once per micro-batch, where one "
+                                      "device updates it once a step")
         if carries[n.name] and _mixes_samples(n, bdims):
             return Reductions(inexact=f"{n.op!r} ({n.name}) computes each sample's value from "
                                       "the whole batch (batch norm's statistics in training, "

@@ -31,7 +31,7 @@ from meshplan.capture.trace import Traced
 from meshplan.cost.collectives import uneven_gather_impl
 from meshplan.cost.mesh import LogicalMesh, with_shares
 from meshplan.cost.precision import DTYPES, runs_half
-from meshplan.ir.graph import Graph, Node
+from meshplan.ir.graph import BUFFER_WRITE, Graph, Node
 from meshplan.lower import local_ops, microbatch
 from meshplan.lower.grain import cut_units
 from meshplan.lower.overlap import plan_units
@@ -240,6 +240,11 @@ class _Lowerer:
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos,
                            self._units(node.name, len(node.out.shape)))
         self.values[node.name] = result
+        if node.op == BUFFER_WRITE:   # whole on every rank, as the plan lays both out
+            buffer = self.graph.by_name[node.inputs[0]].state_name
+            self.env[node.name] = self.out.call_function(local_ops.write_buffer,
+                                                         (buffer, *operands))
+            return
         special = self._class_split(node, dec, operands, shardeds)
         if special is not None:
             self.env[node.name] = special

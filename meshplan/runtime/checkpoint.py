@@ -4,6 +4,8 @@ another, or loaded whole into the plain model.
 Every tensor is stored under its name in the original model as one global tensor
 (``model.<name>``; each optimizer state shaped like it, ``optim.<name>.<key>``), each rank
 writing the region it holds: its piece of the layout, or under ZeRO its rows of that piece.
+Buffers the program reads (batch norm's running statistics) are stored whole, as every rank
+holds them.
 Replicas write the same region (DCP keeps one); a parameter several pipeline stages hold
 (a tied embedding) is written by the first. Resuming, each rank reads the region the *new*
 plan gives it, whatever the old one cut — DCP assembles it from the stored chunks — so a
@@ -69,6 +71,17 @@ def _regions(trainer: Trainer, optimizer: torch.optim.Optimizer | None, keep: se
         for k, t in state.items():
             if isinstance(t, torch.Tensor) and t.shape == p.update.shape and t.dim() > 0:
                 out.append(Region(f"optim.{p.name}.{k}", t, update_at, tuple(v.shape)))
+    return out
+
+
+def _buffer_regions(trainer: Trainer, keep: set[str]) -> list[Region]:
+    """The regions of ``trainer``'s buffers in ``keep`` (by state name): each whole on every
+    rank, so every rank holds the whole tensor."""
+    out = []
+    for name, node in trainer._buffer_node.items():
+        if name in keep:
+            t = trainer.buffers[node]
+            out.append(Region(f"model.{name}", t, (0,) * t.dim(), tuple(t.shape)))
     return out
 
 
@@ -142,10 +155,16 @@ def save_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | No
     first = _first_holders(model)
     regions: list[Region] = []
     names: dict[str, list[int]] = {}
+    buffers: dict[str, tuple[list[int], str]] = {}
     scalars: dict[str, dict[str, float]] = {}
     for stage, t in _engines(model):
         keep = {p.name for p in t.params if first.get(p.name, stage) == stage}
         regions += _regions(t, optimizer, keep)
+        new = {n for n in t._buffer_node if n not in buffers}
+        regions += _buffer_regions(t, new)
+        buffers.update({n: (list(t.buffers[t._buffer_node[n]].shape),
+                            str(t.buffers[t._buffer_node[n]].dtype).removeprefix("torch."))
+                        for n in new})
         for p in t.params:
             names[p.name] = list(t.program.values[p.node].shape)
             state = optimizer.state.get(p.update, {}) if optimizer is not None else {}
@@ -156,17 +175,18 @@ def save_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | No
              planner=_SavePieces(regions))
     # Every rank's parameter names and scalars (pipeline stages hold different ones).
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (names, scalars))
+    dist.all_gather_object(parts, (names, scalars, buffers))
     if dist.get_rank() == 0:
-        meta = {"params": {}, "scalars": {},
+        meta = {"params": {}, "scalars": {}, "buffers": {},
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in (optimizer.param_groups if optimizer else [])],
                 "optimizer": type(optimizer).__name__ if optimizer else None,
                 "steps": max(t._steps for _, t in _engines(model)),
                 "extra": extra or {}}
-        for n, s in parts:
+        for n, s, b in parts:
             meta["params"].update(n)
             meta["scalars"].update(s)
+            meta["buffers"].update(b)
         with open(os.path.join(path, META), "w") as f:
             json.dump(meta, f, indent=1)
     dist.barrier()
@@ -214,6 +234,15 @@ def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | N
                     if key.startswith(f"optim.{p.name}."):
                         state[key.removeprefix(f"optim.{p.name}.")] = torch.zeros_like(p.update)
         regions += _regions(t, optimizer, {p.name for p in t.params})
+        # Buffers (running statistics): a checkpoint of meshplan before it saved them has
+        # none, and the model's own are kept.
+        saved = meta.get("buffers", {})
+        for name, node in t._buffer_node.items():
+            if name in saved and saved[name][0] != list(t.buffers[node].shape):
+                raise ValueError(f"checkpoint {path!r} is of another model: its buffer "
+                                 f"{name!r} is {saved[name][0]}, this model's is "
+                                 f"{list(t.buffers[node].shape)}")
+        regions += _buffer_regions(t, {n for n in t._buffer_node if f"model.{n}" in stored})
         t._steps = meta["steps"]   # the next step's dropout seed, as if never stopped
     extra = set(meta["params"]) - {p.name for _, t in _engines(model) for p in t.params}
     if model._plan.num_stages <= 1 and extra:
@@ -232,13 +261,15 @@ def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | N
 
 def load_model_state(path: str, into: torch.nn.Module | None = None
                      ) -> dict[str, torch.Tensor]:
-    """The checkpoint's parameters whole, by their names in the original model; no
+    """The checkpoint's parameters and buffers whole, by their names in the original model; no
     torch.distributed world needed. ``into``: also copy them into that plain model's
-    parameters (a tied one, such as an LM head sharing the embedding, through its first name,
-    as the checkpoint stores it). Raises ValueError when ``into`` has a parameter the
+    parameters and buffers (a tied one, such as an LM head sharing the embedding, through its
+    first name, as the checkpoint stores it). Raises ValueError when ``into`` has a parameter the
     checkpoint lacks or holds at another shape."""
     meta = _meta(path)
     state = {f"model.{n}": torch.empty(shape) for n, shape in meta["params"].items()}
+    state.update({f"model.{n}": torch.empty(shape, dtype=getattr(torch, dtype))
+                  for n, (shape, dtype) in meta.get("buffers", {}).items()})
     with warnings.catch_warnings():   # "no process group: loading in one process" -- yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -252,4 +283,7 @@ def load_model_state(path: str, into: torch.nn.Module | None = None
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(out[n])
+            for n, b in into.named_buffers():
+                if n in out and out[n].shape == b.shape:
+                    b.copy_(out[n])
     return out

@@ -121,8 +121,8 @@ class ParallelModel(nn.Module):
         return _GuardedBackward.apply(self._anchor, whole, backward)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters this rank holds (a pipeline: its stages'), each whole, by its name
-        in the original model."""
+        """The parameters and buffers this rank holds (a pipeline: its stages'), each whole,
+        by its name in the original model."""
         engine = self._pipeline or self._trainer
         if engine is None:
             raise RuntimeError("the parallel model has not run yet: call it on a batch first")

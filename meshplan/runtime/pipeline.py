@@ -424,7 +424,7 @@ class PipelineTrainer:
 
     # ---------------------------------------------------------------- inspection
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters of this rank's stages gathered whole (each stage holds its own)."""
+        """The parameters and buffers of this rank's stages, whole (each stage holds its own)."""
         out: dict[str, torch.Tensor] = {}
         for t in self.trainers.values():
             out.update(t.full_state_dict())

@@ -37,12 +37,16 @@ def recomputed(program: Callable[..., torch.Tensor], args: Sequence[torch.Tensor
     the step's parameter casts, which the backward runs outside of)."""
     casts = step_casts.active()
 
+    @contextlib.contextmanager
+    def again(start: torch.Tensor) -> Iterator[None]:
+        with _replay(rng, start, comm), \
+                casts.active() if casts is not None else contextlib.nullcontext():
+            yield
+
     def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-        again = contextlib.ExitStack()
-        again.enter_context(_replay(rng, rng.get_state(), comm))
-        if casts is not None:
-            again.enter_context(casts.active())
-        return contextlib.nullcontext(), again
+        # Entered when the replay runs, not now: the forward runs as the forward (its
+        # collectives recorded as such, its batch norms updating their statistics once).
+        return contextlib.nullcontext(), again(rng.get_state())
 
     # The whole forward reruns, as the plan counts it: torch's early stop would end the replay
     # once the last saved tensor is back, skipping trailing collectives (a pipeline stage's

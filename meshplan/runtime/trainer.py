@@ -30,6 +30,7 @@ from meshplan.capture.batch import (batch_shapes, batch_size, check_shapes, chec
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import Traced
 from meshplan.ir.graph import Graph
+from meshplan.lower import local_ops
 from meshplan.lower.microbatch import StepScales, program_input
 from meshplan.lower.pipeline_program import recompute_layers
 from meshplan.planner.recompute import Replay
@@ -148,8 +149,11 @@ class Trainer:
         with _CAPTURING:
             state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             self.params = [self._make_param(p.name, p.node, state) for p in plan.params]
-            self.buffers = {n.name: state[n.state_name].detach().to(self.device)
+            # The trainer's own copies: the forward's writes replace them (`_run`), and
+            # ranks that share one model (emulated, threads) must not update it each.
+            self.buffers = {n.name: state[n.state_name].detach().to(self.device).clone()
                             for n in graph.nodes if n.role == "buffer"}
+        self._buffer_node = {n.state_name: n.name for n in graph.nodes if n.role == "buffer"}
         self.spec = OptimizerSpec.from_dict(plan.optimizer)
         self.optimizer = self._make_optimizer(self.spec)
         self._by_node = {p.node: p for p in self.params}
@@ -559,6 +563,16 @@ class Trainer:
     def _run(self, args: list[torch.Tensor], rng: torch.Generator) -> torch.Tensor:
         """The local program on one micro-batch, at the plan's dtype, recomputed in backward
         when the plan says so."""
+        with local_ops.buffer_writes() as written:
+            out = self._forward(args, rng)
+        # The forward's buffer writes, as one device's forward makes them: the next
+        # micro-batch reads them. Replaced, not written into: a replay in backward reads the
+        # tensors its forward read.
+        for name, value in written.items():
+            self.buffers[self._buffer_node[name]] = value
+        return out
+
+    def _forward(self, args: list[torch.Tensor], rng: torch.Generator) -> torch.Tensor:
         def program(*a: torch.Tensor) -> torch.Tensor:
             with zero3.running(self._units) if self._units is not None else nullcontext():
                 return self.program.graph_module(self.comm, rng, *a)
@@ -674,7 +688,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- inspection
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole on every rank (for checks; not recorded)."""
+        """Every parameter gathered whole on every rank (for checks; not recorded), and every
+        buffer the program reads (whole on every rank), by their names in the model."""
         n = len(self.comm.records)
         out = {}
         for p in self.params:
@@ -682,6 +697,8 @@ class Trainer:
                 p.update.detach() if p.whole else p.compute.detach()
             out[p.name] = self._gather_spec(t, p.node)
         del self.comm.records[n:]
+        for state_name, node in self._buffer_node.items():
+            out[state_name] = self.buffers[node]
         return out
 
     def _gather_spec(self, t: torch.Tensor, node: str) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""What a forward does besides computing its loss, as one device does it: buffers it updates
+(batch norm's running statistics and counter, a running normalizer that the next step reads)
+and values it computes without gradients (``torch.no_grad()``, a custom autograd.Function).
+Every plan trains them as one device does, recomputed or not, over micro-batches as gradient
+accumulation does, in pipeline stages, and through a checkpoint on gloo."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshplan
+import meshplan.api as api
+from meshplan.capture.batch import split_microbatches
+from meshplan.capture.to_ir import capture
+from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.runtime.trainer import Trainer
+
+SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+class RunningStats(nn.Module):
+    """Convolutions with batch norm (running statistics, a counter), a running mean of the
+    outputs that the next step subtracts, and a scale computed without gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("mu", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.c1(x)))
+        h = F.relu(self.bn2(self.c2(h))).mean((2, 3))
+        with torch.no_grad():
+            scale = h.abs().mean() + 1.0
+        out = self.fc(h / scale)
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(out.mean(0), alpha=0.5)
+        return out - self.mu
+
+
+class _Twice(torch.autograd.Function):
+    """2x + 1 with its own backward: meshplan differentiates the traced forward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+class WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(_Twice.apply(self.a(x))))
+
+
+MODELS = {"running": (RunningStats, (8, 3, 6, 6)), "function": (WithFunction, (8, 6))}
+
+
+def _batches(name: str, n: int) -> list:
+    shape = MODELS[name][1]
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(shape, generator=g),), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(n)]
+
+
+def _one_device(name: str, data: list, microbatches: int = 1) -> tuple[list[float], dict]:
+    """Plain training with gradient accumulation over ``microbatches`` equal cuts."""
+    model = MODELS[name][0]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for (x,), t in data:
+        total = 0.0
+        for xm, tm in zip(x.chunk(microbatches), t.chunk(microbatches)):
+            loss = F.cross_entropy(model(xm), tm)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _plan(model: nn.Module, example: Any, cluster: str, **kw: Any) -> api.Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # micro-batches: inexact, said in its own test
+        return api.plan(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(),
+                                                                       lr=0.1),
+                        example, cluster, dtype="fp32", memory_budget_gb=0, **kw)
+
+
+def _check(losses: list[float], state: dict, ref: tuple[list[float], dict]) -> None:
+    assert losses == pytest.approx(ref[0], rel=1e-5)
+    for k, v in ref[1].items():
+        got = state[k].to(v.dtype)
+        assert torch.allclose(got, v, rtol=1e-5, atol=1e-6), (k, got.flatten()[:4],
+                                                             v.flatten()[:4])
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+def test_buffers_and_constants_train_as_on_one_device(shape: tuple[int, int],
+                                                      microbatches: int,
+                                                      recompute: str) -> None:
+    """Each rank updates its own buffers from the whole batch's values, once per micro-batch
+    as accumulation does, and a replay in backward neither updates them again nor reads them
+    updated; the scale made under no_grad passes no gradient. The user's model is left as it
+    was (the trainers hold their own state)."""
+    model = RunningStats()
+    before = copy.deepcopy(model.state_dict())
+    data = _batches("running", 3)
+    plan = _plan(model, data[0], f"local:{shape[0] * shape[1]}", mesh_shape=shape,
+                 microbatches=microbatches, recompute=recompute)
+
+    def rank(comm: Any) -> tuple[list[float], dict]:
+        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
+        return [tr.step(b) for b in data], tr.full_state_dict()
+
+    for losses, state in run_emulated(rank, shape):
+        _check(losses, state, _one_device("running", data, microbatches))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_custom_function_keeps_its_gradient() -> None:
+    """An autograd.Function's forward runs without gradients, but its output has them: its
+    traced forward is differentiated."""
+    model, data = WithFunction(), _batches("function", 3)
+    plan = _plan(model, data[0], "local:4", mesh_shape=(2, 2))
+
+    def rank(comm: Any) -> tuple[list[float], dict]:
+        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
+        return [tr.step(b) for b in data], tr.full_state_dict()
+
+    for losses, state in run_emulated(rank, (2, 2)):
+        _check(losses, state, _one_device("function", data))
+
+
+def test_updating_a_buffer_per_micro_batch_is_named_inexact() -> None:
+    model = RunningStats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = api.plan(model, nn.CrossEntropyLoss(), "sgd", _batches("running", 1)[0],
+                        "local:2", mesh_shape=(1, 2), memory_budget_gb=0, microbatches=2)
+    said = [str(c.message) for c in caught if "micro-batch" in str(c.message)]
+    assert said and "'bn1.num_batches_tracked'" in said[0], said
+    assert plan.options["microbatch_loss"]["exact"] is False
+
+
+@pytest.mark.parametrize("method,devices", [("megatron:dp=1,tp=1,pp=2", 2),
+                                            ("megatron:dp=2,tp=1,pp=2", 4)])
+def test_pipeline_stages_update_their_buffers(method: str, devices: int) -> None:
+    model, data = RunningStats(), _batches("running", 3)
+    plan = _plan(model, data[0], f"local:{devices}", method=method, microbatches=2,
+                 num_layers=2)
+    assert plan.num_stages == 2
+    captured = capture(model, nn.CrossEntropyLoss(), split_microbatches(data[0], 2)[0])
+
+    def rank(comm: Any, p2p: Any) -> tuple[list[float], dict]:
+        tr = PipelineTrainer(plan, model, nn.CrossEntropyLoss(), data[0], comm, p2p,
+                             captured=captured)
+        return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+    results = run_emulated_stages(rank, plan.stage_meshes())
+    state: dict = {}
+    for _, s in results:
+        state.update(s)
+    _check(results[0][0], state, _one_device("running", data, 2))
+
+
+def _resume(rank: int, nprocs: int, plan: api.Plan, path: str
+            ) -> tuple[list[float], list[float]]:
+    """Four steps of ``plan`` through `meshplan.parallelize`, saving after two; the last two
+    again from that checkpoint in a new parallel model; the state after four saved."""
+    data = _batches("running", 4)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def parallel() -> tuple[Any, Any]:
+        m = RunningStats()
+        return meshplan.parallelize(m, torch.optim.SGD(m.parameters(), lr=0.1), plan, loss_fn)
+
+    pm, opt = parallel()
+    losses = []
+    for step, b in enumerate(data):
+        if step == 2:
+            meshplan.save_checkpoint(os.path.join(path, "two"), pm, opt)
+        loss = pm(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    meshplan.save_checkpoint(os.path.join(path, "four"), pm, opt)
+    pm, opt = parallel()
+    meshplan.load_checkpoint(os.path.join(path, "two"), pm, opt)
+    again = []
+    for b in data[2:]:
+        loss = pm(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        again.append(loss.item())
+    return losses, again
+
+
+@pytest.mark.parametrize("method", ["data", "megatron:dp=1,tp=1,pp=2"])
+def test_a_checkpoint_holds_the_buffers(pool2, tmp_path, method: str) -> None:
+    """Saved and resumed on gloo, the buffers come back (a resumed run's losses are the
+    uninterrupted one's), and `load_model_state` gives a plain model one device's state."""
+    ref = _one_device("running", _batches("running", 4))
+    plan = _plan(RunningStats(), _batches("running", 1)[0], "local:2", method=method,
+                 num_layers=2, **({} if method.startswith("megatron") else {"mesh_shape": (1, 2)}))
+    for losses, again in pool2.run(_resume, plan, str(tmp_path)):
+        assert losses == pytest.approx(ref[0], rel=1e-5)
+        assert again == pytest.approx(ref[0][2:], rel=1e-5)
+    plain = RunningStats()
+    meshplan.load_model_state(str(tmp_path / "four"), into=plain)
+    _check(ref[0], plain.state_dict(), ref)
