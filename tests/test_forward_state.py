@@ -186,6 +186,37 @@ def test_pipeline_stages_update_their_buffers(method: str, devices: int) -> None
     _check(results[0][0], state, _one_device("running", data, 2))
 
 
+class LateUpdate(nn.Module):
+    """A buffer read by the first layer and updated from the last layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 32), nn.Linear(32, 6)
+        self.register_buffer("mu", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.tanh(self.a(x - self.mu)))
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(out.mean(0), alpha=0.5)
+        return out
+
+
+def test_a_buffer_updated_in_another_stage_than_it_is_read_is_refused() -> None:
+    model = LateUpdate()
+    example = ((torch.randn(8, 6),), torch.randint(0, 6, (8,)))
+    plan = _plan(model, example, "local:2", method="megatron:dp=1,tp=1,pp=2", num_layers=2)
+    captured = capture(model, nn.CrossEntropyLoss(), example)
+
+    def rank(comm: Any, p2p: Any) -> None:
+        PipelineTrainer(plan, model, nn.CrossEntropyLoss(), example, comm, p2p,
+                        captured=captured)
+
+    with pytest.raises(NotImplementedError, match=r"buffer 'mu' is updated by pipeline stage 1 "
+                                                  r"and read by stage 0"):
+        run_emulated_stages(rank, plan.stage_meshes())
+
+
 def _resume(rank: int, nprocs: int, plan: api.Plan, path: str
             ) -> tuple[list[float], list[float]]:
     """Four steps of ``plan`` through `meshplan.parallelize`, saving after two; the last two

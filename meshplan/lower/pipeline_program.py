@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.cost.precision import with_compute_dtype
-from meshplan.ir.graph import Graph
+from meshplan.ir.graph import BUFFER_WRITE, Graph
 from meshplan.lower.instructions import Instruction, mesh_programs
 from meshplan.lower.schedules import Schedule, make_schedule
 from meshplan.plan.plan import Plan, StagePlan
@@ -169,6 +169,7 @@ def stage_graphs(graph: Graph, plan: Plan, check: bool = True) -> list[Graph]:
     if missing:
         raise ValueError(f"the plan's stages do not place ops {missing[:5]} of this model's "
                          "program: the plan was made for another program; make a new plan")
+    _check_buffer_writes(typed, where)
     out = []
     for s in plan.stages:
         g = cut_stage(typed, where, s.index, s.index + 1)
@@ -177,6 +178,23 @@ def stage_graphs(graph: Graph, plan: Plan, check: bool = True) -> list[Graph]:
                              "for (different model, shapes or batch); make a new plan")
         out.append(g)
     return out
+
+
+def _check_buffer_writes(graph: Graph, where: dict[str, int]) -> None:
+    """NotImplementedError where a stage reads a buffer that another stage updates: each
+    stage holds its own copy of a buffer, so the reader would never see the update."""
+    for n in graph.nodes:
+        if n.op != BUFFER_WRITE:
+            continue
+        buffer = n.inputs[0]
+        readers = {where[u] for u in graph.users[buffer] if u in where} - {where[n.name]}
+        if readers:
+            name = graph.by_name[buffer].state_name
+            raise NotImplementedError(
+                f"buffer {name!r} is updated by pipeline stage {where[n.name]} and read by "
+                f"stage {min(readers)}: meshplan keeps a buffer in each stage that uses it and "
+                "does not send its updates between stages. Plan fewer stages (or one: "
+                "method='intra-only'), or compute the update where the buffer is read")
 
 
 def recompute_layers(graph: Graph, plan: Plan) -> dict[str, int]:
