@@ -148,3 +148,11 @@ def test_reading_dropouts_mask_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="mask of aten.native_dropout"):
         capture(MaskReader(), lambda o, t: o.sum(), ((torch.randn(4, 8),), torch.zeros(())))
+
+
+def test_a_forward_that_writes_into_a_parameter_is_a_clear_error() -> None:
+    # nn.Embedding(max_norm=...) renormalizes the rows it looks up, in place, in the forward.
+    model = nn.Sequential(nn.Embedding(20, 6, max_norm=1.0), nn.Flatten(), nn.Linear(30, 4))
+    with pytest.raises(ValueError, match=r"writes into a parameter in place .*Drop max_norm"):
+        capture(model, F.cross_entropy, ((torch.randint(0, 20, (8, 5)),),
+                                         torch.randint(0, 4, (8,))))

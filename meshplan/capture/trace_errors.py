@@ -131,6 +131,12 @@ def explain_trace_failure(exc: BaseException, model: nn.Module, modules: ModuleS
             "e.g. a capacity-based MoE (fixed slots per expert, as meshplan.zoo.moe_layer), "
             "torch.where / multiplying by a mask instead of indexing with it, or padding to a "
             "fixed size.")
+    if "leaf Variable that requires grad is being used in an in-place operation" in str(exc):
+        return ValueError(
+            f"meshplan cannot trace {where}: the forward writes into a parameter in place "
+            "(nn.Embedding's max_norm renormalizes the rows it looks up; a hand-written weight "
+            "update), and a plan trains forwards that leave their parameters to the optimizer. "
+            "Drop max_norm, or renormalize after optimizer.step(), outside the forward.")
     detail = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else \
         type(exc).__name__
     return ValueError(
