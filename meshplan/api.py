@@ -274,7 +274,7 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         real_mesh = replace(real_mesh, weights=tuple(tuple(w) for w in axis_weights),
                             gather_impl=gather)
         mesh = replace(mesh, weights=real_mesh.weights, gather_impl=gather)
-    opt = optimizer_spec(optimizer)
+    opt = optimizer_spec(optimizer, {id(p): n for n, p in model.named_parameters()})
     budget = _budget(memory_budget_gb, cl)
     opts = IntraOptions(**method_options(method, force_batch_dim=force_batch_dim,
                                          prefer_reduce_scatter=prefer_reduce_scatter),

@@ -4,12 +4,15 @@ with the optimizer's parameter groups (decay / no decay) kept."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import meshplan
 from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
+from meshplan.plan.plan import plan_from_json
 from meshplan.runtime.emulated import run_emulated, run_emulated_stages
 from meshplan.zoo.spec import build_workload
 from hetero_cases import RATIOS, four_speeds
@@ -121,3 +124,49 @@ def test_a_plan_of_another_model_is_refused_at_the_first_step() -> None:
     other = build_workload("mlp:layers=2,hidden=8,batch=8", device="cpu", seed=0)
     with pytest.raises(ValueError, match="differs from the one the plan was made for"):
         run_emulated(_other_model, plan.mesh_shape, plan, other, other.example_batch)
+
+
+def _grouped_sgd(model: torch.nn.Module, **second: float) -> torch.optim.SGD:
+    """Weight decay on the matrices, none (and another learning rate) on the biases."""
+    mats = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.SGD([{"params": mats, "weight_decay": 0.1},
+                            {"params": rest, "weight_decay": 0.0, "lr": 0.02, **second}],
+                           lr=0.05, momentum=0.9)
+
+
+def _grouped_rank(comm, plan: meshplan.Plan, w, data: list, captured) -> tuple:
+    from meshplan.runtime.trainer import Trainer
+    tr = Trainer(plan, w.model, w.loss_fn, w.example_batch, comm, captured=captured)
+    return [tr.step(b) for b in data], tr.full_state_dict()
+
+
+@pytest.mark.parametrize("shape,method", [((1, 2), "data"), ((2, 2), "zero2")])
+def test_a_plan_of_an_optimizer_with_groups_steps_each_group_by_its_own(shape, method) -> None:
+    """The plan carries the groups (their parameters, and the learning rate and weight decay
+    they set apart), and every rank's own optimizer steps each shard with its group's."""
+    w = build_workload(MLP, device="cpu", seed=0)
+    plan = meshplan.plan(w.model, w.loss_fn, _grouped_sgd(w.model), w.example_batch,
+                         f"local:{shape[0] * shape[1]}", mesh_shape=shape, method=method,
+                         memory_budget_gb=0, dtype="fp32")
+    assert plan_from_json(json.loads(json.dumps(plan.to_json()))).optimizer == plan.optimizer
+    data = batches(w, 3)
+    model = build_workload(MLP, device="cpu", seed=0).model
+    opt, ref_losses = _grouped_sgd(model), []
+    for (x,), t in data:
+        loss = w.loss_fn(model(x), t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref = (ref_losses, {k: v.detach() for k, v in model.named_parameters()})
+    for r in run_emulated(_grouped_rank, shape, plan, w, data, capture(w.model, w.loss_fn,
+                                                                          w.example_batch)):
+        assert_matches((*r, []), ref, plan, OptimizerSpec("sgd"))
+
+
+def test_groups_apart_in_what_the_plan_cannot_carry_are_refused() -> None:
+    w = build_workload(MLP, device="meta")
+    with pytest.raises(ValueError, match=r"parameter group 1 sets \['momentum'\] apart"):
+        meshplan.plan(w.model, w.loss_fn, _grouped_sgd(w.model, momentum=0.5),
+                      w.example_batch, "local:2", mesh_shape=(1, 2))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 import torch
@@ -41,6 +42,10 @@ class OptimizerSpec:
     # Before each update, scale every gradient so their global L2 norm is at most this (as
     # torch.nn.utils.clip_grad_norm_ over all parameters); None: no clipping.
     max_grad_norm: float | None = None
+    # The parameter groups after the first, as the torch optimizer had them: per group, its
+    # parameters' names and the hyper-parameters (`GROUP_KEYS`) it sets apart from the first
+    # (weight decay off for biases and norms, a layer's own learning rate).
+    groups: tuple[tuple[tuple[str, ...], tuple[tuple[str, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
@@ -65,15 +70,28 @@ class OptimizerSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-shaped (lists, not tuples), so a plan equals its own JSON round trip."""
-        return {**asdict(self), "betas": list(self.betas)}
+        return {**asdict(self), "betas": list(self.betas),
+                "groups": [[list(names), [list(kv) for kv in keys]]
+                           for names, keys in self.groups]}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "OptimizerSpec":
-        return OptimizerSpec(**{**d, "betas": tuple(d.get("betas", (0.9, 0.999)))})
+        groups = tuple((tuple(names), tuple((k, float(v)) for k, v in keys))
+                       for names, keys in d.get("groups", ()))
+        return OptimizerSpec(**{**d, "betas": tuple(d.get("betas", (0.9, 0.999))),
+                                "groups": groups})
+
+    def param_groups(self, names: Sequence[str]) -> list[tuple[list[int], dict[str, float]]]:
+        """The torch parameter groups of the parameters ``names`` (positions into it): the
+        first group's hyper-parameters, then each later group's own."""
+        group = {n: i + 1 for i, (members, _) in enumerate(self.groups) for n in members}
+        return [([j for j, n in enumerate(names) if group.get(n, 0) == i], dict(keys))
+                for i, keys in enumerate([(), *(keys for _, keys in self.groups)])]
 
 
-def optimizer_spec(opt: Any) -> OptimizerSpec:
-    """Describe a torch optimizer instance, a name (``"adamw"``), or pass a spec through.
+def optimizer_spec(opt: Any, names: Mapping[int, str] | None = None) -> OptimizerSpec:
+    """Describe a torch optimizer instance, a name (``"adamw"``), or pass a spec through;
+    ``names``: the model's parameter names by ``id`` (an optimizer of several groups).
 
     Raises ValueError for an optimizer meshplan cannot step shard-wise.
     """
@@ -88,16 +106,47 @@ def optimizer_spec(opt: Any) -> OptimizerSpec:
     if kind is None:
         raise ValueError(f"unsupported optimizer {type(opt).__name__}; meshplan steps "
                          "torch.optim.SGD, Adam, AdamW and Adafactor on local shards")
-    g = opt.param_groups[0]
-    if len(opt.param_groups) > 1:
-        raise ValueError("optimizers with several parameter groups are not supported yet")
+    first = _group_spec(type(opt).__name__, kind, opt.param_groups[0])
+    later = opt.param_groups[1:]
+    if not later:
+        return first
+    if kind == "adafactor":
+        raise ValueError("Adafactor with several parameter groups is not supported: its "
+                         "sharded update takes one set of hyper-parameters")
+    if names is None:
+        raise ValueError("an optimizer with several parameter groups is described with its "
+                         "model's parameter names: plan it with meshplan.plan(model, ...)")
+    groups = []
+    for i, g in enumerate(later, 1):
+        spec = _group_spec(type(opt).__name__, kind, g)
+        apart = [k for k in asdict(spec) if getattr(spec, k) != getattr(first, k)]
+        if set(apart) - set(GROUP_KEYS):
+            raise ValueError(f"parameter group {i} sets {sorted(set(apart) - set(GROUP_KEYS))} "
+                             f"apart from group 0; meshplan's groups may differ only in "
+                             f"{', '.join(GROUP_KEYS)}")
+        strays = [p for p in g["params"] if id(p) not in names]
+        if strays:
+            raise ValueError(f"parameter group {i} holds tensors that are not parameters of "
+                             "this model; give the optimizer of this model")
+        groups.append((tuple(names[id(p)] for p in g["params"]),
+                       tuple((k, float(getattr(spec, k))) for k in apart)))
+    return replace(first, groups=tuple(groups))
+
+
+# What a later parameter group may set apart from the first (the plan prices every group's
+# state alike: it depends on the optimizer's kind only).
+GROUP_KEYS = ("lr", "weight_decay")
+
+
+def _group_spec(name: str, kind: str, g: dict[str, Any]) -> OptimizerSpec:
+    """The spec of one parameter group ``g`` of a torch optimizer ``name`` of ``kind``."""
     # Options the spec does not carry would be dropped silently by the ranks' optimizers.
     unsupported = {"maximize": False, "amsgrad": False, "dampening": 0.0,
                    "capturable": False, "differentiable": False, "decoupled_weight_decay": False}
     for key, default in unsupported.items():
         if key in g and g[key] not in (default, None) and not (
                 key == "decoupled_weight_decay" and kind == "adamw"):
-            raise ValueError(f"{type(opt).__name__}({key}={g[key]!r}) is not supported by "
+            raise ValueError(f"{name}({key}={g[key]!r}) is not supported by "
                              f"meshplan's sharded update; use {key}={default!r}")
     if kind == "adafactor":
         eps1, eps2 = g["eps"]
@@ -110,15 +159,20 @@ def optimizer_spec(opt: Any) -> OptimizerSpec:
                          float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False)))
 
 
-def make_optimizer(spec: OptimizerSpec, tensors: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    """The torch optimizer of ``spec`` over the given leaf tensors: on a GPU torch's fused
-    kernels (one pass over each parameter's value, gradient and state, which is what the cost
-    model prices: `OptimizerState.update_bytes_per_element`) where torch's default, the
-    ``foreach`` kernels, takes about three passes; elsewhere torch's default."""
+def make_optimizer(spec: OptimizerSpec, tensors: Iterable[torch.Tensor],
+                   names: Sequence[str] | None = None) -> torch.optim.Optimizer:
+    """The torch optimizer of ``spec`` over the given leaf tensors (of the parameters
+    ``names``, in the spec's groups): on a GPU torch's fused kernels (one pass over each
+    parameter's value, gradient and state, which is what the cost model prices:
+    `OptimizerState.update_bytes_per_element`) where torch's default, the ``foreach`` kernels,
+    takes about three passes; elsewhere torch's default."""
     tensors = list(tensors)
     # A pipeline stage may hold no parameters (a loss's last ops, a pooling head): torch
     # refuses an empty list but steps a group without tensors, as a no-op.
     params: Any = tensors or [{"params": []}]
+    if spec.groups and names is not None:
+        params = [{"params": [tensors[j] for j in members], **keys}
+                  for members, keys in spec.param_groups(list(names))]
     fused = {"fused": True} if tensors and all(t.is_cuda and t.is_floating_point()
                                                for t in tensors) else {}
     if spec.kind == "sgd":

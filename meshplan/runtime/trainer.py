@@ -348,7 +348,7 @@ class Trainer:
     def _make_optimizer(self, spec: OptimizerSpec) -> Any:
         tensors = [p.update for p in self.params]
         if spec.kind != "adafactor":
-            return make_optimizer(spec, tensors)
+            return make_optimizer(spec, tensors, [p.name for p in self.params])
         dims = [update_dims(self.program.values[p.node].layout.dims, p.mode, p.axes)
                 for p in self.params]
         return ShardedAdafactor(spec, tensors, [self.program.values[p.node].shape
