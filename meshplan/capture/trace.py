@@ -276,7 +276,11 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     if val is None or tuple(val.shape) != ():
         raise ValueError("loss_fn must return a scalar tensor (e.g. a mean-reduced loss); got "
                          f"{None if val is None else tuple(val.shape)}")
-    roles = ([("param", k) for k in params] + [("buffer", k) for k in buffers]
+    # A frozen parameter (requires_grad=False: a fine-tuned model's base, LoRA's) is state the
+    # step reads and never updates: a buffer, held whole by every rank, without a gradient or
+    # an optimizer's state.
+    roles = ([("param" if v.requires_grad else "buffer", k) for k, v in params.items()]
+             + [("buffer", k) for k in buffers]
              + [("target" if k == "target" and layout.has_target else "input", k)
                 for k in batch])
     renames = {**renames, **merge_common_subexpressions(gm)}

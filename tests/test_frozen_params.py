@@ -1,0 +1,117 @@
+"""Frozen parameters (``requires_grad=False``: a fine-tuned model's base, LoRA's) stay as they
+are: every plan family and a pipeline update only the parameters one device's optimizer
+updates, and each rank holds the frozen ones whole."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import meshplan.api as api
+from meshplan.capture.batch import split_microbatches
+from meshplan.capture.to_ir import capture
+from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+from meshplan.runtime.pipeline import PipelineTrainer
+from meshplan.runtime.trainer import Trainer
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (B starts at zero)."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out).requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(rank, n_in) * 0.1)
+        self.B = nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+
+
+class Tuned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(30, 16).requires_grad_(False)
+        self.l1, self.l2 = LoraLinear(16, 32), LoraLinear(32, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.l2(torch.relu(self.l1(self.emb(ids)))).mean(1))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                           momentum=0.9)
+
+
+def _data() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randint(0, 30, (8, 5), generator=g),), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(3)]
+
+
+def _one_device(data: list, microbatches: int = 1) -> tuple[list[float], dict]:
+    model = Tuned()
+    opt, losses = _optimizer(model), []
+    for (x,), t in data:
+        total = 0.0
+        for xm, tm in zip(x.chunk(microbatches), t.chunk(microbatches)):
+            loss = nn.functional.cross_entropy(model(xm), tm)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(losses: list[float], state: dict, ref: tuple[list[float], dict]) -> None:
+    assert losses == pytest.approx(ref[0], rel=1e-5)
+    for k, v in ref[1].items():
+        assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-7), k
+
+
+def _plan(model: nn.Module, cluster: str, **kw: Any) -> api.Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return api.plan(model, nn.CrossEntropyLoss(), _optimizer(model), _data()[0], cluster,
+                        memory_budget_gb=0, dtype="fp32", **kw)
+
+
+@pytest.mark.parametrize("shape,method", [((1, 2), "data"), ((2, 2), "megatron"),
+                                          ((1, 4), "zero3"), ((2, 2), "auto")])
+def test_only_the_trainable_parameters_are_updated(shape: tuple[int, int], method: str) -> None:
+    model, data = Tuned(), _data()
+    plan = _plan(model, f"local:{shape[0] * shape[1]}", mesh_shape=shape, method=method)
+    assert {p.name for p in plan.params} == {n for n, p in model.named_parameters()
+                                              if p.requires_grad}
+
+    def rank(comm: Any) -> tuple[list[float], dict]:
+        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
+        return [tr.step(b) for b in data], tr.full_state_dict()
+
+    for losses, state in run_emulated(rank, shape):
+        _check(losses, state, _one_device(data))
+
+
+def test_a_pipeline_of_a_partly_frozen_model() -> None:
+    model, data = Tuned(), _data()
+    plan = _plan(model, "local:4", method="megatron:dp=2,tp=1,pp=2", microbatches=2,
+                 num_layers=2)
+    captured = capture(model, nn.CrossEntropyLoss(), split_microbatches(data[0], 2)[0])
+
+    def rank(comm: Any, p2p: Any) -> tuple[list[float], dict]:
+        tr = PipelineTrainer(plan, model, nn.CrossEntropyLoss(), data[0], comm, p2p,
+                             captured=captured)
+        return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+    results = run_emulated_stages(rank, plan.stage_meshes())
+    state: dict = {}
+    for _, s in results:
+        state.update(s)
+    _check(results[0][0], state, _one_device(data, 2))
