@@ -189,3 +189,28 @@ def assert_matches(result: tuple, ref: tuple, plan: Plan, opt: OptimizerSpec,
     expected = plan_counter(plan)
     for step, got in enumerate(per_step):
         assert got == expected, f"step {step}: recorded {dict(got)} != planned {dict(expected)}"
+
+
+def trained_states(plan: Plan, model: torch.nn.Module, loss_fn: Any, data: list[Any]
+                   ) -> list[tuple[list[float], dict]]:
+    """Training ``plan`` of the test's own ``model`` on emulated ranks over ``data`` (global
+    batches; the first is the example): per rank its losses and whole state (parameters and
+    buffers); a pipeline's as one, its stages' states merged."""
+    from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+    from meshplan.runtime.pipeline import PipelineTrainer
+    if plan.num_stages == 1:
+        def rank(comm: Comm) -> tuple[list[float], dict]:
+            tr = Trainer(plan, model, loss_fn, data[0], comm)
+            return [tr.step(b) for b in data], tr.full_state_dict()
+        return run_emulated(rank, plan.mesh_shape)
+    captured = capture(model, loss_fn, split_microbatches(data[0], plan.microbatches)[0])
+
+    def stage_rank(comm: Comm, p2p: Any) -> tuple[list[float], dict]:
+        tr = PipelineTrainer(plan, model, loss_fn, data[0], comm, p2p, captured=captured)
+        return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
+
+    results = run_emulated_stages(stage_rank, plan.stage_meshes())
+    state: dict = {}
+    for _, s in results:
+        state.update(s)
+    return [(results[0][0], state)]

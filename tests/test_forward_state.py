@@ -18,11 +18,10 @@ from torch import nn
 
 import meshplan
 import meshplan.api as api
-from meshplan.capture.batch import split_microbatches
 from meshplan.capture.to_ir import capture
-from meshplan.runtime.emulated import run_emulated, run_emulated_stages
+from meshplan.runtime.emulated import run_emulated_stages
 from meshplan.runtime.pipeline import PipelineTrainer
-from meshplan.runtime.trainer import Trainer
+from oracle import trained_states
 
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
@@ -131,11 +130,7 @@ def test_buffers_and_constants_train_as_on_one_device(shape: tuple[int, int],
     plan = _plan(model, data[0], f"local:{shape[0] * shape[1]}", mesh_shape=shape,
                  microbatches=microbatches, recompute=recompute)
 
-    def rank(comm: Any) -> tuple[list[float], dict]:
-        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
-        return [tr.step(b) for b in data], tr.full_state_dict()
-
-    for losses, state in run_emulated(rank, shape):
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
         _check(losses, state, _one_device("running", data, microbatches))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -146,11 +141,7 @@ def test_a_custom_function_keeps_its_gradient() -> None:
     model, data = WithFunction(), _batches("function", 3)
     plan = _plan(model, data[0], "local:4", mesh_shape=(2, 2))
 
-    def rank(comm: Any) -> tuple[list[float], dict]:
-        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
-        return [tr.step(b) for b in data], tr.full_state_dict()
-
-    for losses, state in run_emulated(rank, (2, 2)):
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
         _check(losses, state, _one_device("function", data))
 
 
@@ -172,18 +163,8 @@ def test_pipeline_stages_update_their_buffers(method: str, devices: int) -> None
     plan = _plan(model, data[0], f"local:{devices}", method=method, microbatches=2,
                  num_layers=2)
     assert plan.num_stages == 2
-    captured = capture(model, nn.CrossEntropyLoss(), split_microbatches(data[0], 2)[0])
-
-    def rank(comm: Any, p2p: Any) -> tuple[list[float], dict]:
-        tr = PipelineTrainer(plan, model, nn.CrossEntropyLoss(), data[0], comm, p2p,
-                             captured=captured)
-        return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
-
-    results = run_emulated_stages(rank, plan.stage_meshes())
-    state: dict = {}
-    for _, s in results:
-        state.update(s)
-    _check(results[0][0], state, _one_device("running", data, 2))
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
+        _check(losses, state, _one_device("running", data, 2))
 
 
 class LateUpdate(nn.Module):

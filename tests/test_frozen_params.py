@@ -12,11 +12,7 @@ import torch
 from torch import nn
 
 import meshplan.api as api
-from meshplan.capture.batch import split_microbatches
-from meshplan.capture.to_ir import capture
-from meshplan.runtime.emulated import run_emulated, run_emulated_stages
-from meshplan.runtime.pipeline import PipelineTrainer
-from meshplan.runtime.trainer import Trainer
+from oracle import trained_states
 
 
 class LoraLinear(nn.Module):
@@ -90,12 +86,7 @@ def test_only_the_trainable_parameters_are_updated(shape: tuple[int, int], metho
     plan = _plan(model, f"local:{shape[0] * shape[1]}", mesh_shape=shape, method=method)
     assert {p.name for p in plan.params} == {n for n, p in model.named_parameters()
                                               if p.requires_grad}
-
-    def rank(comm: Any) -> tuple[list[float], dict]:
-        tr = Trainer(plan, model, nn.CrossEntropyLoss(), data[0], comm)
-        return [tr.step(b) for b in data], tr.full_state_dict()
-
-    for losses, state in run_emulated(rank, shape):
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
         _check(losses, state, _one_device(data))
 
 
@@ -103,15 +94,5 @@ def test_a_pipeline_of_a_partly_frozen_model() -> None:
     model, data = Tuned(), _data()
     plan = _plan(model, "local:4", method="megatron:dp=2,tp=1,pp=2", microbatches=2,
                  num_layers=2)
-    captured = capture(model, nn.CrossEntropyLoss(), split_microbatches(data[0], 2)[0])
-
-    def rank(comm: Any, p2p: Any) -> tuple[list[float], dict]:
-        tr = PipelineTrainer(plan, model, nn.CrossEntropyLoss(), data[0], comm, p2p,
-                             captured=captured)
-        return [tr.step(b, seed=i) for i, b in enumerate(data)], tr.full_state_dict()
-
-    results = run_emulated_stages(rank, plan.stage_meshes())
-    state: dict = {}
-    for _, s in results:
-        state.update(s)
-    _check(results[0][0], state, _one_device(data, 2))
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
+        _check(losses, state, _one_device(data, 2))
