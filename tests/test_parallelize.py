@@ -170,3 +170,56 @@ def test_groups_apart_in_what_the_plan_cannot_carry_are_refused() -> None:
     with pytest.raises(ValueError, match=r"parameter group 1 sets \['momentum'\] apart"):
         meshplan.plan(w.model, w.loss_fn, _grouped_sgd(w.model, momentum=0.5),
                       w.example_batch, "local:2", mesh_shape=(1, 2))
+
+
+def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p=None) -> tuple:
+    """Gradient accumulation as Hugging Face's Trainer writes it: each loss divided by the
+    number of batches per update."""
+    import copy
+    model = copy.deepcopy(w.model)
+    model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
+                                      w.loss_fn, comm=comm, p2p=p2p)
+    losses = []
+    for i, batch in enumerate(data):
+        loss = model(batch)
+        (loss / steps).backward()
+        losses.append(loss.item())
+        if (i + 1) % steps == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses, model.full_state_dict()
+
+
+def _accumulating_stage(comm, p2p, plan, w, data, steps) -> tuple:
+    return _accumulating_loop(comm, plan, w, data, steps, p2p)
+
+
+def test_a_loss_scaled_in_the_loop_accumulates_or_is_refused() -> None:
+    """One micro-batch: the loop's scale reaches every gradient, as on one device. Where part
+    of the backward runs inside the model's call (earlier micro-batches, a pipeline's
+    schedule), unscaled, a scaled backward is refused rather than mixing scales."""
+    import copy
+    w = build_workload(MLP, device="cpu", seed=0)
+    data, steps = batches(w, 4), 2
+    model = copy.deepcopy(w.model)
+    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for i, ((x,), t) in enumerate(data):
+        loss = w.loss_fn(model(x), t)
+        (loss / steps).backward()
+        ref.append(loss.item())
+        if (i + 1) % steps == 0:
+            opt.step()
+            opt.zero_grad()
+    plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data")
+    for losses, state in run_emulated(_accumulating_loop, (1, 2), plan, w, data, steps):
+        assert_matches((losses, state, []), (ref, {n: p.detach() for n, p in
+                                                   model.named_parameters()}),
+                       plan, OptimizerSpec("sgd"))
+    micro = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
+    with pytest.raises(ValueError, match=r"gradient of 0.5 .*2 micro-batches ran part of its"):
+        run_emulated(_accumulating_loop, (1, 2), micro, w, data, steps)
+    w = build_workload(BERT, device="cpu", seed=0)
+    piped = _plan(BERT, "local:2", method="megatron:dp=1,tp=1,pp=2")
+    with pytest.raises(ValueError, match=r"gradient of 0.5 .*a pipeline ran part of its"):
+        run_emulated_stages(_accumulating_stage, piped.stage_meshes(), piped, w,
+                            batches(w, 2), steps)

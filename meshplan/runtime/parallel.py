@@ -90,7 +90,9 @@ class ParallelModel(nn.Module):
             self._start(batch)
         if self._pipeline is not None:
             value = self._pipeline.step(batch, apply=False)
-            return self._anchor * 0.0 + value
+            whole = torch.as_tensor(value, dtype=self._anchor.dtype, device=self._anchor.device)
+            return _GuardedBackward.apply(self._anchor, whole,
+                                          functools.partial(_unscaled, "a pipeline"))
         tr = self._trainer
         assert tr is not None
         tr.serve(batch)
@@ -116,6 +118,8 @@ class ParallelModel(nn.Module):
         # the last micro-batch's, guarded as the rest of the step.
 
         def backward(grad: torch.Tensor) -> None:
+            if done:
+                _unscaled(f"{len(micro)} micro-batches", grad)
             with tr.guard.running():
                 torch.autograd.backward(last, grad)
         return _GuardedBackward.apply(self._anchor, whole, backward)
@@ -182,6 +186,18 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
         p2p = p2p or (ProcessGroupP2P(dev) if plan.num_stages > 1 else None)
     return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured,
                          example_batch if local_batches else None), optimizer
+
+
+def _unscaled(plan: str, grad: torch.Tensor) -> None:
+    """ValueError unless ``grad`` (what ``loss.backward()`` hands the loss) is 1: a plan of
+    ``plan`` ran part of its backward inside the model's call, with the loss as returned."""
+    if grad.device.type != "meta" and not bool((grad == 1).all()):   # meta: shapes only
+        raise ValueError(
+            f"loss.backward() was given a gradient of {grad.flatten()[0].item():g} (a loss "
+            f"scaled in the loop: divided by gradient-accumulation steps, or by a GradScaler), "
+            f"but this plan of {plan} ran part of its backward inside the model's call, "
+            "unscaled: its gradients would mix scales. Call backward on the loss as returned, "
+            "or let the plan accumulate: plan the larger batch, in more micro-batches")
 
 
 class _GuardedBackward(torch.autograd.Function):
