@@ -96,3 +96,13 @@ def test_a_pipeline_of_a_partly_frozen_model() -> None:
                  num_layers=2)
     for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
         _check(losses, state, _one_device(data, 2))
+
+
+def test_frozen_parameters_count_in_the_plans_memory() -> None:
+    """Each rank holds the frozen weights whole: the plan's state (and so the simulator's
+    memory, and the budget the search fits) counts them."""
+    model = Tuned()
+    plan = _plan(model, "local:2", mesh_shape=(1, 2), method="data")
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert plan.predicted["state_bytes"] >= frozen + trainable

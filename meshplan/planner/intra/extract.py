@@ -108,7 +108,7 @@ def extract(form: Formulation, choices: tuple[int, ...], real: CostContext,
         choice = nc.choices[node.name][idx[node.name]]
         held = costs.memory(node, choice)
         memory += held
-        state += held if node.role == "param" else 0.0
+        state += held if node.role in ("param", "buffer") else 0.0
         f, b = real_costs.pass_times(node, choice)
         times.append((f, b))
         forward, backward = forward + f, backward + b

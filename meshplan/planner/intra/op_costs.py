@@ -341,6 +341,8 @@ class OpCosts:
         lay = choice.strategy.output
         if node.role == "param":
             return self.param_memory(node, choice).total + self.half_copy(node, choice)
+        if node.role == "buffer":   # whole on every rank (a frozen parameter too)
+            return float(node.out.nbytes)
         if is_kept(node):
             return float(local_bytes(node, lay, self.shape))
         return 0.0
