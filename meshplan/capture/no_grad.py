@@ -4,15 +4,18 @@ make_fx records aten ops below autograd, so a value the model computes under
 ``torch.no_grad()`` (a normalizer's statistic, a moving average, a teacher's output) is traced
 as the same op as one computed with gradients: the local programs, which autograd
 differentiates, would pass gradients through it where one device passes none. While tracing, a
-dispatch mode keeps every op's output tensors (`GradRecord`); once the trace is done, each one
-tells whether autograd recorded it (``requires_grad``). `detach_where_autograd_stops` then puts
-a ``detach`` on every edge from a value autograd recorded into an op whose result it did not:
-one device's autograd sees no dependence there.
+torch-function mode (`GradRecord`, above autograd: a dispatch mode below it made make_fx
+record autograd's own detaches) notes for every traced value whether autograd recorded it
+(``requires_grad`` as the calls reading it saw it) and whether gradients were enabled when it
+was made. `detach_where_autograd_stops` then puts a ``detach`` on every edge from a value
+autograd recorded into an op made without gradients whose result it did not record: one
+device's autograd sees no dependence there.
 
 An ``autograd.Function``'s forward also runs with gradients disabled, though its output has
-them (a user's own Function: meshplan differentiates its traced forward). Its output is the
-value autograd recorded from values it did not, made with gradients disabled; the ops behind it
-back to recorded values are its forward, and keep their gradients.
+them (a user's own Function: meshplan differentiates its traced forward). Its output is a
+value autograd recorded, made with gradients disabled by an op that is not an in-place write,
+from some value it did not record; the ops behind it back to recorded values are its forward,
+and keep their gradients.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from meshplan.torch_api import OpOverload, get_proxy_mode, get_proxy_slot
-from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 
@@ -107,7 +110,7 @@ def detach_where_autograd_stops(gm: GraphModule, record: GradRecord,
             with graph.inserting_after(u):
                 cut = graph.create_node("call_function", aten.detach.default, (u,),
                                         name="detach")   # as make_fx names it
-            cut.meta.update(val=u.meta.get("val"), meshplan_cut=True)
+            cut.meta.update(val=u.meta.get("val"))
             detached[u] = cut
         v.replace_input_with(u, detached[u])
     gm.recompile()
@@ -125,7 +128,8 @@ def _functions_forward(graph: Any, record: GradRecord, recorded: dict[Node, bool
     """The ops of autograd.Function forwards: behind each output autograd recorded from
     operands it did not (made with gradients disabled), back to recorded values."""
     outputs = [n for n in graph.nodes if recorded[n] and record.enabled.get(n) is False
-               and n.all_input_nodes and not any(recorded[a] for a in n.all_input_nodes)]
+               and not (isinstance(n.target, OpOverload) and n.target._schema.is_mutable)
+               and not all(recorded[a] for a in n.all_input_nodes)]
     inside: set[Node] = set()
     todo = [a for n in outputs for a in n.all_input_nodes]
     while todo:
