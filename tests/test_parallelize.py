@@ -223,3 +223,40 @@ def test_a_loss_scaled_in_the_loop_accumulates_or_is_refused() -> None:
     with pytest.raises(ValueError, match=r"gradient of 0.5 .*a pipeline ran part of its"):
         run_emulated_stages(_accumulating_stage, piped.stage_meshes(), piped, w,
                             batches(w, 2), steps)
+
+
+def _zero_grad_loop(comm, plan: meshplan.Plan, w, data: list) -> list[float]:
+    import copy
+    model = copy.deepcopy(w.model)
+    model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
+                                      w.loss_fn, comm=comm)
+    losses = []
+    for batch in data:
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        model.zero_grad()   # the module's, not the optimizer's
+        losses.append(loss.item())
+    with pytest.raises(TypeError, match=r"parameters are its ranks' shards.*max_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return losses
+
+
+def test_the_parallel_models_own_zero_grad_clears_and_its_parameters_explain() -> None:
+    """``model.zero_grad()`` clears the shards' gradients as the optimizer's does (nn.Module's
+    cleared nothing: the gradients accumulated over the steps); ``model.parameters()`` says
+    where the parameters are, rather than an empty list that clip_grad_norm_ clips nothing of."""
+    import copy
+    w = build_workload(MLP, device="cpu", seed=0)
+    data = batches(w, 4)
+    model = copy.deepcopy(w.model)
+    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for (x,), t in data:
+        loss = w.loss_fn(model(x), t)
+        loss.backward()
+        opt.step()
+        model.zero_grad()
+        ref.append(loss.item())
+    plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data")
+    for losses in run_emulated(_zero_grad_loop, (1, 2), plan, w, data):
+        assert losses == pytest.approx(ref, rel=1e-5)

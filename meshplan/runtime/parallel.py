@@ -43,6 +43,16 @@ from meshplan.runtime.run_script import init_world
 from meshplan.runtime.trainer import Trainer
 
 
+# What a parallel model answers for its parameters: its ranks' shards live in the trainers, so
+# torch.nn.utils.clip_grad_norm_(model.parameters()) would see nothing and clip nothing.
+_NO_PARAMETERS = (
+    "a parallel model's parameters are its ranks' shards, held by the plan's trainers: clip "
+    "gradients with the plan's optimizer (meshplan.plan(..., OptimizerSpec(..., "
+    "max_grad_norm=1.0))), clear them with optimizer.zero_grad() or model.zero_grad(), read "
+    "them whole with model.full_state_dict() or a checkpoint; the model given to parallelize "
+    "keeps its initial values")
+
+
 class ParallelModel(nn.Module):
     """``model(batch) -> loss`` on this rank under the plan (module docstring). Its trainer is
     built at the first call, from that batch's shapes (the plan's)."""
@@ -123,6 +133,27 @@ class ParallelModel(nn.Module):
             with tr.guard.running():
                 torch.autograd.backward(last, grad)
         return _GuardedBackward.apply(self._anchor, whole, backward)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients of this rank's shards cleared, as ``optimizer.zero_grad()`` clears
+        them (nn.Module's own would clear the parameters of nothing: the shards are the
+        trainers', not this module's)."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+        for t in self._trainers():
+            for p in t.params:
+                if p.compute is not None and p.compute.grad is not None:
+                    p.compute.grad = None if set_to_none else p.compute.grad.zero_()
+
+    def parameters(self, recurse: bool = True) -> Any:
+        raise TypeError(_NO_PARAMETERS)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_NO_PARAMETERS)
+
+    def _trainers(self) -> list[Trainer]:
+        if self._pipeline is not None:
+            return list(self._pipeline.trainers.values())
+        return [self._trainer] if self._trainer is not None else []
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters and buffers this rank holds (a pipeline: its stages'), each whole,
