@@ -214,3 +214,21 @@ def trained_states(plan: Plan, model: torch.nn.Module, loss_fn: Any, data: list[
     for _, s in results:
         state.update(s)
     return [(results[0][0], state)]
+
+
+def plain_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+                   data: list[Any], microbatches: int = 1) -> tuple[list[float], dict]:
+    """One device's loop over ``data`` (``((x,), target)`` batches): each batch's gradients
+    accumulated over ``microbatches`` equal cuts (each loss divided by their number), then
+    one step; the losses and the final state (buffers included)."""
+    losses = []
+    for (x,), t in data:
+        total = 0.0
+        for xm, tm in zip(x.chunk(microbatches), t.chunk(microbatches)):
+            loss = loss_fn(model(xm), tm)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

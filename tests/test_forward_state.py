@@ -21,7 +21,7 @@ import meshplan.api as api
 from meshplan.capture.to_ir import capture
 from meshplan.runtime.emulated import run_emulated_stages
 from meshplan.runtime.pipeline import PipelineTrainer
-from oracle import trained_states
+from oracle import plain_training, trained_states
 
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
@@ -99,18 +99,8 @@ def _batches(name: str, n: int) -> list:
 def _one_device(name: str, data: list, microbatches: int = 1) -> tuple[list[float], dict]:
     """Plain training with gradient accumulation over ``microbatches`` equal cuts."""
     model = MODELS[name][0]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for (x,), t in data:
-        total = 0.0
-        for xm, tm in zip(x.chunk(microbatches), t.chunk(microbatches)):
-            loss = F.cross_entropy(model(xm), tm)
-            (loss / microbatches).backward()
-            total += loss.item() / microbatches
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return plain_training(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                          data, microbatches)
 
 
 def _plan(model: nn.Module, example: Any, cluster: str, **kw: Any) -> api.Plan:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import meshplan.api as api
-from oracle import trained_states
+from oracle import plain_training, trained_states
 
 
 class LoraLinear(nn.Module):
@@ -53,17 +53,8 @@ def _data() -> list:
 
 def _one_device(data: list, microbatches: int = 1) -> tuple[list[float], dict]:
     model = Tuned()
-    opt, losses = _optimizer(model), []
-    for (x,), t in data:
-        total = 0.0
-        for xm, tm in zip(x.chunk(microbatches), t.chunk(microbatches)):
-            loss = nn.functional.cross_entropy(model(xm), tm)
-            (loss / microbatches).backward()
-            total += loss.item() / microbatches
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return plain_training(model, _optimizer(model), nn.functional.cross_entropy, data,
+                          microbatches)
 
 
 def _check(losses: list[float], state: dict, ref: tuple[list[float], dict]) -> None:

@@ -17,7 +17,7 @@ from meshplan.runtime.emulated import run_emulated, run_emulated_stages
 from meshplan.zoo.spec import build_workload
 from hetero_cases import RATIOS, four_speeds
 from meshplan.runtime.optim import OptimizerSpec
-from oracle import assert_matches, batches
+from oracle import assert_matches, batches, plain_training
 from user_loop import one_device, parallel, train_steps
 
 MLP = "mlp:layers=3,hidden=16,batch=8,bias=1"
@@ -152,14 +152,7 @@ def test_a_plan_of_an_optimizer_with_groups_steps_each_group_by_its_own(shape, m
     assert plan_from_json(json.loads(json.dumps(plan.to_json()))).optimizer == plan.optimizer
     data = batches(w, 3)
     model = build_workload(MLP, device="cpu", seed=0).model
-    opt, ref_losses = _grouped_sgd(model), []
-    for (x,), t in data:
-        loss = w.loss_fn(model(x), t)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
-    ref = (ref_losses, {k: v.detach() for k, v in model.named_parameters()})
+    ref = plain_training(model, _grouped_sgd(model), w.loss_fn, data)
     for r in run_emulated(_grouped_rank, shape, plan, w, data, capture(w.model, w.loss_fn,
                                                                           w.example_batch)):
         assert_matches((*r, []), ref, plan, OptimizerSpec("sgd"))
@@ -250,13 +243,7 @@ def test_the_parallel_models_own_zero_grad_clears_and_its_parameters_explain() -
     w = build_workload(MLP, device="cpu", seed=0)
     data = batches(w, 4)
     model = copy.deepcopy(w.model)
-    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), []
-    for (x,), t in data:
-        loss = w.loss_fn(model(x), t)
-        loss.backward()
-        opt.step()
-        model.zero_grad()
-        ref.append(loss.item())
+    ref, _ = plain_training(model, torch.optim.SGD(model.parameters(), lr=0.1), w.loss_fn, data)
     plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data")
     for losses in run_emulated(_zero_grad_loop, (1, 2), plan, w, data):
         assert losses == pytest.approx(ref, rel=1e-5)

@@ -160,11 +160,11 @@ def save_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | No
     for stage, t in _engines(model):
         keep = {p.name for p in t.params if first.get(p.name, stage) == stage}
         regions += _regions(t, optimizer, keep)
-        new = {n for n in t._buffer_node if n not in buffers}
-        regions += _buffer_regions(t, new)
-        buffers.update({n: (list(t.buffers[t._buffer_node[n]].shape),
-                            str(t.buffers[t._buffer_node[n]].dtype).removeprefix("torch."))
-                        for n in new})
+        held = _buffer_regions(t, set(t._buffer_node) - set(buffers))   # each once a rank
+        regions += held
+        buffers.update({r.key.removeprefix("model."): (list(r.size), str(r.tensor.dtype)
+                                                        .removeprefix("torch."))
+                        for r in held})
         for p in t.params:
             names[p.name] = list(t.program.values[p.node].shape)
             state = optimizer.state.get(p.update, {}) if optimizer is not None else {}
@@ -277,6 +277,7 @@ def load_model_state(path: str, into: torch.nn.Module | None = None
     if into is not None:
         params = dict(into.named_parameters())   # a tied parameter once, by its first name
         wrong = [n for n, p in params.items() if n not in out or out[n].shape != p.shape]
+        wrong += [n for n, b in into.named_buffers() if n in out and out[n].shape != b.shape]
         if wrong:
             raise ValueError(f"checkpoint {path!r} is of another model: it lacks parameter(s) "
                              f"of this one or holds them at another shape, e.g. {wrong[:3]}")
@@ -284,6 +285,6 @@ def load_model_state(path: str, into: torch.nn.Module | None = None
             for n, p in params.items():
                 p.copy_(out[n])
             for n, b in into.named_buffers():
-                if n in out and out[n].shape == b.shape:
+                if n in out:   # (a checkpoint of meshplan before it saved buffers has none)
                     b.copy_(out[n])
     return out
