@@ -153,12 +153,11 @@ def batch_reductions(graph: Graph) -> Reductions:
 def _mixes_samples(n: Node, bdims: Mapping[str, frozenset[int]]) -> bool:
     """Whether op ``n`` mixes the samples of the batch it keeps: a batch atom of its operands
     that it normalizes over (its statistics, `StatSync`) or cannot be split on."""
+    from meshplan.planner.intra.choices import op_batch_atoms
     if n.sig is None:
         return False
-    atoms = {dims[d][0] for dims, name in zip(n.sig.inputs, n.inputs) for d in bdims[name]
-             if dims[d]}
     over = n.sig.sync.sync_atoms if n.sig.sync is not None else frozenset()
-    return bool(atoms & (over | n.sig.unsplittable))
+    return bool(op_batch_atoms(n, bdims) & (over | n.sig.unsplittable))
 
 
 def _kind(n: Node) -> str | None:

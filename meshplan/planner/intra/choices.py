@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.layout import Axes, Layout, active_axes
@@ -162,7 +162,8 @@ def batch_dims(graph: Graph) -> dict[str, frozenset[int]]:
     return out
 
 
-def _op_batch_atoms(node: Node, bdims: dict[str, frozenset[int]]) -> set[str]:
+def op_batch_atoms(node: Node, bdims: Mapping[str, frozenset[int]]) -> set[str]:
+    """The atoms of ``node``'s signature that carry the batch in its operands (`batch_dims`)."""
     return {dims[d][0] for dims, name in zip(node.sig.inputs, node.inputs)
             for d in bdims[name] if dims[d]}
 
@@ -188,7 +189,7 @@ def _op_choices(node: Node, axes: Axes, mesh_shape: tuple[int, int], opts: Intra
     if node.sig.kind in ("replicated", "random"):
         return [Choice(replicated_strategy(node.sig))]
     full = opts.heavy_full_split
-    batch_atoms = _op_batch_atoms(node, bdims)
+    batch_atoms = op_batch_atoms(node, bdims)
     for full_split in ((True, False) if full else (False,)):
         strategies = [s for s in enumerate_strategies(node.sig, axes, mesh_shape,
                                                       full_split=full_split)
