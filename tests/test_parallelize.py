@@ -230,7 +230,7 @@ def _zero_grad_loop(comm, plan: meshplan.Plan, w, data: list) -> list[float]:
         opt.step()
         model.zero_grad()   # the module's, not the optimizer's
         losses.append(loss.item())
-    with pytest.raises(TypeError, match=r"parameters are its ranks' shards.*max_grad_norm"):
+    with pytest.raises(TypeError, match=r"parameters are its ranks. shards.*clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     return losses
 
@@ -247,3 +247,124 @@ def test_the_parallel_models_own_zero_grad_clears_and_its_parameters_explain() -
     plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data")
     for losses in run_emulated(_zero_grad_loop, (1, 2), plan, w, data):
         assert losses == pytest.approx(ref, rel=1e-5)
+
+
+CLIP = (0.05, 2.0)   # (max_norm, norm_type): every step clipped
+
+
+def _clipped_steps(model, opt, sched, data: list, clip: tuple, one_device=None) -> tuple:
+    """The user's loop with ``clip_grad_norm_`` between backward and step: on one device
+    (``one_device``: the loss function) torch's over the model's parameters, else the
+    parallel model's own."""
+    losses, norms = [], []
+    for i, batch in enumerate(data):
+        if one_device is not None:
+            torch.manual_seed(i)
+            (x,), t = batch
+            loss = one_device(model(x), t)
+        else:
+            loss = model(batch)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
+                           if one_device is not None else model.clip_grad_norm_(*clip)))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _clipping_rank(comm, plan: meshplan.Plan, w, data: list, captured, clip: tuple,
+                   p2p=None) -> tuple:
+    model, opt, sched = parallel(w, plan, comm=comm, p2p=p2p, captured=captured)
+    losses, norms = _clipped_steps(model, opt, sched, data, clip)
+    return losses, norms, model.full_state_dict()
+
+
+def _clipping_stage(comm, p2p, plan, w, data, captured, clip) -> tuple:
+    return _clipping_rank(comm, plan, w, data, captured, clip, p2p)
+
+
+def _one_device_clipped(spec: str, data: list, clip: tuple) -> tuple:
+    import copy
+    from user_loop import optimizer_for
+    w = build_workload(spec, device="cpu", seed=0)
+    model = copy.deepcopy(w.model)
+    opt, sched = optimizer_for(model)
+    losses, norms = _clipped_steps(model, opt, sched, data, clip, one_device=w.loss_fn)
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+CLIP_CASES = {
+    **{name: (spec, kw, CLIP) for name, (spec, kw) in CASES.items()},
+    "zero3-inf": (BERT, dict(mesh_shape=(2, 2), method="zero3"), (0.01, float("inf"))),
+    "megatron-l1": (BERT, dict(mesh_shape=(1, 2), method="megatron"), (0.5, 1.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_clip_grad_norm_in_the_users_loop_clips_as_one_device(case: str) -> None:
+    """``model.clip_grad_norm_`` (FSDP's name) between backward and step: the norm over every
+    rank's gradients, each element once, returned alike on every rank and clipped by, as
+    torch.nn.utils.clip_grad_norm_ on one device; the optimizer's step synchronizes nothing
+    again."""
+    spec, kw, clip = CLIP_CASES[case]
+    shape = kw["mesh_shape"]
+    plan = _plan(spec, f"local:{shape[0] * shape[1]}", **kw)
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    ref_losses, ref_norms, ref_params = _one_device_clipped(spec, data, clip)
+    assert min(ref_norms) > clip[0]   # every step is clipped
+    for losses, norms, params in run_emulated(_clipping_rank, plan.mesh_shape, plan, w, data,
+                                              _capture(w, plan), clip):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        assert_matches((losses, params, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def test_clip_grad_norm_over_a_pipelines_stages_clips_as_one_device() -> None:
+    # Interleaved, the embedding tied to the head: two stages of a rank, a parameter two
+    # stages hold, counted once.
+    spec = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8"
+    plan = _plan(spec, "local:2", method="megatron:dp=1,tp=1,pp=2,virtual=2", microbatches=4)
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+    for clip in (CLIP, (0.01, float("inf"))):
+        ref_losses, ref_norms, ref_params = _one_device_clipped(spec, data, clip)
+        assert min(ref_norms) > clip[0]
+        params: dict = {}
+        results = run_emulated_stages(_clipping_stage, plan.stage_meshes(), plan, w, data,
+                                      _capture(w, plan), clip)
+        for losses, norms, state in results:
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+            params.update(state)
+        assert_matches((results[0][0], params, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def _misplaced_clips(comm, plan: meshplan.Plan, w, data: list) -> None:
+    import copy
+    model = copy.deepcopy(w.model)
+    model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
+                                      w.loss_fn, comm=comm)
+    with pytest.raises(RuntimeError, match="call it on a batch"):
+        model.clip_grad_norm_(1.0)
+    loss = model(data[0])
+    with pytest.raises(RuntimeError, match="before loss.backward"):
+        model.clip_grad_norm_(1.0)
+    loss.backward()
+    with pytest.raises(ValueError, match="norm_type must be a number > 0"):
+        model.clip_grad_norm_(1.0, norm_type=0)
+    with pytest.raises(ValueError, match="max_norm must be a finite number"):
+        model.clip_grad_norm_(float("nan"))
+    model.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="synchronized .*another forward would add"):
+        model(data[1])
+    opt.zero_grad()   # dropped unapplied (a step skipped): the next step begins afresh
+    model(data[1]).backward()
+    model.clip_grad_norm_(1.0)
+    opt.step()
+
+
+def test_clip_grad_norm_out_of_place_is_refused() -> None:
+    w = build_workload(MLP, device="cpu", seed=0)
+    plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
+    run_emulated(_misplaced_clips, (1, 2), plan, w, batches(w, 2))

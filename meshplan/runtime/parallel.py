@@ -6,6 +6,7 @@ On every rank::
     for batch in batches:              # the global batch, the same on every rank
         loss = model(batch)            # this rank's share of the step, the global loss's value
         loss.backward()
+        model.clip_grad_norm_(1.0)     # optional: the global norm, as one device clips
         optimizer.step()
         optimizer.zero_grad()
 
@@ -36,6 +37,7 @@ from torch import nn
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.failure import StepGuard
+from meshplan.runtime.grad_norm import check_clip_args
 from meshplan.runtime.devices import check_backend, resolve_device
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
@@ -47,10 +49,11 @@ from meshplan.runtime.trainer import Trainer
 # torch.nn.utils.clip_grad_norm_(model.parameters()) would see nothing and clip nothing.
 _NO_PARAMETERS = (
     "a parallel model's parameters are its ranks' shards, held by the plan's trainers: clip "
-    "gradients with the plan's optimizer (meshplan.plan(..., OptimizerSpec(..., "
-    "max_grad_norm=1.0))), clear them with optimizer.zero_grad() or model.zero_grad(), read "
-    "them whole with model.full_state_dict() or a checkpoint; the model given to parallelize "
-    "keeps its initial values")
+    "gradients with model.clip_grad_norm_(max_norm) (the global norm over every rank, as "
+    "FSDP's) or the plan's optimizer (OptimizerSpec(..., max_grad_norm=1.0)), clear them "
+    "with optimizer.zero_grad() or model.zero_grad(), read them whole with "
+    "model.full_state_dict() or a checkpoint; the model given to parallelize keeps its "
+    "initial values")
 
 
 class ParallelModel(nn.Module):
@@ -72,6 +75,8 @@ class ParallelModel(nn.Module):
         # this leaf only, so the caller's loss.backward() has nothing left to do.
         self._anchor = torch.zeros((), requires_grad=True, device=comm.device)
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
+        # A call whose last backward the caller has yet to run (`clip_grad_norm_` waits).
+        self._awaiting_backward = False
 
     def _start(self, batch: Any) -> None:
         model, plan = self._model[0], self._plan
@@ -84,12 +89,14 @@ class ParallelModel(nn.Module):
                                              local_batches=local)
             trainers = list(self._pipeline.trainers.values())
             prepare, guard = self._pipeline.prepare_gradients, self._pipeline.guard
+            settled = self._pipeline.settled
         else:
             local = self._local_example is not None
             tr = Trainer(plan, model, self._loss_fn, self._local_example if local else batch,
                          self._comm, captured=self._captured, local_batches=local)
             self._trainer, trainers, prepare, guard = tr, [tr], tr.prepare_gradients, tr.guard
-        _repoint(self._optimizer, model, trainers, prepare, guard)
+            settled = tr.settled
+        _repoint(self._optimizer, model, trainers, prepare, settled, guard)
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
             apply_checkpoint(self._pending[0], self, self._pending[1])
@@ -132,13 +139,40 @@ class ParallelModel(nn.Module):
                 _unscaled(f"{len(micro)} micro-batches", grad)
             with tr.guard.running():
                 torch.autograd.backward(last, grad)
+            self._awaiting_backward = False
+        self._awaiting_backward = True
         return _GuardedBackward.apply(self._anchor, whole, backward)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, as FSDP's method of this
+        name: the gradients' global ``norm_type``-norm (every element counted once over the
+        ranks and stages) is returned, the same on every rank, and every gradient scaled by
+        ``max_norm / (norm + 1e-6)`` where that is below 1. Call it after ``loss.backward()``
+        and before ``optimizer.step()``; it synchronizes the step's gradients (the optimizer's
+        step then does not again), so the step's gradients must all be accumulated by then.
+        Raises RuntimeError before the first call or while a backward is due, ValueError for
+        a bad ``max_norm`` or ``norm_type``."""
+        max_norm, norm_type = check_clip_args(max_norm, norm_type)
+        engine = self._pipeline or self._trainer
+        if engine is None:
+            raise RuntimeError("the parallel model has no gradients yet: call it on a batch "
+                               "and run loss.backward() before clip_grad_norm_")
+        if self._awaiting_backward:
+            raise RuntimeError("clip_grad_norm_ before loss.backward(): the step's last "
+                               "backward has not run, its gradients would be left out of the "
+                               "norm; call loss.backward() first")
+        norm = engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        dtype = next((p.update.dtype for t in self._trainers() for p in t.params),
+                     torch.float32)
+        return norm.to(dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients of this rank's shards cleared, as ``optimizer.zero_grad()`` clears
         them (nn.Module's own would clear the parameters of nothing: the shards are the
         trainers', not this module's)."""
         self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._awaiting_backward = False
         for t in self._trainers():
             for p in t.params:
                 if p.compute is not None and p.compute.grad is not None:
@@ -248,10 +282,12 @@ class _GuardedBackward(torch.autograd.Function):
 
 
 def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[Trainer],
-             prepare: Callable[[], None], guard: StepGuard) -> None:
+             prepare: Callable[[], None], settled: Callable[[], None], guard: StepGuard
+             ) -> None:
     """The user's optimizer, stepping this rank's update tensors (of every stage it runs): each
     group keeps its hyper-parameters; ``prepare`` runs before every step (synchronize, clip),
-    ZeRO-2's compute copies are refreshed after; the whole step runs in ``guard`` (a failure
+    ZeRO-2's compute copies are refreshed after and ``settled`` told (as on ``zero_grad``: the
+    next gradients are synchronized anew); the whole step runs in ``guard`` (a failure
     on one rank fails it on every rank, `runtime/failure.py`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     local: dict[str, list[torch.Tensor]] = {}
@@ -267,6 +303,7 @@ def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[
     def after(*_: Any) -> None:
         for t in trainers:
             t._refresh_zero2()
+        settled()
 
     def before(*_: Any) -> None:
         prepare()
@@ -281,3 +318,10 @@ def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, trainers: list[
         with guard.running():
             return unguarded(*args, **kwargs)
     optimizer.step = step   # the instance's own: hooks and schedulers wrap it as usual
+    unzeroed = optimizer.zero_grad
+
+    @functools.wraps(unzeroed)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        settled()   # gradients dropped unapplied (a step skipped): the next are new
+        return unzeroed(*args, **kwargs)
+    optimizer.zero_grad = zero_grad

@@ -27,6 +27,7 @@ under interleaving one per micro-batch and chunk), the accounting the schedule's
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,7 @@ from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
+from meshplan.runtime.grad_norm import check_finite, clip_factor, norm_from
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
 
@@ -112,6 +114,7 @@ class PipelineTrainer:
         self._shared = self._moves.shared
         self.held = 0
         self.peak_held = 0
+        self._synced = False   # `synchronize_gradients`
         # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
         active = isinstance(comm, ProcessGroupComm) and isinstance(p2p, ProcessGroupP2P)
         self.guard = StepGuard([comm.rebuild, p2p.rebuild] if active else [], self.undo_step,
@@ -127,6 +130,7 @@ class PipelineTrainer:
         """What a failed step left, dropped on each stage this rank runs (`Trainer.undo_step`)."""
         for t in self.trainers.values():
             t.undo_step()
+        self._synced = False
         self.held = 0
 
     def serve(self, batch: Any) -> None:
@@ -251,29 +255,64 @@ class PipelineTrainer:
         self.guard.updating = True
         for t in self.trainers.values():
             t.update()
+        self.settled()
+
+    def synchronize_gradients(self) -> None:
+        """Every stage of this rank: gradients synchronized over the mesh and shared
+        parameters' parts summed across stages, once per step (a clip before the optimizer's
+        step does it first)."""
+        if self._synced:
+            return
+        for t in self.trainers.values():
+            t.synchronize_gradients()
+        self._sum_tied()
+        self._synced = True
+
+    def settled(self) -> None:
+        """The step's gradients were applied or dropped (`Trainer.settled`)."""
+        self._synced = False
+        for t in self.trainers.values():
+            t.settled()
 
     def prepare_gradients(self) -> None:
         """Every stage of this rank: gradients synchronized over the mesh, shared parameters'
         parts summed across stages, clipped by the global norm over every stage."""
-        for t in self.trainers.values():
-            t.synchronize_gradients()
-        self._sum_tied()
-        norms = []
-        for s, t in self.trainers.items():
-            elsewhere = frozenset(name for name, stages in self._shared.items()
-                                  if s in stages and stages[0] != s)
-            norms.append(t.squared_norm(elsewhere))
-        if norms[0] is not None:
-            mine = norms[0].clone()
-            for n in norms[1:]:
-                mine += n
-            total = self._sum_over_meshes(mine)
+        self.synchronize_gradients()
+        if next(iter(self.trainers.values())).spec.max_grad_norm is not None:
+            total = self._norm_total(2.0)
             for t in self.trainers.values():
                 t.clip(total)
         # Gloo moves an isend's data only once its peer posts the receive: a rank whose last
         # step ends before then (`optimizer.step()` of `parallelize` has no schedule's wait
         # after it) would exit with its part of the tied gradients never sent.
         self.p2p.wait_all()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """The step's gradients synchronized, clipped to ``max_norm`` by their global norm
+        over every stage, as one device clips (`runtime/grad_norm.py`); returns that norm."""
+        self.synchronize_gradients()
+        norm = norm_from(self._norm_total(norm_type), norm_type)
+        if error_if_nonfinite:
+            check_finite(norm, norm_type)
+        factor = clip_factor(norm, max_norm)
+        for t in self.trainers.values():
+            t.scale_gradients(factor)
+        return norm
+
+    def _norm_total(self, norm_type: float) -> torch.Tensor:
+        """`Trainer.norm_part` over every stage of the pipeline, the same on every rank (a
+        parameter several stages share counted by its first)."""
+        largest = math.isinf(norm_type)
+        mine: torch.Tensor | None = None
+        for s, t in self.trainers.items():
+            elsewhere = frozenset(name for name, stages in self._shared.items()
+                                  if s in stages and stages[0] != s)
+            part = t.norm_part(norm_type, elsewhere)
+            mine = part.clone() if mine is None else \
+                torch.maximum(mine, part) if largest else mine + part
+        assert mine is not None
+        return self._over_meshes(mine, largest)
 
     def _exchanges(self, src: int, dst: int, grad: bool = False
                    ) -> list[tuple[int, Exchange]]:
@@ -381,10 +420,11 @@ class PipelineTrainer:
         for p, total in totals:
             p.compute.grad = total
 
-    def _sum_over_meshes(self, mine: torch.Tensor) -> torch.Tensor:
-        """The sum over meshes of a value every rank of a mesh holds alike (the squared
-        gradient norm for clipping), the same on every rank: each mesh's first rank sends its
-        value to the other meshes' ranks, and each rank adds the values in mesh order."""
+    def _over_meshes(self, mine: torch.Tensor, largest: bool = False) -> torch.Tensor:
+        """The sum (``largest``: the maximum) over meshes of a value every rank of a mesh holds
+        alike (a part of the gradient norm), the same on every rank: each mesh's first rank
+        sends its value to the other meshes' ranks, and each rank combines the values in mesh
+        order."""
         tag = _tag("norm", 0, 0, 0)
         meshes = self.program.meshes
         if self.rank == meshes[self.mesh][0]:
@@ -396,7 +436,7 @@ class PipelineTrainer:
                  self.p2p.recv((1,), ranks[0], tag) for s, ranks in enumerate(meshes)]
         total = parts[0].clone()
         for part in parts[1:]:
-            total += part
+            total = torch.maximum(total, part) if largest else total + part
         return total[0]
 
     # ---------------------------------------------------------------- the loss

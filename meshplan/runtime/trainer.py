@@ -15,6 +15,7 @@ from backward: nothing to synchronize.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import defaultdict, deque
@@ -43,6 +44,7 @@ from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
+from meshplan.runtime.grad_norm import check_finite, clip_factor, norm_from
 from meshplan.runtime.grad_sync import (GradBuckets, accumulate, dtype_buckets,
                                         gather_params_into, settle)
 from meshplan.lower.factored_stats import update_dims
@@ -201,6 +203,9 @@ class Trainer:
                 p.compute.register_post_accumulate_grad_hook(self._scatter_hook(p))
         self._buckets = self._make_buckets()
         self._began = 0
+        # The gradients synchronized since the last update (`synchronize_gradients`): a
+        # second synchronization would reduce them again.
+        self._synced = False
         # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
         self.guard = StepGuard([comm.rebuild] if isinstance(comm, ProcessGroupComm) else [],
                                self.undo_step, active=isinstance(comm, ProcessGroupComm))
@@ -510,6 +515,12 @@ class Trainer:
     def begin_step(self, seed: int | None = None) -> torch.Generator:
         """Before a step's micro-batches: the step's dropout generator (seeded ``seed``,
         default the step number)."""
+        if self._synced:
+            raise RuntimeError(
+                "this step's gradients were synchronized (clip_grad_norm_) and not yet applied: "
+                "another forward would add to them after the fact. Clip once the step's "
+                "gradients are all accumulated, then optimizer.step() (or zero_grad() to drop "
+                "them)")
         rng = generator_for(self.device).manual_seed(self._steps if seed is None else seed)
         self._began = self._steps
         self._steps += 1
@@ -523,6 +534,7 @@ class Trainer:
         flight, ZeRO-3 copies; the step count as before it."""
         self._scattering.clear()
         self._casts.clear()
+        self.settled()
         for p in self.params:
             p.update.grad = None
             if p.compute is not None:
@@ -549,8 +561,15 @@ class Trainer:
             self.clip(total)
 
     def synchronize_gradients(self) -> None:
-        """Gradients synchronized over the mesh in buckets (ZeRO: reduce-scattered)."""
-        self._synchronize()
+        """Gradients synchronized over the mesh in buckets (ZeRO: reduce-scattered), once per
+        step: a clip before the optimizer's step synchronizes them first."""
+        if not self._synced:
+            self._synchronize()
+            self._synced = True
+
+    def settled(self) -> None:
+        """The step's gradients were applied or dropped: the next are synchronized anew."""
+        self._synced = False
 
     def update(self) -> None:
         """The optimizer step on the synchronized (and clipped) gradients; ZeRO-2 compute copies
@@ -559,6 +578,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_zero2()
+        self.settled()
 
     def _run(self, args: list[torch.Tensor], rng: torch.Generator) -> torch.Tensor:
         """The local program on one micro-batch, at the plan's dtype, recomputed in backward
@@ -593,25 +613,42 @@ class Trainer:
 
     def squared_norm(self, counted_elsewhere: frozenset[str] = frozenset()
                      ) -> torch.Tensor | None:
-        """The squared global norm of this mesh's update gradients (fp64, the same on every
-        rank), or None without clipping. Each rank adds its pieces' squares divided by how many
-        ranks hold the same piece (the mesh over the distinct pieces: the layout's shards,
-        times the ZeRO shards), so the all-reduce over the mesh counts every element once.
-        ``counted_elsewhere``: parameters another pipeline stage counts."""
+        """The squared global norm of this mesh's update gradients (`norm_part`), or None
+        without the optimizer's clipping."""
         if self.spec.max_grad_norm is None:
             return None
+        return self.norm_part(2.0, counted_elsewhere)
+
+    def norm_part(self, norm_type: float, counted_elsewhere: frozenset[str] = frozenset()
+                  ) -> torch.Tensor:
+        """This mesh's part of the update gradients' global ``norm_type``-norm (fp64, the same
+        on every rank): the sum of ``|g| ** norm_type``, or for inf the largest ``|g|``. For
+        the sum each rank adds its pieces' powers divided by how many ranks hold the same piece
+        (the mesh over the distinct pieces: the layout's shards, times the ZeRO shards), so the
+        all-reduce over the mesh counts every element once. ``counted_elsewhere``: parameters
+        another pipeline stage counts."""
         r, c = self.plan.mesh_shape
+        largest = math.isinf(norm_type)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
             g = p.update.grad
-            if g is None or p.name in counted_elsewhere:
+            if g is None or p.name in counted_elsewhere or g.numel() == 0:
+                continue
+            g = g.detach().double()
+            if largest:
+                local = torch.maximum(local, g.abs().max())
                 continue
             pieces = self.program.values[p.node].layout.shard_factor((r, c))
             if not p.whole:
                 pieces *= self.comm.group_size(p.axes)
-            local = local + g.detach().double().pow(2).sum() / (r * c // pieces)
+            power = g.pow(2) if norm_type == 2.0 else g.abs().pow(norm_type)
+            local = local + power.sum() / (r * c // pieces)
         n = len(self.comm.records)   # not part of the plan's collectives, like the loss report
-        total = self.comm.all_reduce(local, (0, 1), phase="update")
+        if largest:
+            total = self.comm.all_gather(local.reshape(1), (0, 1), 0, [1] * (r * c),
+                                         phase="update").max()
+        else:
+            total = self.comm.all_reduce(local, (0, 1), phase="update")
         del self.comm.records[n:]
         return total
 
@@ -620,11 +657,24 @@ class Trainer:
         global norm ``total`` (bitwise the same on every rank, so every rank scales alike)."""
         limit = self.spec.max_grad_norm
         assert limit is not None
-        # torch.nn.utils.clip_grad_norm_'s factor, kept on the device (no host round trip).
-        scale = (limit / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        self.scale_gradients(clip_factor(total.sqrt(), limit))
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        """Every update gradient times ``factor`` (a 0-dim tensor)."""
         for p in self.params:
             if p.update.grad is not None:
-                p.update.grad.mul_(scale.to(p.update.grad.dtype))
+                p.update.grad.mul_(factor.to(p.update.grad.dtype))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """The step's gradients synchronized, clipped to ``max_norm`` by their global norm as
+        one device clips (`runtime/grad_norm.py`); returns that norm (fp64)."""
+        self.synchronize_gradients()
+        norm = norm_from(self.norm_part(norm_type), norm_type)
+        if error_if_nonfinite:
+            check_finite(norm, norm_type)
+        self.scale_gradients(clip_factor(norm, max_norm))
+        return norm
 
     def _groups(self, mode: str) -> list[tuple[tuple[int, ...], list[_Param]]]:
         """The synchronized parameters of update ``mode`` by mesh axes (one bucket each)."""
