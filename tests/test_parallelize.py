@@ -165,9 +165,10 @@ def test_groups_apart_in_what_the_plan_cannot_carry_are_refused() -> None:
                       w.example_batch, "local:2", mesh_shape=(1, 2))
 
 
-def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p=None) -> tuple:
+def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p=None,
+                       scales: tuple | None = None) -> tuple:
     """Gradient accumulation as Hugging Face's Trainer writes it: each loss divided by the
-    number of batches per update."""
+    number of batches per update (``scales``: each call's own divisor instead)."""
     import copy
     model = copy.deepcopy(w.model)
     model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
@@ -175,7 +176,7 @@ def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p
     losses = []
     for i, batch in enumerate(data):
         loss = model(batch)
-        (loss / steps).backward()
+        (loss / (scales[i] if scales else steps)).backward()
         losses.append(loss.item())
         if (i + 1) % steps == 0:
             opt.step()
@@ -183,16 +184,27 @@ def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p
     return losses, model.full_state_dict()
 
 
-def _accumulating_stage(comm, p2p, plan, w, data, steps) -> tuple:
-    return _accumulating_loop(comm, plan, w, data, steps, p2p)
+def _accumulating_stage(comm, p2p, plan, w, data, steps, scales=None) -> tuple:
+    return _accumulating_loop(comm, plan, w, data, steps, p2p, scales)
 
 
-def test_a_loss_scaled_in_the_loop_accumulates_or_is_refused() -> None:
-    """One micro-batch: the loop's scale reaches every gradient, as on one device. Where part
-    of the backward runs inside the model's call (earlier micro-batches, a pipeline's
-    schedule), unscaled, a scaled backward is refused rather than mixing scales."""
+ACCUMULATING = {
+    "one micro-batch": (MLP, dict(mesh_shape=(1, 2), method="data")),
+    "2 micro-batches": (MLP, dict(mesh_shape=(1, 2), method="data", microbatches=2)),
+    "zero2, 2 micro-batches": (MLP, dict(mesh_shape=(1, 2), method="zero2", microbatches=2)),
+    "zero3, 2 micro-batches": (BERT, dict(mesh_shape=(2, 2), method="zero3", microbatches=2)),
+    "pipeline": (BERT, dict(method="megatron:dp=1,tp=1,pp=2", microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATING))
+def test_a_loss_scaled_in_the_loop_accumulates_as_one_device(case: str) -> None:
+    """The loop's scale reaches every gradient, as on one device, also where part of each
+    call's backward runs inside the call with the loss as returned (earlier micro-batches, a
+    pipeline's schedule): the step's gradients take it at synchronization."""
     import copy
-    w = build_workload(MLP, device="cpu", seed=0)
+    spec, kw = ACCUMULATING[case]
+    w = build_workload(spec, device="cpu", seed=0)
     data, steps = batches(w, 4), 2
     model = copy.deepcopy(w.model)
     opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), []
@@ -203,19 +215,31 @@ def test_a_loss_scaled_in_the_loop_accumulates_or_is_refused() -> None:
         if (i + 1) % steps == 0:
             opt.step()
             opt.zero_grad()
-    plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data")
-    for losses, state in run_emulated(_accumulating_loop, (1, 2), plan, w, data, steps):
-        assert_matches((losses, state, []), (ref, {n: p.detach() for n, p in
-                                                   model.named_parameters()}),
-                       plan, OptimizerSpec("sgd"))
+    ref_state = {n: p.detach() for n, p in model.named_parameters()}
+    shape = kw.get("mesh_shape", (1, 2))
+    plan = _plan(spec, f"local:{shape[0] * shape[1]}", **kw)
+    if plan.num_stages > 1:
+        results, state = run_emulated_stages(_accumulating_stage, plan.stage_meshes(), plan, w,
+                                             data, steps), {}
+        for _, part in results:
+            state.update(part)
+        results = [(results[0][0], state)]
+    else:
+        results = run_emulated(_accumulating_loop, plan.mesh_shape, plan, w, data, steps)
+    for losses, state in results:
+        assert_matches((losses, state, []), (ref, ref_state), plan, OptimizerSpec("sgd"))
+
+
+def test_calls_of_a_step_scaled_apart_are_refused_where_the_plan_accumulates() -> None:
+    w = build_workload(MLP, device="cpu", seed=0)
     micro = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
-    with pytest.raises(ValueError, match=r"gradient of 0.5 .*2 micro-batches ran part of its"):
-        run_emulated(_accumulating_loop, (1, 2), micro, w, data, steps)
+    with pytest.raises(ValueError, match=r"gradient of 0.25, and an earlier call of this step 0.5"):
+        run_emulated(_accumulating_loop, (1, 2), micro, w, batches(w, 2), 2, None, (2, 4))
     w = build_workload(BERT, device="cpu", seed=0)
     piped = _plan(BERT, "local:2", method="megatron:dp=1,tp=1,pp=2")
-    with pytest.raises(ValueError, match=r"gradient of 0.5 .*a pipeline ran part of its"):
+    with pytest.raises(ValueError, match=r"gradient of 0.25, and an earlier call of this"):
         run_emulated_stages(_accumulating_stage, piped.stage_meshes(), piped, w,
-                            batches(w, 2), steps)
+                            batches(w, 2), 2, (2, 4))
 
 
 def _zero_grad_loop(comm, plan: meshplan.Plan, w, data: list) -> list[float]:

@@ -108,8 +108,7 @@ class ParallelModel(nn.Module):
         if self._pipeline is not None:
             value = self._pipeline.step(batch, apply=False)
             whole = torch.as_tensor(value, dtype=self._anchor.dtype, device=self._anchor.device)
-            return _GuardedBackward.apply(self._anchor, whole,
-                                          functools.partial(_unscaled, "a pipeline"))
+            return _GuardedBackward.apply(self._anchor, whole, self._pipeline.scale_loss)
         tr = self._trainer
         assert tr is not None
         tr.serve(batch)
@@ -135,9 +134,10 @@ class ParallelModel(nn.Module):
         # the last micro-batch's, guarded as the rest of the step.
 
         def backward(grad: torch.Tensor) -> None:
-            if done:
-                _unscaled(f"{len(micro)} micro-batches", grad)
             with tr.guard.running():
+                if done:   # the earlier ones ran unscaled: the step takes the scale at once
+                    tr.scale_loss(grad)
+                    grad = torch.ones_like(grad)
                 torch.autograd.backward(last, grad)
             self._awaiting_backward = False
         self._awaiting_backward = True
@@ -251,18 +251,6 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
         p2p = p2p or (ProcessGroupP2P(dev) if plan.num_stages > 1 else None)
     return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured,
                          example_batch if local_batches else None), optimizer
-
-
-def _unscaled(plan: str, grad: torch.Tensor) -> None:
-    """ValueError unless ``grad`` (what ``loss.backward()`` hands the loss) is 1: a plan of
-    ``plan`` ran part of its backward inside the model's call, with the loss as returned."""
-    if grad.device.type != "meta" and not bool((grad == 1).all()):   # meta: shapes only
-        raise ValueError(
-            f"loss.backward() was given a gradient of {grad.flatten()[0].item():g} (a loss "
-            f"scaled in the loop: divided by gradient-accumulation steps, or by a GradScaler), "
-            f"but this plan of {plan} ran part of its backward inside the model's call, "
-            "unscaled: its gradients would mix scales. Call backward on the loss as returned, "
-            "or let the plan accumulate: plan the larger batch, in more micro-batches")
 
 
 class _GuardedBackward(torch.autograd.Function):

@@ -268,6 +268,12 @@ class PipelineTrainer:
         self._sum_tied()
         self._synced = True
 
+    def scale_loss(self, grad: torch.Tensor) -> None:
+        """The caller's ``loss.backward()`` gradient, for every stage of this rank
+        (`Trainer.scale_loss`: the whole schedule ran inside the call, unscaled)."""
+        for t in self.trainers.values():
+            t.scale_loss(grad)
+
     def settled(self) -> None:
         """The step's gradients were applied or dropped (`Trainer.settled`)."""
         self._synced = False

@@ -206,6 +206,9 @@ class Trainer:
         # The gradients synchronized since the last update (`synchronize_gradients`): a
         # second synchronization would reduce them again.
         self._synced = False
+        # The scale the caller's backward gave a step part of whose backward ran unscaled
+        # inside the model's call (`scale_loss`), applied at synchronization.
+        self._loss_scale: torch.Tensor | None = None
         # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
         self.guard = StepGuard([comm.rebuild] if isinstance(comm, ProcessGroupComm) else [],
                                self.undo_step, active=isinstance(comm, ProcessGroupComm))
@@ -565,11 +568,36 @@ class Trainer:
         step: a clip before the optimizer's step synchronizes them first."""
         if not self._synced:
             self._synchronize()
+            scale = self._loss_scale
+            if scale is not None and not bool((scale == 1).all()):
+                self.scale_gradients(scale)
             self._synced = True
 
     def settled(self) -> None:
         """The step's gradients were applied or dropped: the next are synchronized anew."""
         self._synced = False
+        self._loss_scale = None
+
+    def scale_loss(self, grad: torch.Tensor) -> None:
+        """The gradient ``grad`` the caller's ``loss.backward()`` gave a loss it scaled
+        (divided by gradient-accumulation steps) where part of the call's backward ran inside
+        it with the loss as returned (earlier micro-batches, a pipeline's schedule): gradients
+        are linear in it, so the step's gradients take it once, at synchronization, and the
+        rest of the backward runs unscaled. That needs every call of a step scaled alike, as
+        the loops that scale do; raises ValueError where a call's scale differs."""
+        grad = grad.detach()
+        if grad.device.type == "meta":   # shapes only: nothing to scale
+            return
+        if self._loss_scale is None:
+            self._loss_scale = grad.clone()
+        elif not bool((grad == self._loss_scale).all()):
+            raise ValueError(
+                f"loss.backward() was given a gradient of {grad.flatten()[0].item():g}, and "
+                f"an earlier call of this step {self._loss_scale.flatten()[0].item():g}: this "
+                "plan runs part of each call's backward inside the call and applies the "
+                "loop's scale to the step's gradients at once, which needs every call of a "
+                "step scaled alike. Scale each call's loss alike, or call backward on the loss "
+                "as returned and let the plan accumulate (plan the larger batch)")
 
     def update(self) -> None:
         """The optimizer step on the synchronized (and clipped) gradients; ZeRO-2 compute copies
