@@ -184,6 +184,16 @@ def step_loss(loss_fn: Callable | None, out: Any, target: torch.Tensor | None) -
     return loss_fn(out) if target is None else loss_fn(out, target)
 
 
+def whole_loss(model: Any, loss_fn: Callable | None, batch: Any,
+               device: torch.device | None = None) -> Any:
+    """``model`` run on ``batch`` (its tensors moved to ``device``) and the step's loss, as one
+    device computes it."""
+    layout, tensors = flatten_batch(batch)
+    moved = [t.to(device) if device is not None else t for t in tensors.values()]
+    args, kwargs, target = layout.call(moved)
+    return step_loss(loss_fn, model(*args, **kwargs), target)
+
+
 def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor of ``batch``. Raises ValueError if they differ
     (every tensor's dim 0 is the batch) and TypeError for a malformed batch."""

@@ -64,3 +64,19 @@ def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
         while len(_CACHE) > _RECENT:
             _CACHE.popitem(last=False)
         return result
+
+
+def captured_in_mode(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
+                     training: bool) -> Any:
+    """The capture of ``model`` with every module in training mode ``training`` (``model.eval()``
+    for False), its modules' own modes restored after; under the lock, so that no other
+    thread's capture sees the modes switched."""
+    from meshplan.capture.to_ir import capture
+    with _LOCK:
+        modes = [(m, m.training) for m in model.modules()]
+        try:
+            model.train(training)
+            return capture(model, loss_fn, example_batch)
+        finally:
+            for m, mode in modes:
+                m.training = mode

@@ -264,7 +264,11 @@ def capture(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> tuple[T
 def _capture_now(model: torch.nn.Module, loss_fn: Any, example_batch: Any
                  ) -> tuple[Traced, Graph]:
     from meshplan.capture.trace import trace
-    traced = trace(model, loss_fn, example_batch)
+    # The training step's program, whatever the caller's grad mode: under torch.no_grad() (a
+    # loop that evaluates before it trains) every value would trace as made without
+    # gradients (`no_grad.py`), a program without its backward.
+    with torch.enable_grad():
+        traced = trace(model, loss_fn, example_batch)
     graph = to_ir(traced)
     graph_signature_check(graph)
     return traced, graph

@@ -23,17 +23,21 @@ activations held at a time, as planned) and leaves the last one's backward to
 ``loss.backward()``. A pipeline's call runs its whole schedule (forwards and backwards
 interleaved, as 1F1B must), so ``loss.backward()`` has nothing left to do; ``optimizer.step()``
 then synchronizes every stage's gradients (shared parameters summed across stages, the norm
-taken over all) and steps each of this rank's stages.
+taken over all) and steps each of this rank's stages. In evaluation mode (``model.eval()``) a
+call returns the loss of the model in evaluation mode (`ParallelModel._evaluated`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from meshplan.capture.batch import whole_loss
+from meshplan.capture.memo import captured_in_mode
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.failure import StepGuard
@@ -42,7 +46,8 @@ from meshplan.runtime.devices import check_backend, resolve_device
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.pipeline import PipelineTrainer
 from meshplan.runtime.run_script import init_world
-from meshplan.runtime.trainer import Trainer
+from meshplan.runtime.step_modes import autocast_for
+from meshplan.runtime.trainer import Trainer, locked_capture, shape_key
 
 
 # What a parallel model answers for its parameters: its ranks' shards live in the trainers, so
@@ -77,6 +82,10 @@ class ParallelModel(nn.Module):
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
         # A call whose last backward the caller has yet to run (`clip_grad_norm_` waits).
         self._awaiting_backward = False
+        # ``model.eval()``: whether the model computes the training program in evaluation mode
+        # too, by batch shape; and the whole model evaluation runs where it does not.
+        self._same_in_eval: dict[tuple, bool] = {}
+        self._eval_model: nn.Module | None = None
 
     def _start(self, batch: Any) -> None:
         model, plan = self._model[0], self._plan
@@ -105,6 +114,8 @@ class ParallelModel(nn.Module):
     def forward(self, batch: Any) -> torch.Tensor:
         if self._trainer is None and self._pipeline is None:
             self._start(batch)
+        if not self.training and not self._computes_alike_in_eval(batch):
+            return self._evaluated(batch)
         if self._pipeline is not None:
             value = self._pipeline.step(batch, apply=False)
             whole = torch.as_tensor(value, dtype=self._anchor.dtype, device=self._anchor.device)
@@ -142,6 +153,51 @@ class ParallelModel(nn.Module):
             self._awaiting_backward = False
         self._awaiting_backward = True
         return _GuardedBackward.apply(self._anchor, whole, backward)
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        """nn.Module's: in evaluation mode (``model.eval()``) a call returns the loss the model
+        computes in evaluation mode, as one device's model does (`_evaluated`)."""
+        if mode:
+            self._eval_model = None   # the whole copy evaluation held, freed
+        return super().train(mode)
+
+    def _computes_alike_in_eval(self, batch: Any) -> bool:
+        """Whether the model traces to the same program in evaluation mode as in the modes it
+        trains in at ``batch``'s shape (no dropout, no batch norm, no branch on ``self.training``): then
+        the plan's own program evaluates it, sharded as it trains."""
+        probe = self._local_example if self._local_example is not None else batch
+        key = shape_key(probe)
+        if key not in self._same_in_eval:
+            model, loss_fn = self._model[0], self._loss_fn
+            trained = locked_capture(model, loss_fn, probe)[0]   # in the modes it trains in
+            evaluated = captured_in_mode(model, loss_fn, probe, False)[0]
+            self._same_in_eval[key] = trained.graph_module.code == evaluated.graph_module.code
+        return self._same_in_eval[key]
+
+    def _evaluated(self, batch: Any) -> torch.Tensor:
+        """The loss of the model in evaluation mode on ``batch``, where that is another program
+        than the plan's (dropout, batch norm's running statistics): the parameters and buffers
+        gathered whole on every rank (`full_state_dict`) into a copy of the model in evaluation
+        mode, which runs the whole batch on this rank's device without gradients, as one
+        device would. The copy (a whole model per rank) is kept until ``model.train()``."""
+        tr = self._trainer
+        if tr is None or self._local_example is not None:
+            raise NotImplementedError(
+                f"model.eval() where the model computes differently in evaluation mode "
+                f"(dropout, batch norm's running statistics) is not supported "
+                f"{'on a pipeline plan' if tr is None else 'with rank-local batches'} yet: "
+                "save a checkpoint (meshplan.save_checkpoint) and evaluate the model loaded "
+                "from it, or evaluate with a one-stage plan and the global batch")
+        with tr.guard.running():
+            state = tr.full_state_dict()
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self._model[0]).to(tr.device)
+        # Every parameter and every buffer the program reads; one it never reads is the model's
+        # own, as it was given.
+        self._eval_model.load_state_dict(state, strict=False)
+        self._eval_model.eval()
+        with torch.no_grad(), autocast_for(self._plan.dtype, tr.device.type):
+            return whole_loss(self._eval_model, self._loss_fn, batch, tr.device).detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

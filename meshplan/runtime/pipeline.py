@@ -195,7 +195,13 @@ class PipelineTrainer:
         grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         kept: dict[tuple[int, int], tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
         total: torch.Tensor | None = None
+        # Under torch.no_grad() (an evaluation) the forwards only, in the schedule's order:
+        # every rank drops the same instructions, so the messages left still pair up.
+        backward = torch.is_grad_enabled()
         for ins in self.program.for_rank(self.rank):
+            if not backward and (ins.kind == "gradient" or ins.op == "APPLY_GRAD"
+                                 or (ins.op == "RUN" and ins.kind == "backward")):
+                continue
             j, key = ins.microbatch, (ins.stage, ins.microbatch)
             t = self.trainers[ins.stage]
             if ins.op == "RECV" and ins.kind == "activation":
