@@ -4,6 +4,7 @@ with the optimizer's parameter groups (decay / no decay) kept."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -392,3 +393,68 @@ def test_clip_grad_norm_out_of_place_is_refused() -> None:
     w = build_workload(MLP, device="cpu", seed=0)
     plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method="data", microbatches=2)
     run_emulated(_misplaced_clips, (1, 2), plan, w, batches(w, 2))
+
+
+def _resumed_rank(comm, plan: meshplan.Plan, w, data: list, state: dict, captured,
+                  p2p=None) -> tuple:
+    """Load a whole state (one device's after its first step) before the first call or after
+    a step, then train on: the steps from that state."""
+    model, opt, sched = parallel(w, plan, comm=comm, p2p=p2p, captured=captured)
+    with pytest.raises(TypeError, match=r"state is its ranks' shards.*full_state_dict"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"missing key\(s\) \['.*unexpected key\(s\) \['x'\]"):
+        model.load_state_dict({"x": torch.zeros(1)})
+    model.load_state_dict(state)                  # held until the first call
+    first = train_steps(model, opt, sched, data[1:2])
+    model.load_state_dict(state)                  # the trainers' own
+    wrong = {k: v[..., :1] if v.dim() else v for k, v in state.items()}
+    with pytest.raises(ValueError, match="at shape"):
+        model.load_state_dict(wrong)
+    return first, model.full_state_dict()
+
+
+def _resumed_stage(comm, p2p, plan, w, data, state, captured) -> tuple:
+    return _resumed_rank(comm, plan, w, data, state, captured, p2p)
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3", "auto-2x2", "pipeline"])
+def test_load_state_dict_takes_a_whole_state_into_the_ranks_pieces(case: str) -> None:
+    """``model.load_state_dict(one device's state_dict())`` before the first call and after a
+    step: each rank's pieces as the start takes them, the step from there as one device's;
+    ``model.state_dict()`` refuses, naming full_state_dict (nn.Module's was an empty dict, a
+    checkpoint of nothing)."""
+    import copy
+    from user_loop import optimizer_for
+    if case == "pipeline":
+        spec, kw = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8", dict(
+            method="megatron:dp=1,tp=1,pp=2", microbatches=2)
+    else:
+        spec, kw = CASES[case]
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 2)
+    one = copy.deepcopy(w.model)
+    opt, _ = optimizer_for(one)
+    (x,), t = data[0]
+    w.loss_fn(one(x), t).backward()
+    opt.step()
+    state = {k: v.detach().clone() for k, v in one.state_dict().items()}
+    # From that state, one step by a fresh optimizer: the reference.
+    fresh = copy.deepcopy(w.model)
+    fresh.load_state_dict(state)
+    ref_losses, _ = one_device(dataclasses.replace(w, model=fresh), data[1:2])
+    shape = kw.get("mesh_shape", (1, 2))
+    plan = _plan(spec, f"local:{shape[0] * shape[1]}", **kw)
+    if plan.num_stages > 1:
+        results = run_emulated_stages(_resumed_stage, plan.stage_meshes(), plan, w, data, state,
+                                      _capture(w, plan))
+    else:
+        results = run_emulated(_resumed_rank, plan.mesh_shape, plan, w, data, state,
+                               _capture(w, plan))
+    params: dict = {}
+    for losses, part in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        params.update(part)
+    # After the reload, the trainers hold that state again.
+    for name, value in state.items():
+        if name in params:
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0)

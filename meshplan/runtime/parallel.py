@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from meshplan.capture.batch import whole_loss
 from meshplan.capture.memo import captured_in_mode
@@ -61,6 +62,15 @@ _NO_PARAMETERS = (
     "initial values")
 
 
+# What a parallel model answers for ``state_dict()``: nn.Module's would be empty (the state is
+# the trainers'), and a whole one gathers over every rank, which a call on one rank only (as
+# DDP users save) would wait on forever.
+_NO_STATE_DICT = (
+    "a parallel model's state is its ranks' shards: model.full_state_dict() gathers it whole "
+    "(call it on every rank, save it from one), meshplan.save_checkpoint(path, model, "
+    "optimizer) saves it resumable; model.load_state_dict(a whole state) loads one")
+
+
 class ParallelModel(nn.Module):
     """``model(batch) -> loss`` on this rank under the plan (module docstring). Its trainer is
     built at the first call, from that batch's shapes (the plan's)."""
@@ -80,6 +90,7 @@ class ParallelModel(nn.Module):
         # this leaf only, so the caller's loss.backward() has nothing left to do.
         self._anchor = torch.zeros((), requires_grad=True, device=comm.device)
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
+        self._pending_state: dict[str, torch.Tensor] | None = None   # `load_state_dict`
         # A call whose last backward the caller has yet to run (`clip_grad_norm_` waits).
         self._awaiting_backward = False
         # ``model.eval()``: whether the model computes the training program in evaluation mode
@@ -110,6 +121,10 @@ class ParallelModel(nn.Module):
             from meshplan.runtime.checkpoint import apply_checkpoint
             apply_checkpoint(self._pending[0], self, self._pending[1])
             self._pending = None
+        if self._pending_state is not None:   # `load_state_dict` before the first call
+            for t in trainers:
+                t.load_state(self._pending_state)
+            self._pending_state = None
 
     def forward(self, batch: Any) -> torch.Tensor:
         if self._trainer is None and self._pipeline is None:
@@ -239,6 +254,37 @@ class ParallelModel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_NO_PARAMETERS)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_NO_STATE_DICT)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """nn.Module's, for a whole state (the original model's ``state_dict()``, one device's
+        or `full_state_dict`'s): each rank takes its pieces of every parameter and buffer, as
+        it took the model's at the start; the optimizer's state is kept. Before the first call
+        it is held until the model starts. ``strict`` as nn.Module's: RuntimeError naming the
+        keys missing from ``state_dict`` or foreign to the model; ValueError for a tensor of
+        another shape."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would swap in the given tensors "
+                             "whole; a parallel model's ranks hold pieces of them: load "
+                             "with assign=False")
+        expected = set(self._model[0].state_dict())
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self._model[0]).__name__}: "
+                f"missing key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                f"unexpected key(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        state = {k: v for k, v in state_dict.items() if k in expected}
+        if self._trainer is None and self._pipeline is None:
+            self._pending_state = state
+        else:
+            for t in self._trainers():
+                t.load_state(state)
+        return _IncompatibleKeys(missing, unexpected)
 
     def _trainers(self) -> list[Trainer]:
         if self._pipeline is not None:

@@ -367,6 +367,30 @@ class Trainer:
         local = take_local(state[name].detach(), self.program.values[node], self.pos)
         return _Param(name, node, local, dec.update, tuple(dec.sync_axes), self.comm)
 
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """The parameters and buffers of ``state`` (whole, by their names in the original
+        model; others left as they are) taken as this rank's pieces, as the start took the
+        model's; the optimizer's state is kept. Raises ValueError for a tensor of another shape
+        than the plan's."""
+        for p in self.params:
+            want = tuple(self.program.values[p.node].shape)
+            if p.name in state and tuple(state[p.name].shape) != want:
+                raise ValueError(f"the state holds {p.name!r} at shape "
+                                 f"{tuple(state[p.name].shape)}, this model's is {want}")
+        with torch.no_grad():
+            for p in self.params:
+                if p.name not in state:
+                    continue
+                fresh = self._make_param(p.name, p.node, state)
+                p.update.copy_(fresh.update)   # (ZeRO-2's update is a view of its compute)
+                if p.compute is not None and fresh.compute is not None:
+                    p.compute.copy_(fresh.compute)
+            for name, node in self._buffer_node.items():
+                if name in state:
+                    self.buffers[node] = state[name].detach().to(
+                        self.device, self.buffers[node].dtype).clone()
+        self._casts.clear()   # half-type copies of the values replaced
+
     # ---------------------------------------------------------------- one step
     def local_batch(self, batch: Any) -> list[torch.Tensor]:
         """This rank's pieces of a global batch, in program order.
