@@ -86,7 +86,40 @@ class WithFunction(nn.Module):
         return self.b(_Residual.apply(torch.tanh(_Twice.apply(self.a(x)))))
 
 
-MODELS = {"running": (RunningStats, (8, 3, 6, 6)), "function": (WithFunction, (8, 6))}
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.relu(self.up(self.norm(x))))
+
+
+class Checkpointed(nn.Module):
+    """Blocks recomputed by torch.utils.checkpoint, reentrant (an autograd.Function whose
+    forward runs the block under no_grad: older Hugging Face models' gradient checkpointing)
+    and not; and a frozen teacher's linear layer run under no_grad, its output used: one
+    device gives its weight no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.teacher = nn.Linear(6, 8), nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        with torch.no_grad():
+            hint = self.teacher(x)
+        h = self.inp(x) + hint
+        for k, block in enumerate(self.blocks):
+            h = checkpoint(block, h, use_reentrant=k != 1)
+        return self.out(h)
+
+
+MODELS = {"running": (RunningStats, (8, 3, 6, 6)), "function": (WithFunction, (8, 6)),
+          "checkpointed": (Checkpointed, (8, 6))}
 
 
 def _batches(name: str, n: int) -> list:
@@ -148,6 +181,20 @@ def test_a_custom_function_keeps_its_gradient() -> None:
 
     for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
         _check(losses, state, _one_device("function", data))
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
+def test_checkpointed_blocks_and_a_no_grad_layer_train_as_on_one_device(shape) -> None:
+    """A reentrant checkpoint's blocks (each op of its forward made under no_grad, its
+    output's gradient autograd's) keep their gradients: the matmuls inside each linear, which
+    no call of the model's own makes, were taken as recorded from their weights, and the
+    blocks' weights got none. The teacher's weight, read under no_grad, gets none."""
+    model, data = Checkpointed(), _batches("checkpointed", 3)
+    ref = _one_device("checkpointed", data)
+    assert torch.equal(ref[1]["teacher.weight"], model.teacher.weight)
+    plan = _plan(model, data[0], f"local:{shape[0] * shape[1]}", mesh_shape=shape)
+    for losses, state in trained_states(plan, model, nn.CrossEntropyLoss(), data):
+        _check(losses, state, ref)
 
 
 def test_updating_a_buffer_per_micro_batch_is_named_inexact() -> None:

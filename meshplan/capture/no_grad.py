@@ -85,6 +85,7 @@ def detach_where_autograd_stops(gm: GraphModule, record: GradRecord,
     ``inputs``: the traced function's flat arguments, in placeholder order. Returns whether any
     was added."""
     graph = gm.graph
+    enabled = _grad_modes(graph, record)
     recorded: dict[Node, bool] = {}
     holders = iter(inputs)
     for node in graph.nodes:
@@ -93,12 +94,14 @@ def detach_where_autograd_stops(gm: GraphModule, record: GradRecord,
             recorded[node] = isinstance(t, torch.Tensor) and t.requires_grad
             continue
         seen = record.recorded(node)
-        # Unseen: a composite function's inner op, a getitem: as what it is computed from.
-        recorded[node] = seen if seen is not None else \
+        # Unseen: a composite function's inner op, a getitem: as what it is computed from,
+        # where gradients were enabled (a linear's matmul under no_grad reads a weight autograd
+        # records, and records nothing).
+        recorded[node] = seen if seen is not None else enabled[node] is not False and \
             any(recorded.get(a, False) for a in node.all_input_nodes)
-    forward_of_functions = _functions_forward(graph, record, recorded)
+    forward_of_functions = _functions_forward(graph, enabled, recorded)
     cuts = [(u, v) for v in graph.nodes
-            if isinstance(v.target, OpOverload) and record.enabled.get(v) is False
+            if isinstance(v.target, OpOverload) and enabled[v] is False
             and not recorded[v] and v not in forward_of_functions and _floating(v)
             for u in v.all_input_nodes
             if recorded[u] and isinstance(u.meta.get("val"), torch.Tensor)]
@@ -123,11 +126,25 @@ def _floating(node: Node) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
 
 
-def _functions_forward(graph: Any, record: GradRecord, recorded: dict[Node, bool]
-                       ) -> set[Node]:
+def _grad_modes(graph: Any, record: GradRecord) -> dict[Node, bool | None]:
+    """Whether gradients were enabled when each node was made: as `GradRecord` saw its call,
+    else (an inner op of a composite call, which runs in its call's mode: F.linear's matmul)
+    as the nodes reading it were, where they agree; None: unknown."""
+    modes: dict[Node, bool | None] = {}
+    for node in reversed(graph.nodes):
+        mode = record.enabled.get(node)
+        if mode is None and node.op == "call_function":
+            readers = {modes.get(u) for u in node.users} - {None}
+            mode = readers.pop() if len(readers) == 1 else None
+        modes[node] = mode
+    return modes
+
+
+def _functions_forward(graph: Any, enabled: dict[Node, bool | None],
+                       recorded: dict[Node, bool]) -> set[Node]:
     """The ops of autograd.Function forwards: behind each output autograd recorded from
     operands it did not (made with gradients disabled), back to recorded values."""
-    outputs = [n for n in graph.nodes if recorded[n] and record.enabled.get(n) is False
+    outputs = [n for n in graph.nodes if recorded[n] and enabled[n] is False
                and not (isinstance(n.target, OpOverload) and n.target._schema.is_mutable)
                and not all(recorded[a] for a in n.all_input_nodes)]
     inside: set[Node] = set()
