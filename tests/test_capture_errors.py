@@ -156,3 +156,25 @@ def test_a_forward_that_writes_into_a_parameter_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"writes into a parameter in place .*Drop max_norm"):
         capture(model, F.cross_entropy, ((torch.randint(0, 20, (8, 5)),),
                                          torch.randint(0, 4, (8,))))
+
+
+@pytest.mark.parametrize("hook", ["tensor", "accumulated", "module", "module-pre", "global"])
+def test_a_gradient_hook_is_a_clear_error(hook: str) -> None:
+    """One device runs a gradient hook (a clamp, a scale) on the gradient; the ranks' traced
+    program never passes it, and trained silently differently (step 2's loss 1.3749 against
+    one device's 1.3726 with a clamp on one weight)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    handle = {"tensor": lambda: model[0].weight.register_hook(lambda g: g.clamp(-1, 1)),
+              "accumulated": lambda: model[2].bias.register_post_accumulate_grad_hook(
+                  lambda p: None),
+              "module": lambda: model[2].register_full_backward_hook(lambda m, gi, go: None),
+              "module-pre": lambda: model[2].register_full_backward_pre_hook(lambda m, g: None),
+              "global": lambda: nn.modules.module.register_module_full_backward_hook(
+                  lambda m, gi, go: None)}[hook]()
+    batch = ((torch.randn(8, 8),), torch.randint(0, 4, (8,)))
+    try:
+        with pytest.raises(ValueError, match=r"(gradient|backward) hook .*Remove it"):
+            capture(model, F.cross_entropy, batch)
+    finally:
+        handle.remove()
+    capture(model, F.cross_entropy, batch)   # without it, traced

@@ -43,7 +43,8 @@ from meshplan.capture.no_grad import GradRecord, detach_where_autograd_stops
 from meshplan.capture.saved import SavedForBackward, renamed, same_nodes
 
 from meshplan.capture.batch import BatchLayout, flatten_batch, step_loss
-from meshplan.capture.trace_errors import ModuleStack, explain_trace_failure
+from meshplan.capture.trace_errors import (ModuleStack, explain_trace_failure,
+                                          refuse_gradient_hooks)
 
 aten = torch.ops.aten
 
@@ -239,6 +240,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     Raises TypeError for a malformed batch and ValueError if the loss is not a scalar tensor.
     """
     layout, batch = flatten_batch(example_batch)
+    refuse_gradient_hooks(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     # Real tensors met during tracing (a plain tensor attribute, a torch.tensor(...) literal)

@@ -146,4 +146,35 @@ def explain_trace_failure(exc: BaseException, model: nn.Module, modules: ModuleS
         "runs eagerly on the example batch first.")
 
 
-__all__ = ["ModuleStack", "explain_trace_failure"]
+def refuse_gradient_hooks(model: nn.Module) -> None:
+    """ValueError naming the first gradient hook on ``model``: a parameter's
+    (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``) or a module's backward
+    hook (``register_full_backward_hook``, its pre-hook, or a global one). One device runs it
+    on the gradient; a plan's ranks differentiate the traced program, whose gradients never
+    pass through it, so training would differ, silently."""
+    found = None
+    for name, p in model.named_parameters():
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+            found = f"parameter {name!r} has a gradient hook (register_hook or " \
+                    "register_post_accumulate_grad_hook)"
+            break
+    if found is None:
+        for name, m in model.named_modules():
+            if m._backward_hooks or m._backward_pre_hooks:
+                found = f"module {name or type(m).__name__!r} has a backward hook " \
+                        "(register_full_backward_hook or register_full_backward_pre_hook)"
+                break
+    if found is None and (nn.modules.module._global_backward_hooks or
+                          nn.modules.module._global_backward_pre_hooks):
+        found = "a global module backward hook is registered " \
+                "(nn.modules.module.register_module_full_backward_hook)"
+    if found is not None:
+        raise ValueError(
+            f"meshplan cannot train this model as one device does: {found}. A plan's ranks "
+            "compute their pieces of the gradients from the traced program, where the hook "
+            "would not run. Remove it: clip gradients with model.clip_grad_norm_ or "
+            "OptimizerSpec(max_grad_norm=...), and change the loss or the forward (a custom "
+            "autograd.Function) for anything else the hook did to the gradients.")
+
+
+__all__ = ["ModuleStack", "explain_trace_failure", "refuse_gradient_hooks"]
