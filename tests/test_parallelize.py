@@ -458,3 +458,52 @@ def test_load_state_dict_takes_a_whole_state_into_the_ranks_pieces(case: str) ->
     for name, value in state.items():
         if name in params:
             torch.testing.assert_close(params[name], value, rtol=0, atol=0)
+
+
+def _summed_calls(comm, plan: meshplan.Plan, w, data: list, weight: float) -> tuple:
+    """Two calls' losses summed (``weight`` on the second), one backward, then a clip: and
+    first a call whose backward never runs (a loss looked at with gradients on)."""
+    import copy
+    model = copy.deepcopy(w.model)
+    model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
+                                      w.loss_fn, comm=comm)
+    model(data[0])   # never backpropagated: due no longer once the step is done
+    opt.zero_grad()
+    losses, norms = [], []
+    for i in range(0, len(data), 2):
+        loss = model(data[i]) + weight * model(data[i + 1])
+        loss.backward()
+        norms.append(float(model.clip_grad_norm_(CLIP[0])))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.full_state_dict()
+
+
+@pytest.mark.parametrize("method, microbatches", [("data", 1), ("zero2", 1), ("data", 2)])
+def test_two_calls_summed_into_one_backward_train_as_one_device(method, microbatches) -> None:
+    """``(model(a) + model(b)).backward()``: the first call's buckets were all-reduced while
+    the second's backward had yet to add to them (one micro-batch, replicated: 0.045 off one
+    device after two steps); a call made while another's backward is due now leaves them to
+    the step's synchronization."""
+    import copy
+    w = build_workload(MLP, device="cpu", seed=0)
+    data = batches(w, 4)
+    weight = 1.0 if microbatches > 1 else 0.5
+    model = copy.deepcopy(w.model)
+    opt, ref, ref_norms = torch.optim.SGD(model.parameters(), lr=0.1), [], []
+    for i in range(0, 4, 2):
+        (x1,), t1 = data[i]
+        (x2,), t2 = data[i + 1]
+        loss = w.loss_fn(model(x1), t1) + weight * w.loss_fn(model(x2), t2)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[0])))
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    plan = _plan(MLP, "local:2", mesh_shape=(1, 2), method=method, microbatches=microbatches)
+    for losses, norms, state in run_emulated(_summed_calls, (1, 2), plan, w, data, weight):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        assert_matches((losses, state, []), (ref, {n: p.detach() for n, p in
+                                                   model.named_parameters()}),
+                       plan, OptimizerSpec("sgd"))

@@ -91,8 +91,9 @@ class ParallelModel(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True, device=comm.device)
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
         self._pending_state: dict[str, torch.Tensor] | None = None   # `load_state_dict`
-        # A call whose last backward the caller has yet to run (`clip_grad_norm_` waits).
-        self._awaiting_backward = False
+        # Calls whose last backward the caller has yet to run (`clip_grad_norm_` waits; a
+        # call made while one is due runs without overlapping its all-reduce).
+        self._backwards_due = 0
         # ``model.eval()``: whether the model computes the training program in evaluation mode
         # too, by batch shape; and the whole model evaluation runs where it does not.
         self._same_in_eval: dict[tuple, bool] = {}
@@ -116,6 +117,11 @@ class ParallelModel(nn.Module):
                          self._comm, captured=self._captured, local_batches=local)
             self._trainer, trainers, prepare, guard = tr, [tr], tr.prepare_gradients, tr.guard
             settled = tr.settled
+        engine_settled = settled
+
+        def settled() -> None:   # a loss whose backward never ran is not due past the step
+            self._backwards_due = 0
+            engine_settled()
         _repoint(self._optimizer, model, trainers, prepare, settled, guard)
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
@@ -149,7 +155,10 @@ class ParallelModel(nn.Module):
                     (loss / len(micro)).backward()
                     tr.own_gradients()
                 done.append(loss.detach())
-            if torch.is_grad_enabled():   # the caller's loss.backward() is the step's last
+            # The caller's loss.backward() is the step's last, unless an earlier call's is due
+            # too (their losses summed, then one backward): then no bucket may be all-reduced
+            # before both have run, and the step's synchronization reduces them all.
+            if torch.is_grad_enabled() and not self._backwards_due:
                 tr.last_backward()
             last = tr.run_microbatch(micro[-1], rng, scales[-1], len(micro) - 1) / len(micro)
             local = last.detach() + sum(d / len(micro) for d in done)
@@ -165,8 +174,8 @@ class ParallelModel(nn.Module):
                     tr.scale_loss(grad)
                     grad = torch.ones_like(grad)
                 torch.autograd.backward(last, grad)
-            self._awaiting_backward = False
-        self._awaiting_backward = True
+            self._backwards_due = max(self._backwards_due - 1, 0)
+        self._backwards_due += 1
         return _GuardedBackward.apply(self._anchor, whole, backward)
 
     def train(self, mode: bool = True) -> "ParallelModel":
@@ -229,7 +238,7 @@ class ParallelModel(nn.Module):
         if engine is None:
             raise RuntimeError("the parallel model has no gradients yet: call it on a batch "
                                "and run loss.backward() before clip_grad_norm_")
-        if self._awaiting_backward:
+        if self._backwards_due:
             raise RuntimeError("clip_grad_norm_ before loss.backward(): the step's last "
                                "backward has not run, its gradients would be left out of the "
                                "norm; call loss.backward() first")
@@ -243,7 +252,7 @@ class ParallelModel(nn.Module):
         them (nn.Module's own would clear the parameters of nothing: the shards are the
         trainers', not this module's)."""
         self._optimizer.zero_grad(set_to_none=set_to_none)
-        self._awaiting_backward = False
+        self._backwards_due = 0
         for t in self._trainers():
             for p in t.params:
                 if p.compute is not None and p.compute.grad is not None:
