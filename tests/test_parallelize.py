@@ -4,6 +4,7 @@ with the optimizer's parameter groups (decay / no decay) kept."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -177,7 +178,9 @@ def _accumulating_loop(comm, plan: meshplan.Plan, w, data: list, steps: int, p2p
     losses = []
     for i, batch in enumerate(data):
         loss = model(batch)
-        (loss / (scales[i] if scales else steps)).backward()
+        last = (i + 1) % steps == 0
+        with contextlib.nullcontext() if last else model.no_sync():   # as DDP's loops write it
+            (loss / (scales[i] if scales else steps)).backward()
         losses.append(loss.item())
         if (i + 1) % steps == 0:
             opt.step()

@@ -29,9 +29,10 @@ call returns the loss of the model in evaluation mode (`ParallelModel._evaluated
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -222,6 +223,13 @@ class ParallelModel(nn.Module):
         self._eval_model.eval()
         with torch.no_grad(), autocast_for(self._plan.dtype, tr.device.type):
             return whole_loss(self._eval_model, self._loss_fn, batch, tr.device).detach()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DistributedDataParallel's context for the backwards of gradient accumulation's
+        earlier batches, so that a loop written for DDP runs unchanged: here it changes
+        nothing, as the gradients are synchronized once, at the optimizer's step."""
+        yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
