@@ -142,9 +142,20 @@ def test_a_model_alike_in_evaluation_is_evaluated_by_the_plans_own_program() -> 
         assert sum(evals, []) == pytest.approx(sum(ref_evals, []), rel=1e-5)
 
 
-def test_a_pipeline_of_a_model_unlike_in_evaluation_is_refused_by_name() -> None:
-    model, train = _net(), _data(2)
-    plan = _plan(model, LOSS, train[0], "local:2", method="megatron:dp=1,tp=1,pp=2")
-    with pytest.raises(NotImplementedError, match="computes differently in evaluation mode"
-                                                  ".*on a pipeline plan"):
-        run_emulated_stages(_stage, plan.stage_meshes(), plan, model, LOSS, train, train)
+def test_a_pipeline_of_a_model_unlike_in_evaluation_evaluates_the_whole_model() -> None:
+    """Dropout and batch norm across two stages: each stage's parameters and buffers sent to
+    every rank, the whole model evaluated there."""
+    model, train, held_out = _net(), _data(2), _data(3)[1:]
+    ref_losses, ref_evals, ref_params = _one_device(model, LOSS, train, held_out)
+    plan = _plan(model, LOSS, train[0], "local:2", method="megatron:dp=1,tp=1,pp=2",
+                 microbatches=1)
+    assert plan.num_stages == 2
+    params: dict = {}
+    for losses, evals, state, copied in run_emulated_stages(
+            _stage, plan.stage_meshes(), plan, model, LOSS, train, held_out):
+        assert copied
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert sum(evals, []) == pytest.approx(sum(ref_evals, []), rel=1e-5)
+        params.update(state)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)

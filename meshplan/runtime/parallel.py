@@ -204,25 +204,28 @@ class ParallelModel(nn.Module):
         than the plan's (dropout, batch norm's running statistics): the parameters and buffers
         gathered whole on every rank (`full_state_dict`) into a copy of the model in evaluation
         mode, which runs the whole batch on this rank's device without gradients, as one
-        device would. The copy (a whole model per rank) is kept until ``model.train()``."""
-        tr = self._trainer
-        if tr is None or self._local_example is not None:
+        device would (a pipeline's stages send theirs to every rank: `whole_state`). The copy
+        (a whole model per rank) is kept until ``model.train()``."""
+        if self._local_example is not None:
             raise NotImplementedError(
-                f"model.eval() where the model computes differently in evaluation mode "
-                f"(dropout, batch norm's running statistics) is not supported "
-                f"{'on a pipeline plan' if tr is None else 'with rank-local batches'} yet: "
-                "save a checkpoint (meshplan.save_checkpoint) and evaluate the model loaded "
-                "from it, or evaluate with a one-stage plan and the global batch")
-        with tr.guard.running():
-            state = tr.full_state_dict()
+                "model.eval() where the model computes differently in evaluation mode (dropout, "
+                "batch norm's running statistics) is not supported with rank-local batches "
+                "yet: save a checkpoint (meshplan.save_checkpoint) and evaluate the model "
+                "loaded from it, or evaluate with the global batch")
+        engine = self._pipeline or self._trainer
+        assert engine is not None
+        with engine.guard.running():
+            state = self._pipeline.whole_state() if self._pipeline is not None else \
+                engine.full_state_dict()
+        device = self._comm.device
         if self._eval_model is None:
-            self._eval_model = copy.deepcopy(self._model[0]).to(tr.device)
+            self._eval_model = copy.deepcopy(self._model[0]).to(device)
         # Every parameter and every buffer the program reads; one it never reads is the model's
         # own, as it was given.
         self._eval_model.load_state_dict(state, strict=False)
         self._eval_model.eval()
-        with torch.no_grad(), autocast_for(self._plan.dtype, tr.device.type):
-            return whole_loss(self._eval_model, self._loss_fn, batch, tr.device).detach()
+        with torch.no_grad(), autocast_for(self._plan.dtype, device.type):
+            return whole_loss(self._eval_model, self._loss_fn, batch, device).detach()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

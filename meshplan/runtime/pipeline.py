@@ -49,7 +49,8 @@ from meshplan.runtime.grad_norm import check_finite, clip_factor, norm_from
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
 
-_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "norm": 5}
+_KINDS = {"activation": 0, "gradient": 1, "gather": 2, "loss": 3, "tied": 4, "norm": 5,
+          "state": 6}
 
 
 class PipelineTrainer:
@@ -84,6 +85,10 @@ class PipelineTrainer:
             raise ValueError("this model's traced program differs from the one the plan was made "
                              "for (different model, shapes or batch); make a new plan")
         graphs = stage_graphs(graph, plan)
+        # Each stage's parameters and buffers, whole shapes, by name (`whole_state`).
+        self._stage_state = [{n.state_name: n.out.shape for n in g.nodes
+                              if n.role in ("param", "buffer") and n.state_name}
+                             for g in graphs]
         self.planned_shapes = batch_shapes(example_batch)
         # The loss's batch reductions, of the whole program (`lower/microbatch.py`).
         self._scales = StepScales(traced.graph_module, graph,
@@ -480,6 +485,35 @@ class PipelineTrainer:
         out: dict[str, torch.Tensor] = {}
         for t in self.trainers.values():
             out.update(t.full_state_dict())
+        return out
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers, whole, on every rank (collective over the
+        pipeline's ranks): each is sent by the first rank of the first mesh holding it to every
+        rank of the other meshes, in name order."""
+        mine = self.full_state_dict()
+        meshes = self.program.meshes
+        owner: dict[str, int] = {}
+        for m in range(len(meshes)):
+            for s in self.program.stages_on(m):
+                for name in self._stage_state[s]:
+                    owner.setdefault(name, m)
+        shapes = {name: shape for held in self._stage_state for name, shape in held.items()}
+        out = dict(mine)
+        for m, ranks in enumerate(meshes):
+            names = sorted(n for n, o in owner.items() if o == m)
+            if len(names) > 4096:
+                raise NotImplementedError(f"a stage of more than 4096 parameters and buffers "
+                                          f"({len(names)}) cannot be sent whole")
+            if self.rank == ranks[0]:
+                for k, name in enumerate(names):
+                    for r in (r for o, other in enumerate(meshes) if o != m for r in other):
+                        self.p2p.send(mine[name], r, _tag("state", 0, 0, k), "state")
+            elif self.rank not in ranks:
+                for k, name in enumerate(names):
+                    got = self.p2p.recv(tuple(shapes[name]), ranks[0], _tag("state", 0, 0, k))
+                    out.setdefault(name, got)
+        self.p2p.wait_all()
         return out
 
 
