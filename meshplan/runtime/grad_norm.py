@@ -10,6 +10,8 @@ gradients; this module holds what is the same for both.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -46,3 +48,16 @@ def check_finite(norm: torch.Tensor, norm_type: float) -> None:
             f"the total norm of order {norm_type:g} of the parallel model's gradients is "
             f"{float(norm)}: it cannot be clipped. Pass error_if_nonfinite=False to clip "
             "anyway (the gradients become nan)")
+
+
+def clip_engines(total: torch.Tensor, norm_type: float, max_norm: float,
+                 error_if_nonfinite: bool, trainers: Iterable[Any]) -> torch.Tensor:
+    """``clip_grad_norm_`` once the engines' parts are reduced to ``total``: every trainer's
+    gradients scaled by the factor of the norm; returns the norm."""
+    norm = norm_from(total, norm_type)
+    if error_if_nonfinite:
+        check_finite(norm, norm_type)
+    factor = clip_factor(norm, max_norm)
+    for t in trainers:
+        t.scale_gradients(factor)
+    return norm

@@ -45,7 +45,7 @@ from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
-from meshplan.runtime.grad_norm import check_finite, clip_factor, norm_from
+from meshplan.runtime.grad_norm import clip_engines
 from meshplan.runtime.p2p import P2P, ProcessGroupP2P
 from meshplan.runtime.trainer import Trainer, check_rows, locked_capture, shape_key
 
@@ -309,13 +309,8 @@ class PipelineTrainer:
         """The step's gradients synchronized, clipped to ``max_norm`` by their global norm
         over every stage, as one device clips (`runtime/grad_norm.py`); returns that norm."""
         self.synchronize_gradients()
-        norm = norm_from(self._norm_total(norm_type), norm_type)
-        if error_if_nonfinite:
-            check_finite(norm, norm_type)
-        factor = clip_factor(norm, max_norm)
-        for t in self.trainers.values():
-            t.scale_gradients(factor)
-        return norm
+        return clip_engines(self._norm_total(norm_type), norm_type, max_norm,
+                            error_if_nonfinite, self.trainers.values())
 
     def _norm_total(self, norm_type: float) -> torch.Tensor:
         """`Trainer.norm_part` over every stage of the pipeline, the same on every rank (a
@@ -437,6 +432,10 @@ class PipelineTrainer:
         for p, total in totals:
             p.compute.grad = total
 
+    def _ranks_beside(self, mesh: int) -> list[int]:
+        """Every rank of the meshes other than ``mesh``, in mesh order."""
+        return [r for m, ranks in enumerate(self.program.meshes) if m != mesh for r in ranks]
+
     def _over_meshes(self, mine: torch.Tensor, largest: bool = False) -> torch.Tensor:
         """The sum (``largest``: the maximum) over meshes of a value every rank of a mesh holds
         alike (a part of the gradient norm), the same on every rank: each mesh's first rank
@@ -445,10 +444,8 @@ class PipelineTrainer:
         tag = _tag("norm", 0, 0, 0)
         meshes = self.program.meshes
         if self.rank == meshes[self.mesh][0]:
-            for s, ranks in enumerate(meshes):
-                if s != self.mesh:
-                    for r in ranks:
-                        self.p2p.send(mine.reshape(1), r, tag, "norm")
+            for r in self._ranks_beside(self.mesh):
+                self.p2p.send(mine.reshape(1), r, tag, "norm")
         parts = [mine.reshape(1) if s == self.mesh else
                  self.p2p.recv((1,), ranks[0], tag) for s, ranks in enumerate(meshes)]
         total = parts[0].clone()
@@ -507,7 +504,7 @@ class PipelineTrainer:
                                           f"({len(names)}) cannot be sent whole")
             if self.rank == ranks[0]:
                 for k, name in enumerate(names):
-                    for r in (r for o, other in enumerate(meshes) if o != m for r in other):
+                    for r in self._ranks_beside(m):
                         self.p2p.send(mine[name], r, _tag("state", 0, 0, k), "state")
             elif self.rank not in ranks:
                 for k, name in enumerate(names):

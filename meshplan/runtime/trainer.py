@@ -44,7 +44,7 @@ from meshplan.runtime.comm import Comm, Pending, ProcessGroupComm
 from meshplan.runtime.devices import generator_for
 from meshplan.runtime.dropout import DropoutStream, stream_for
 from meshplan.runtime.failure import StepGuard
-from meshplan.runtime.grad_norm import check_finite, clip_factor, norm_from
+from meshplan.runtime.grad_norm import clip_engines, clip_factor
 from meshplan.runtime.grad_sync import (GradBuckets, accumulate, dtype_buckets,
                                         gather_params_into, settle)
 from meshplan.lower.factored_stats import update_dims
@@ -722,11 +722,8 @@ class Trainer:
         """The step's gradients synchronized, clipped to ``max_norm`` by their global norm as
         one device clips (`runtime/grad_norm.py`); returns that norm (fp64)."""
         self.synchronize_gradients()
-        norm = norm_from(self.norm_part(norm_type), norm_type)
-        if error_if_nonfinite:
-            check_finite(norm, norm_type)
-        self.scale_gradients(clip_factor(norm, max_norm))
-        return norm
+        return clip_engines(self.norm_part(norm_type), norm_type, max_norm, error_if_nonfinite,
+                            [self])
 
     def _groups(self, mode: str) -> list[tuple[tuple[int, ...], list[_Param]]]:
         """The synchronized parameters of update ``mode`` by mesh axes (one bucket each)."""
