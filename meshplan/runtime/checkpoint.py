@@ -217,6 +217,7 @@ def apply_checkpoint(path: str, model: Any, optimizer: torch.optim.Optimizer | N
     """Read this rank's regions of ``path`` into the started ``model`` and ``optimizer``;
     returns the saved ``extra``."""
     meta = _meta(path)
+    model._eval_model = None   # an evaluation copy of the state replaced
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     regions: list[Region] = []
     for _, t in _engines(model):

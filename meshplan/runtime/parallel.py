@@ -122,6 +122,7 @@ class ParallelModel(nn.Module):
 
         def settled() -> None:   # a loss whose backward never ran is not due past the step
             self._backwards_due = 0
+            self._eval_model = None   # (a step in evaluation mode: gathered again)
             engine_settled()
         _repoint(self._optimizer, model, trainers, prepare, settled, guard)
         if self._pending is not None:   # `load_checkpoint` before the first call
@@ -205,25 +206,26 @@ class ParallelModel(nn.Module):
         gathered whole on every rank (`full_state_dict`) into a copy of the model in evaluation
         mode, which runs the whole batch on this rank's device without gradients, as one
         device would (a pipeline's stages send theirs to every rank: `whole_state`). The copy
-        (a whole model per rank) is kept until ``model.train()``."""
+        (a whole model per rank) is kept for the rest of the pass, until ``model.train()``, a
+        step or a load changes the state."""
         if self._local_example is not None:
             raise NotImplementedError(
                 "model.eval() where the model computes differently in evaluation mode (dropout, "
                 "batch norm's running statistics) is not supported with rank-local batches "
                 "yet: save a checkpoint (meshplan.save_checkpoint) and evaluate the model "
                 "loaded from it, or evaluate with the global batch")
-        engine = self._pipeline or self._trainer
-        assert engine is not None
-        with engine.guard.running():
-            state = self._pipeline.whole_state() if self._pipeline is not None else \
-                engine.full_state_dict()
         device = self._comm.device
-        if self._eval_model is None:
+        if self._eval_model is None:   # gathered once per pass: nothing changes the state
+            engine = self._pipeline or self._trainer
+            assert engine is not None
+            with engine.guard.running():
+                state = self._pipeline.whole_state() if self._pipeline is not None else \
+                    engine.full_state_dict()
             self._eval_model = copy.deepcopy(self._model[0]).to(device)
-        # Every parameter and every buffer the program reads; one it never reads is the model's
-        # own, as it was given.
-        self._eval_model.load_state_dict(state, strict=False)
-        self._eval_model.eval()
+            # Every parameter and every buffer the program reads; one it never reads is the
+            # model's own, as it was given.
+            self._eval_model.load_state_dict(state, strict=False)
+            self._eval_model.eval()
         with torch.no_grad(), autocast_for(self._plan.dtype, device.type):
             return whole_loss(self._eval_model, self._loss_fn, batch, device).detach()
 
@@ -299,6 +301,7 @@ class ParallelModel(nn.Module):
                 f"missing key(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
                 f"unexpected key(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         state = {k: v for k, v in state_dict.items() if k in expected}
+        self._eval_model = None
         if self._trainer is None and self._pipeline is None:
             self._pending_state = state
         else:
