@@ -39,9 +39,9 @@ def test_one_stage_ends_the_walk_down(spec: str, cluster: str, method: str,
     searched: list[int] = []
     one = search._search_one
 
-    def spy(graph_for, b, req):   # noqa: ANN001 - the search's own signature
+    def spy(graph_for, b, req, *rest):   # noqa: ANN001, ANN002 - the search's own signature
         searched.append(b)
-        return one(graph_for, b, req)
+        return one(graph_for, b, req, *rest)
 
     monkeypatch.setattr(search, "_search_one", spy)
     plan = api.plan(w.model, w.loss_fn, SGD, w.example_batch, cluster, method=method)

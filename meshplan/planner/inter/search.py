@@ -105,6 +105,8 @@ HOST_GRANULAR_ABOVE = 8
 # Pipelines whose estimate is within this fraction of the best one's are solved whole, at most
 # REFINE_MAX of them (`_solved_whole`).
 REFINE_MARGIN = 0.08
+# Memory-trading variants priced only where the pipelines that may win use them (`_settled`).
+LAZY_VARIANTS = True
 REFINE_MAX = 3
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
@@ -149,7 +151,7 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
                  req.cluster.num_devices), default=None)
     if probe is not None and probe not in search.tried and search.fits(probe):
         before = search.best_latency()
-        if search.latency(probe) < before:
+        if search.latency(probe, before) < before:
             search.walk(probe - 1, -1, search.latency(probe))
             search.walk(probe + 1, +1, search.latency(probe))
     best = _solved_best(search, req)
@@ -293,12 +295,16 @@ def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
 @dataclass(frozen=True)
 class _Searched:
     """One micro-batch count's search: the pipelines its DPs found, estimated by parts, and the
-    best of them by that estimate."""
+    best of them by that estimate. Searched only as far as a walk needed (`_settled`), the
+    estimate is a lower bound (``bound``) that ``again(stop)`` searches further."""
 
     found: FoundPipeline
     candidates: tuple[PipelineSolution, ...]
     # The DPs again with another budget per device (`_refitted`).
     redo: Callable[[float | None], tuple[PipelineSolution, ...]] | None = None
+    bound: bool = False   # ``estimate`` only bounds the count's from below
+    whole: bool = True    # the candidates `_whole_round` weighs are priced (`_settled`)
+    again: Callable[[float], "_Searched"] | None = None
 
     @property
     def estimate(self) -> float:
@@ -315,16 +321,28 @@ def _solved_best(search: "_CountSearch", req: PipelineRequest) -> FoundPipeline 
     estimated 78.51 s and solved 76.98; 512 estimated 84.76, within 8 % of the first estimate
     but not of 76.98, and solved 82.84 without fitting, then refitted: 40 of the search's
     170 s)."""
-    tried = [t for t in search.tried.values() if t is not None]
-    if not tried:
+    pending = {i for i, t in search.tried.items() if t is not None}
+    if not pending:
         return None
-    top = min(t.estimate for t in tried)
+    top: float | None = None
     best: FoundPipeline | None = None
     best_fits = False
-    for t in sorted(tried, key=lambda t: t.estimate):
-        bound = min(top, best.solution.total_latency) if best_fits else top
-        if t.estimate > (1 + REFINE_MARGIN) * bound:
-            break
+    while pending:
+        # Fastest estimate first; a count searched only as far as its walk needed is searched
+        # on when it comes first, and takes its place again (its estimate can only grow).
+        i = min(pending, key=lambda i: (search.tried[i].estimate, i))
+        t = search.tried[i]
+        if top is not None:
+            bound = min(top, best.solution.total_latency) if best_fits and best else top
+            if t.estimate > (1 + REFINE_MARGIN) * bound:
+                break
+        if not t.whole:
+            search.search_whole(i)
+            if search.tried[i] is None:
+                pending.discard(i)
+            continue
+        pending.discard(i)
+        top = t.estimate if top is None else top
         profiler = t.found.profiler
         sol, fits = _solved_whole(profiler, _whole_round(profiler, list(t.candidates), req),
                                   req)
@@ -396,17 +414,30 @@ class _CountSearch:
                                                self._floors.traced[b]))
         return False
 
-    def latency(self, i: int) -> float:
-        """The fastest pipeline's latency at count ``i`` (inf when none fits)."""
-        if i not in self.tried:
-            try:
-                self.tried[i] = _search_one(self.graph_for, self.counts[i], self.req) \
+    def latency(self, i: int, stop: float = math.inf) -> float:
+        """The fastest pipeline's latency at count ``i`` (inf when none fits), or a lower
+        bound of it at least ``stop`` where that settles the question asked (`_settled`)."""
+        try:
+            if i not in self.tried:
+                self.tried[i] = _search_one(self.graph_for, self.counts[i], self.req, stop) \
                     if self.fits(i) else None
-            except NoPipelineError as e:
-                self.errors.append(e)
-                self.tried[i] = None
-        searched = self.tried[i]
+            searched = self.tried[i]
+            if searched is not None and searched.bound and searched.estimate < stop:
+                self.tried[i] = searched = searched.again(stop)
+        except NoPipelineError as e:
+            self.errors.append(e)
+            self.tried[i] = searched = None
         return math.inf if searched is None else searched.estimate
+
+    def search_whole(self, i: int) -> None:
+        """Count ``i`` searched on until the candidates `_whole_round` weighs are priced."""
+        searched = self.tried[i]
+        assert searched is not None and searched.again is not None
+        try:
+            self.tried[i] = searched.again(math.inf)
+        except NoPipelineError as e:
+            self.errors.append(e)
+            self.tried[i] = None
 
     def walk(self, i: int, step: int, previous: float = math.inf) -> None:
         """Counts ``i``, ``i + step``, ... while each is faster than the one before. Going
@@ -414,7 +445,7 @@ class _CountSearch:
         does one whose fastest pipeline is one stage where one stage at fewer micro-batches
         is weighed anyway (`_one_stage_ends`)."""
         while 0 <= i < len(self.counts) and i not in self.tried:
-            t = self.latency(i)
+            t = self.latency(i, previous)
             if t >= previous or (t == math.inf and step < 0):
                 return
             if step < 0 and self._one_stage_ends(i):
@@ -436,7 +467,10 @@ class _CountSearch:
             searched is not None and len(searched.found.solution.stages) == 1
 
     def best_latency(self) -> float:
-        return min((self.latency(i) for i in self.tried), default=math.inf)
+        # A count known by a bound has it at least the latency of the count that stopped
+        # its walk: the least estimate is an exact one.
+        return min((t.estimate for t in self.tried.values() if t is not None),
+                   default=math.inf)
 
 
 def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineRequest
@@ -457,7 +491,10 @@ def _infeasible(errors: list[NoPipelineError], counts: list[int], req: PipelineR
         "a smaller global batch or a larger budget.")
 
 
-def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
+def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest, stop: float = math.inf
+                ) -> _Searched:
+    """Count ``b``'s pipelines (`_Searched`), searched until its best is priced, or until a
+    lower bound of it is at least ``stop`` (`_settled`)."""
     traced, fingerprint = graph_for(b)
     graph = with_compute_dtype(traced, req.dtype)
     cl = req.cluster
@@ -471,7 +508,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     profiler = StageProfiler(graph, layering, cl, req.options, req.optimizer_state, b,
                              req.budget, req.recompute, show_progress=req.progress,
                              tensor_within_host=by_hosts, kinds=kinds,
-                             schedule=req.dp_schedule)
+                             schedule=req.dp_schedule, lazy=LAZY_VARIANTS)
     # The DP's view of the cluster: its devices, or in host-granular mode its hosts (a
     # "device" of the DP is a whole host; submesh (1, k) of it is (k, M) of the cluster).
     shape = ClusterShape(1, cl.num_hosts, divisor_widths=not kinds) if by_hosts else \
@@ -485,7 +522,7 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
     if kinds:
         dp_shapes = dp_shapes + layouts[0][1].shapes(dp_shapes)
     profiler.prefetch(tuple(dict.fromkeys(real(sub) for sub in dp_shapes)))
-    whole: Profile = (lambda start, end, sub: profiler(start, end, real(sub)))
+    whole: Profile = (lambda start, end, sub: profiler.estimates(start, end, real(sub)))
     # Each boundary priced on its link, stages laid in order (`Links`): where the DP's
     # devices are devices, untyped (typed stages and whole hosts cross hosts anyway).
     links = None if by_hosts else \
@@ -520,10 +557,45 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest) -> _Searched:
             raise min(errors, key=lambda e: e.min_memory_bytes)
         return tuple(found)
 
-    found = candidates(req.budget)
-    best = min(found, key=lambda s: s.total_latency)
-    return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
-                     found, candidates)
+    def searched(stop: float) -> _Searched:
+        found, state = _settled(profiler, partial(candidates, req.budget), stop)
+        best = min(found, key=lambda s: s.total_latency)
+        return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
+                         found, lambda budget: _settled(profiler, partial(candidates, budget))[0],
+                         bound=state == "bound", whole=state == "whole", again=searched)
+
+    return searched(stop)
+
+
+def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSolution, ...]],
+             stop: float = math.inf) -> tuple[tuple[PipelineSolution, ...], str]:
+    """The DPs' pipelines (``candidates()``) with the deferred variants they use priced
+    (`StageProfiler.reveal`), round by round, as far as the question needs: the best
+    pipeline's ("best"), or a lower bound of it once that is at least ``stop`` ("bound"), or,
+    with ``stop`` infinite, also every pipeline `_whole_round` may weigh ("whole": those
+    within `REFINE_MARGIN` of the best and the fastest of equal stages). The DP on bounds
+    finds no slower a pipeline than on the plans they bound, and one priced throughout is
+    the one it finds with everything priced: MoE-70B on 64 V100 prices 12-28 of 52 such
+    variants a count, and the count walked past its best none."""
+    while True:
+        found = candidates()
+        best = min(found, key=lambda s: s.total_latency)
+        need = profiler.deferred_in(best.stages)
+        if need and best.total_latency >= stop:
+            return found, "bound"
+        if not need and stop < math.inf:
+            return found, "best"
+        if not need:
+            top = best.total_latency
+            priced = [c for c in found if not profiler.deferred_in(c.stages)]
+            even = min((c.total_latency for c in priced if _even(c)), default=math.inf)
+            for c in found:
+                if c.total_latency <= (1 + REFINE_MARGIN) * top or \
+                        (_even(c) and c.total_latency <= even):
+                    need |= profiler.deferred_in(c.stages)
+            if not need:
+                return found, "whole"
+        profiler.reveal(need)
 
 
 def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:
@@ -574,6 +646,9 @@ def _solved_whole(profiler: StageProfiler, round_: _WholeRound, req: PipelineReq
     not fit solved whole (`_refitted` then looks further; the plan reports its peak); the
     second value says whether the pipeline returned fits."""
     budget = req.budget if req.budget is not None else math.inf
+    # What `_relabels` weighs, priced side by side.
+    profiler.reveal(set().union(*(profiler.deferred_on(s.submesh) for c in round_.near
+                                  for s in c.stages)))
     # Each stage's most promising option first, then the others side by side, each cut off
     # once it cannot beat the first where that fits (`StageProfiler.whole_cost_below`).
     offers = [(s, n, options) for c, m in zip(round_.near, round_.most)
@@ -708,9 +783,14 @@ def _one_stage_if_faster(profiler: StageProfiler, best: PipelineSolution,
     plan an intra-only user would get, so it is checked exactly."""
     cl, last = req.cluster, profiler.layering.num_layers
     full = (cl.num_hosts, cl.devices_per_host)
-    options = profiler(0, last, full)
+    options = profiler.estimates(0, last, full)
     fits = {o.label: o.memory_bytes(1) <= (req.budget or float("inf")) for o in options}
     free = {o.label: o.latency for o in options if o.label.budget == "free"}
+    # Lean plans are priced only on the logical meshes where the free plan could win.
+    profiler.reveal((full, label.logical_shape, "lean") for label, latency in free.items()
+                    if not fits[label] and latency * profiler.microbatches < best.total_latency)
+    options = profiler.estimates(0, last, full)
+    fits = {o.label: o.memory_bytes(1) <= (req.budget or float("inf")) for o in options}
     # Only where even the fastest plan (free, ignoring memory) could beat the pipeline.
     gaps = [o for o in options if o.label.budget == "lean" and not o.label.recompute
             and fits[o.label] and not fits.get(replace(o.label, budget="free"), False)

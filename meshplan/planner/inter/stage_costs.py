@@ -41,7 +41,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -55,8 +55,8 @@ from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.layer_parts import LayerParts, split_layers
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
 from meshplan.planner.inter.stage_problem import (ClusterShape, OptionTable, StageOption,
-                                                  Submesh, most_in_flight, submesh_shapes,
-                                                  triple_index)
+                                                  StagePlacement, Submesh, most_in_flight,
+                                                  submesh_shapes, triple_index)
 from meshplan.planner.intra.choices import IntraOptions, resolve_choices
 from meshplan.planner.intra.formulate import (CostContext, Formulation, formulate, renamed,
                                               without_zero3)
@@ -206,6 +206,9 @@ class StageProfiler:
     # The schedule the pipelines weighed run, "gpipe" or "1f1b" (interleaving included): how
     # many micro-batches `memory_may_bind` holds in flight (`most_in_flight`).
     schedule: str = "gpipe"
+    # Price the memory-trading variants only where a pipeline that may win uses them
+    # (`estimates`, `reveal`); every other caller sees them priced.
+    lazy: bool = False
 
     def __post_init__(self) -> None:
         # A parameter used by several layers may be held by several stages, which sum its
@@ -229,11 +232,16 @@ class StageProfiler:
         self._form_ranges: dict[tuple, tuple[int, int]] = {}   # `_form`'s first range
         self._shapes: dict[Submesh, list[tuple[int, int]]] = {}   # asked once per DP call
         self._free: dict[tuple, StageSolution | None] = {}   # "free" one-layer solves
+        # Their plans, kept where a forked task made them (`prefetch`): a deferred variant
+        # priced later in another task starts from the same plan (`_price`).
+        self._free_plans: dict[tuple, IlpSolution] = {}
         self._extras: dict[tuple, tuple] = {}   # `_recompute_latency` by (formulation, plan)
         self._replay_kinds = recompute_kinds(self.recompute, bool(attention_cores(self.graph)))
         self._parts: tuple[LayerParts, StageProfiler] | None = None
         self._gates: dict[int, bool] = {}   # `_by_parts`
         self._needs: dict[tuple, float] = {}   # `memory_may_bind`
+        # (submesh, logical shape, variant) of `LAZY_VARIANTS` priced for every layer.
+        self._revealed: set[tuple] = set()
         self._dp_limit = math.inf if self.memory_limit is None else self.memory_limit
         # The kinds priced as the cluster's slowest device (`priced_as`).
         self._as_slowest = frozenset(k for k, t in enumerate(self.kinds)
@@ -249,7 +257,7 @@ class StageProfiler:
                              lambda m: self.stage(m, m + 1))
         if parts is None:
             return None
-        pricer = replace(self, layering=parts.parts, in_parts=False, solves=0)
+        pricer = replace(self, layering=parts.parts, in_parts=False, solves=0, lazy=False)
         pricer._graphs.update(parts.programs)
         return parts, pricer
 
@@ -377,6 +385,15 @@ class StageProfiler:
         return min(self.microbatches, max(self.cluster.num_devices // n, 1))
 
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
+        """Every option of ``[start, end)`` on ``submesh``, each priced (a lazy profiler prices
+        what it deferred on the submesh first)."""
+        self.reveal(self.deferred_on(submesh))
+        return self.estimates(start, end, submesh)
+
+    def estimates(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
+        """The options of ``[start, end)`` on ``submesh`` as the DP weighs them: under
+        ``lazy``, a memory-trading variant not priced yet is its lower bound (`_placeholder`),
+        its label saying which it stands for (`deferred_in`)."""
         submesh = self.priced_as(submesh)
         out = []
         # What a stage receives is what its first layer does (a one-layer program is cheaper
@@ -596,15 +613,13 @@ class StageProfiler:
         with parts are priced by them (`_by_parts`, checked first, so that a part only its
         layer needs is not priced where the layer is whole)."""
         submeshes = tuple(dict.fromkeys(self.priced_as(sub) for sub in submeshes))
-        firsts: dict[str, int] = {}
-        for m in range(self.layering.num_layers):
-            firsts.setdefault(self.key(m, m + 1), m)
-        for m in firsts.values():
+        layers = self._distinct_layers()
+        for m in layers:
             self._by_parts(m)
         # A task per submesh and logical shape, all layers: their fastest plans say whether
         # memory may bind there (`memory_may_bind`), and the other variants are priced after
-        # them, on the formulations and plans those made, only where it may.
-        layers = tuple(firsts.values())
+        # them, on the formulations and plans those made, only where it may (deferred under
+        # ``lazy``: `reveal`).
         tasks = [(layers, sub, shape) for sub in submeshes for shape in self.shapes(sub)
                  if any((self.key(m, m + 1), sub, shape, "free") not in self._costed
                         for m in layers)]
@@ -613,9 +628,12 @@ class StageProfiler:
                                     -(-PARALLEL_FROM_TASKS // max(len(layers), 1))),
                           total=len(tasks), desc=f"stage costs, {self.microbatches} micro-batches",
                           enabled=self.show_progress)
-        for costs, solves in priced:
+        pricers = [self] + ([self._parts[1]] if self._parts is not None else [])
+        for costs, solves, plans in priced:
             self.solves += solves
             self._costed.update(costs)
+            for pricer, made in zip(pricers, plans):
+                pricer._free_plans.update(made)
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
              parallel_from: int | None = None) -> Iterator:
@@ -626,20 +644,113 @@ class StageProfiler:
         return _run_tasks(self, [(method, t) for t in tasks], workers, parallel_from)
 
     def _price_all(self, layers: tuple[int, ...], submesh: Submesh, shape: tuple[int, int]
-                   ) -> tuple[dict[tuple, _Costed | None], int]:
-        """Every variant of ``layers`` (one-layer ranges) on ``submesh`` laid out as ``shape``:
-        the priced costs by `_costed` key, and the solves it took."""
+                   ) -> tuple[dict[tuple, _Costed | None], int, list[dict[tuple, IlpSolution]]]:
+        """Every variant of ``layers`` (one-layer ranges) on ``submesh`` laid out as ``shape``
+        (but the deferred ones): the priced costs by `_costed` key, the solves it took and,
+        where variants were deferred, the fastest plans their pricing starts from (this
+        profiler's, then its part pricer's)."""
         before = self.solves
         for m in layers:
             self._exact(m, m + 1, submesh, shape, "free")
         variants = self.variants(submesh, shape)   # decided by the "free" costs just priced
         costs = {(self.key(m, m + 1), submesh, shape, b): self._exact(m, m + 1, submesh, shape, b)
-                 for b in variants for m in layers}
+                 for b in variants if not self._deferred(submesh, shape, b) for m in layers}
+        deferred = any(self._deferred(submesh, shape, b) for b in variants)
+        pricers = [self] + ([self._parts[1]] if self._parts is not None else [])
+        plans = [{k: v.solution for k, v in p._free.items()
+                  if v is not None and k[1:] == (submesh, shape)} if deferred else {}
+                 for p in pricers]
+        return costs, self.solves - before, plans
+
+    # ------------------------------------------------------------------ deferred variants
+    def _deferred(self, submesh: Submesh, shape: tuple[int, int], budget: str) -> bool:
+        return self.lazy and budget in LAZY_VARIANTS and \
+            (submesh, shape, budget) not in self._revealed
+
+    def _placeholder(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int]
+                     ) -> _Costed | None:
+        """A lower bound of every memory-trading plan of ``[start, end)`` on ``submesh`` laid
+        out as ``shape``, in each figure the DP reads: their latency is at least the fastest
+        plan's ("free": the same ILP with one constraint fewer; less `PLACEHOLDER_SLACK`,
+        what the solves are proved to), their replay at least one device's forward spread
+        over the submesh's, and each of their bytes at least one device's spread over it (a
+        plan shards or replicates; it holds no value fewer times). The DP on these bounds
+        finds a pipeline no slower than it finds on the plans; where that pipeline uses a
+        bound, the plans it stands for are priced (`reveal`) and the DP runs again."""
+        free = self._exact(start, end, submesh, shape, "free")
+        if free is None:
+            return None   # no plan of that logical mesh at all
+        lat = free.latency * (1.0 - PLACEHOLDER_SLACK)
+        one = self._costed.get((self.key(start, end), (1, 1), (1, 1), "free"))
+        if one is None:   # no one-device price to spread (host-granular): bytes unbounded
+            return _Costed(lat, lat, 0.0, 0.0, 0.0, lat, 0.0, 0.0, free.cores, False)
+        n = submesh[0] * submesh[1]
+        replay = max(one.recompute_latency - one.latency, 0.0) / n
+        return _Costed(lat, lat + replay, one.state / n, one.act / n, one.inputs / n, lat,
+                       one.selective_act / n, 0.0, free.cores, False)
+
+    def deferred_in(self, stages: Iterable[StagePlacement]) -> set[tuple]:
+        """The deferred variants ``(submesh, shape, variant)`` whose bounds the DP's
+        ``stages`` were priced by (their labels name them; a mixed plan's lean part too)."""
+        out = set()
+        for s in stages:
+            label = s.option.label
+            for variant in LAZY_VARIANTS:
+                if variant in label.budget:
+                    key = (self.priced_as(s.submesh), label.logical_shape, variant)
+                    if self._deferred(*key):
+                        out.add(key)
+        return out
+
+    def deferred_on(self, submesh: Submesh) -> set[tuple]:
+        """Every deferred variant of ``submesh`` (its memory may bind there)."""
+        submesh = self.priced_as(submesh)
+        return {(submesh, shape, v) for shape in self.shapes(submesh)
+                for v in self.variants(submesh, shape) if self._deferred(submesh, shape, v)}
+
+    def reveal(self, entries: Iterable[tuple], workers: int | None = None) -> None:
+        """Price the deferred variants ``(submesh, shape, variant)`` for every layer, those
+        of one logical mesh in one task (they share its formulation), the tasks on forked
+        workers as `prefetch`'s; the DP's tables then read them."""
+        todo = sorted({(self.priced_as(sub), shape, v) for sub, shape, v in entries
+                       if self._deferred(self.priced_as(sub), shape, v)})
+        if not todo:
+            return
+        groups: dict[tuple, list[str]] = {}
+        for sub, shape, v in todo:
+            groups.setdefault((sub, shape), []).append(v)
+        layers = self._distinct_layers()
+        tasks = [(layers, sub, shape, tuple(vs)) for (sub, shape), vs in groups.items()]
+        for costs, solves in self._map("_price_variants", tasks, workers,
+                                       -(-PARALLEL_FROM_TASKS // max(len(layers), 1))):
+            self.solves += solves
+            self._costed.update(costs)
+        for sub, shape, v in todo:
+            self._revealed.add((sub, shape, v))
+            self._sums.pop((sub, shape, v), None)
+
+    def _price_variants(self, layers: tuple[int, ...], submesh: Submesh,
+                        shape: tuple[int, int], variants: tuple[str, ...]
+                        ) -> tuple[dict[tuple, _Costed | None], int]:
+        """`reveal`'s task: ``variants`` of ``layers`` on ``submesh`` laid out as ``shape``."""
+        before = self.solves
+        self._revealed.update((submesh, shape, v) for v in variants)
+        costs = {(self.key(m, m + 1), submesh, shape, v): self._exact(m, m + 1, submesh, shape, v)
+                 for v in variants for m in layers}
         return costs, self.solves - before
+
+    def _distinct_layers(self) -> tuple[int, ...]:
+        """The first layer of each one-layer structure."""
+        firsts: dict[str, int] = {}
+        for m in range(self.layering.num_layers):
+            firsts.setdefault(self.key(m, m + 1), m)
+        return tuple(firsts.values())
 
     def _exact(self, start: int, end: int, submesh: Submesh, shape: tuple[int, int],
                budget: str) -> _Costed | None:
         key = (self.key(start, end), submesh, shape, budget)
+        if key not in self._costed and self._deferred(submesh, shape, budget):
+            return self._placeholder(start, end, submesh, shape)
         if key not in self._costed:
             self._costed[key] = self._priced_in_parts(start, submesh, shape, budget) \
                 if end - start == 1 and self._by_parts(start) else \
@@ -798,6 +909,8 @@ class StageProfiler:
             except InfeasibleIlpError:
                 return None   # no plan of this kind at all (a method's restriction forbids it)
             s = self._free.get(free)
+            if s is None and free in self._free_plans:
+                s = StageSolution(form, self._free_plans[free], self.stage(start, end))
             # The fastest plan of all is the fastest within the limit when it fits it: the
             # same objective, one constraint more.
             if s is None or peak_memory(problem, s.solution.choices) > limit:
@@ -1187,6 +1300,15 @@ PARTS_BELOW = 0.01
 PARTS_ABOVE = 0.05
 # Below this many one-layer pricings, forking workers costs more than it saves.
 PARALLEL_FROM_TASKS = 48
+
+# The variants a lazy profiler prices only where the DP's pipelines use them
+# (`StageProfiler.reveal`): those that trade speed for memory, each two solves (the smallest
+# memory, then the fastest near it), most of a count's pricing where memory binds.
+LAZY_VARIANTS = ("lean", "deep")
+# How far under its shape's fastest plan a deferred variant is bounded: the planner's solves
+# stop within `ilp.PLAN_ACCEPT`'s 0.5 % of their proof, so a variant's solve may come out
+# that much under the fastest plan's.
+PLACEHOLDER_SLACK = 0.01
 # Whole solves of long stages take seconds each: two already pay for the fork.
 WHOLE_PARALLEL_FROM = 2
 _FORKED: StageProfiler | None = None   # the profiler forked workers price for
