@@ -722,7 +722,7 @@ class StageProfiler:
         layers = self._distinct_layers()
         tasks = [(layers, sub, shape, tuple(vs)) for (sub, shape), vs in groups.items()]
         for costs, solves in self._map("_price_variants", tasks, workers,
-                                       -(-PARALLEL_FROM_TASKS // max(len(layers), 1))):
+                                       REVEAL_PARALLEL_FROM):
             self.solves += solves
             self._costed.update(costs)
         for sub, shape, v in todo:
@@ -1311,6 +1311,9 @@ LAZY_VARIANTS = ("lean", "deep")
 PLACEHOLDER_SLACK = 0.01
 # Whole solves of long stages take seconds each: two already pay for the fork.
 WHOLE_PARALLEL_FROM = 2
+# A revealed logical mesh is two solves per variant and layer, formulated anew wherever it
+# runs (its "free" task's formulation was a worker's): two pay for the fork too.
+REVEAL_PARALLEL_FROM = 2
 _FORKED: StageProfiler | None = None   # the profiler forked workers price for
 
 
