@@ -22,6 +22,14 @@ from the most micro-batches that still give each device a sample, and goes both 
 there while it gains (also after a walk ended at one stage). A pipeline of one stage is
 returned as that stage's own intra-op plan.
 
+Bounds before prices. Where memory binds, most of a count's pricing is the plans that trade
+speed for memory ("lean", "deep": `stage_costs.py`). The DP first weighs lower bounds of them
+(`StageProfiler.estimates`); the variants its best pipeline uses are priced and it runs again,
+until that pipeline uses no bound, or, in a walk, until its bound already loses to the count
+before (`_settled`); the counts solved whole are searched on until every pipeline they weigh
+is priced. Each answer is the one pricing everything gives: MoE-70B on 64 V100 priced 0-28 of
+52 such variants a count, and the count its walk stops at none.
+
 Estimates and whole solves. The DP prices a long stage as the sum of its one-layer plans, which
 misjudges it by a few per cent either way (a whole solve shares layouts across layer boundaries
 and balances memory against time across the stage). So the walk compares estimates, and at the

@@ -19,7 +19,11 @@ Megatron's plan ("tp"; see `StageProfiler.variants`). Each plan also comes recom
 layer by layer as Megatron-LM's full recomputation: per micro-batch only what each layer
 receives is kept, one layer's activations at a time in backward, and the forward runs twice.
 The DP uses these where memory demands it, so the plans other than "free" are priced only on
-the submeshes and logical shapes where the memory limit may bind (`memory_may_bind`).
+the submeshes and logical shapes where the memory limit may bind (`memory_may_bind`). A lazy
+profiler (the stage search's) goes further: "lean" and "deep", two solves each, wait until a
+pipeline the DP finds uses them; until then the DP weighs a lower bound of each in every figure
+it reads, made of the "free" plan and one device's bytes (`_placeholder`), and the search
+prices what its pipelines use and runs the DP again (`search._settled`, `reveal`).
 
 Costs are cached by the stage's structure (`structure_key`), so repeated blocks are solved once
 per (structure, submesh, logical shape): Alpa's reuse of identical layer ranges. Ranges of more
