@@ -391,7 +391,8 @@ class StageProfiler:
     def __call__(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
         """Every option of ``[start, end)`` on ``submesh``, each priced (a lazy profiler prices
         what it deferred on the submesh first)."""
-        self.reveal(self.deferred_on(submesh))
+        if self.lazy:
+            self.reveal(self.deferred_on(submesh))
         return self.estimates(start, end, submesh)
 
     def estimates(self, start: int, end: int, submesh: Submesh) -> tuple[StageOption, ...]:
