@@ -27,8 +27,9 @@ speed for memory ("lean", "deep": `stage_costs.py`). The DP first weighs lower b
 (`StageProfiler.estimates`); the variants its best pipeline uses are priced and it runs again,
 until that pipeline uses no bound, or, in a walk, until its bound already loses to the count
 before (`_settled`); the counts solved whole are searched on until every pipeline they weigh
-is priced. Each answer is the one pricing everything gives: MoE-70B on 64 V100 priced 0-28 of
-52 such variants a count, and the count its walk stops at none.
+is priced. Each answer is the one pricing everything gives (`tests/test_deferred_variants.py`):
+MoE-70B on 64 V100 walks its counts in 11-26 s each instead of 23-38, the one its walk stops at
+on "free" prices alone.
 
 Estimates and whole solves. The DP prices a long stage as the sum of its one-layer plans, which
 misjudges it by a few per cent either way (a whole solve shares layouts across layer boundaries
@@ -583,8 +584,7 @@ def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSol
     with ``stop`` infinite, also every pipeline `_whole_round` may weigh ("whole": those
     within `REFINE_MARGIN` of the best and the fastest of equal stages). The DP on bounds
     finds no slower a pipeline than on the plans they bound, and one priced throughout is
-    the one it finds with everything priced: MoE-70B on 64 V100 prices 12-28 of 52 such
-    variants a count, and the count walked past its best none."""
+    the one it finds with everything priced."""
     while True:
         found = candidates()
         best = min(found, key=lambda s: s.total_latency)
