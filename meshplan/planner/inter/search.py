@@ -114,9 +114,9 @@ HOST_GRANULAR_ABOVE = 8
 # Pipelines whose estimate is within this fraction of the best one's are solved whole, at most
 # REFINE_MAX of them (`_solved_whole`).
 REFINE_MARGIN = 0.08
+REFINE_MAX = 3
 # Memory-trading variants priced only where the pipelines that may win use them (`_settled`).
 LAZY_VARIANTS = True
-REFINE_MAX = 3
 
 # (traced graph at one micro-batch's size, its fingerprint) for a micro-batch count.
 GraphFor = Callable[[int], tuple[Graph, str]]
@@ -587,8 +587,9 @@ def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSol
     the one it finds with everything priced."""
     while True:
         found = candidates()
-        best = min(found, key=lambda s: s.total_latency)
-        need = profiler.deferred_in(best.stages)
+        uses = [profiler.deferred_in(c.stages) for c in found]
+        k = min(range(len(found)), key=lambda j: found[j].total_latency)
+        best, need = found[k], set(uses[k])
         if need and best.total_latency >= stop:
             return found, "bound"
         if not need and stop < math.inf:
@@ -596,12 +597,12 @@ def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSol
         if stop == math.inf:
             # Those within the margin of the best's bound are priced with it, in one round.
             top = best.total_latency
-            priced = [c for c in found if not profiler.deferred_in(c.stages)]
-            even = min((c.total_latency for c in priced if _even(c)), default=math.inf)
-            for c in found:
+            even = min((c.total_latency for c, used in zip(found, uses)
+                        if not used and _even(c)), default=math.inf)
+            for c, used in zip(found, uses):
                 if c.total_latency <= (1 + REFINE_MARGIN) * top or \
                         (_even(c) and c.total_latency <= even):
-                    need |= profiler.deferred_in(c.stages)
+                    need |= used
             if not need:
                 return found, "whole"
         # Every deferred variant of the submeshes named: a DP run costs about what a logical

@@ -633,11 +633,10 @@ class StageProfiler:
                                     -(-PARALLEL_FROM_TASKS // max(len(layers), 1))),
                           total=len(tasks), desc=f"stage costs, {self.microbatches} micro-batches",
                           enabled=self.show_progress)
-        pricers = [self] + ([self._parts[1]] if self._parts is not None else [])
         for costs, solves, plans in priced:
             self.solves += solves
             self._costed.update(costs)
-            for pricer, made in zip(pricers, plans):
+            for pricer, made in zip(self._pricers(), plans):
                 pricer._free_plans.update(made)
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
@@ -661,11 +660,14 @@ class StageProfiler:
         costs = {(self.key(m, m + 1), submesh, shape, b): self._exact(m, m + 1, submesh, shape, b)
                  for b in variants if not self._deferred(submesh, shape, b) for m in layers}
         deferred = any(self._deferred(submesh, shape, b) for b in variants)
-        pricers = [self] + ([self._parts[1]] if self._parts is not None else [])
         plans = [{k: v.solution for k, v in p._free.items()
                   if v is not None and k[1:] == (submesh, shape)} if deferred else {}
-                 for p in pricers]
+                 for p in self._pricers()]
         return costs, self.solves - before, plans
+
+    def _pricers(self) -> list["StageProfiler"]:
+        """This profiler and its part pricer (`_part_pricer`), if it has one."""
+        return [self] + ([self._parts[1]] if self._parts is not None else [])
 
     # ------------------------------------------------------------------ deferred variants
     def _deferred(self, submesh: Submesh, shape: tuple[int, int], budget: str) -> bool:
