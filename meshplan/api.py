@@ -24,7 +24,7 @@ from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
 from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import (IlpCutOffError, InfeasibleIlpError, InfeasiblePlanError,
-                             NodeLimitError, NoPipelineError)
+                             MicrobatchError, NodeLimitError, NoPipelineError)
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import host_types
 from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
@@ -809,7 +809,7 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
                    method: str, schedule: str, microbatches: int | str, progress: bool) -> Plan:
     @functools.lru_cache(maxsize=None)  # the count search asks for a count more than once
     def graph_for(num: int) -> tuple[Any, str]:
-        _, graph = capture(model, loss_fn, split_microbatches(example_batch, num)[0])
+        graph = _count_graph(model, loss_fn, example_batch, num)
         return graph, graph.fingerprint()
 
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
@@ -825,6 +825,20 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
         return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
                              replace(req, method=str(spec)))
     return search_pipeline(graph_for, counts, req)
+
+
+def _count_graph(model: nn.Module, loss_fn: Callable | None, example_batch: Any, num: int
+                 ) -> Any:
+    """The traced program of one of ``num`` micro-batches; MicrobatchError where the model
+    fails on it and ``num`` is more than one (the counts below may still run)."""
+    micro = split_microbatches(example_batch, num)[0]
+    try:
+        return capture(model, loss_fn, micro)[1]
+    except (ValueError, RuntimeError) as e:
+        if num == 1 or isinstance(e, MicrobatchError):
+            raise
+        raise MicrobatchError(num, batch_size(micro), e) from e
+
 
 
 def _infeasible_or_none(solve: Callable[[], Any]) -> InfeasiblePlanError | None:

@@ -64,6 +64,22 @@ class InfeasiblePlanError(ValueError):
             + (advice or "Raise the budget, use more devices, or a smaller batch"))
 
 
+class MicrobatchError(ValueError):
+    """The model cannot run on the micro-batch a count of micro-batches gives: fewer samples
+    than it takes (batch norm over one value per channel, a reshape that fixes the batch).
+    Raised in place of the model's own error (its ``__cause__``) where the count is more than
+    one, so a search over counts can pass over it; ``count`` micro-batches of ``samples``
+    samples each."""
+
+    def __init__(self, count: int, samples: int, cause: BaseException) -> None:
+        super().__init__(
+            f"the model does not run on micro-batches of {samples} sample"
+            f"{'s' * (samples != 1)} ({count} micro-batches): {type(cause).__name__}: "
+            f"{cause}; give fewer micro-batches or a larger batch")
+        self.count = count
+        self.samples = samples
+
+
 class NoPipelineError(ValueError):
     """No split of the layers into stages on submeshes covering the cluster is feasible.
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from meshplan.cost.precision import with_compute_dtype
-from meshplan.errors import InfeasiblePlanError, NoPipelineError
+from meshplan.errors import InfeasiblePlanError, MicrobatchError, NoPipelineError
 from meshplan.ir.graph import Graph
 from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers, repeat_count
@@ -64,7 +64,8 @@ def plan_megatron(graph_for: GraphFor, batch: int, spec: MegatronSpec, counts: l
     _check_schedule(spec, req)
     layers = partial(_layers_for, pp=spec.pp, req=req, virtual=spec.virtual)
     priced = (_price(_profiled(graph_for, b, req, layers, [spec]), spec.dp, spec.tp, spec.pp,
-                     req, spec.virtual) for b in _counts_for(spec, batch, counts))
+                     req, spec.virtual)
+              for b in _runnable(graph_for, _counts_for(spec, batch, counts)))
     best, needs = None, []
     for found in _fewest_first(priced):
         if isinstance(found, NoPipelineError):
@@ -94,7 +95,12 @@ def plan_megatron_grid(graph_for: GraphFor, batch: int, microbatches: int | None
         specs = [s for s in by_count[b] if num_layers is None or num_layers % s.pp == 0]
         if not specs:
             continue
-        profiled = _profiled(graph_for, b, req, partial(_grid_layers, req=req), specs)
+        try:
+            profiled = _profiled(graph_for, b, req, partial(_grid_layers, req=req), specs)
+        except MicrobatchError:
+            if num_layers is None:   # the fewest micro-batches of any configuration
+                raise
+            break   # fewer samples a micro-batch than the model runs on: so are the rest
         num_layers = profiled.profiler.layering.num_layers
         for spec in (s for s in specs if num_layers % s.pp == 0):
             found = _price(profiled, spec.dp, spec.tp, spec.pp, req)
@@ -282,6 +288,20 @@ def _fewest_first(results: Iterator[FoundPipeline | NoPipelineError]
             worse += 1
             if worse == 2:
                 return
+
+
+def _runnable(graph_for: GraphFor, counts: list[int]) -> Iterator[int]:
+    """``counts`` (fewest micro-batches first) up to the first whose micro-batch the model does
+    not run on (MicrobatchError: fewer micro-batches hold more samples, so those before run);
+    its error where it is the first."""
+    for k, b in enumerate(counts):
+        try:
+            graph_for(b)
+        except MicrobatchError:
+            if k == 0:
+                raise
+            return
+        yield b
 
 
 def _counts_for(spec: MegatronSpec, batch: int, counts: list[int]) -> list[int]:
