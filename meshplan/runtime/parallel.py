@@ -218,9 +218,7 @@ class ParallelModel(nn.Module):
         if self._eval_model is None:   # gathered once per pass: nothing changes the state
             engine = self._pipeline or self._trainer
             assert engine is not None
-            with engine.guard.running():
-                state = self._pipeline.whole_state() if self._pipeline is not None else \
-                    engine.full_state_dict()
+            state = self.full_state_dict()
             self._eval_model = copy.deepcopy(self._model[0]).to(device)
             # Every parameter and every buffer the program reads; one it never reads is the
             # model's own, as it was given.
@@ -315,12 +313,17 @@ class ParallelModel(nn.Module):
         return [self._trainer] if self._trainer is not None else []
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters and buffers this rank holds (a pipeline: its stages'), each whole,
-        by its name in the original model."""
+        """Every parameter and buffer of the plan, each whole, by its name in the original
+        model, on every rank (collective: every rank calls it). A pipeline's stages send theirs
+        to the ranks of the others (`whole_state`), so a state saved from any one rank is the
+        whole model's, as `_NO_STATE_DICT` tells users."""
         engine = self._pipeline or self._trainer
         if engine is None:
             raise RuntimeError("the parallel model has not run yet: call it on a batch first")
-        return engine.full_state_dict()
+        if self._pipeline is None:
+            return engine.full_state_dict()
+        with engine.guard.running():
+            return self._pipeline.whole_state()
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,

@@ -499,16 +499,13 @@ class PipelineTrainer:
         out = dict(mine)
         for m, ranks in enumerate(meshes):
             names = sorted(n for n, o in owner.items() if o == m)
-            if len(names) > 4096:
-                raise NotImplementedError(f"a stage of more than 4096 parameters and buffers "
-                                          f"({len(names)}) cannot be sent whole")
             if self.rank == ranks[0]:
                 for k, name in enumerate(names):
                     for r in self._ranks_beside(m):
-                        self.p2p.send(mine[name], r, _tag("state", 0, 0, k), "state")
+                        self.p2p.send(mine[name], r, _state_tag(k), "state")
             elif self.rank not in ranks:
                 for k, name in enumerate(names):
-                    got = self.p2p.recv(tuple(shapes[name]), ranks[0], _tag("state", 0, 0, k))
+                    got = self.p2p.recv(tuple(shapes[name]), ranks[0], _state_tag(k))
                     out.setdefault(name, got)
         self.p2p.wait_all()
         return out
@@ -518,6 +515,12 @@ class PipelineTrainer:
 
 def _local_slices(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def _state_tag(k: int) -> int:
+    """The tag of a mesh's ``k``-th whole parameter or buffer (`whole_state`): a step's tag
+    fields taken as one counter, so a stage may hold 2^28 of them."""
+    return _tag("state", k // (64 * 4096), k // 4096 % 64, k % 4096)
 
 
 def _tag(kind: str, microbatch: int, exchange: int, piece: int) -> int:
