@@ -1,5 +1,6 @@
 """Batches and outputs as people write them (``capture/batch.py``): a tensor, a tuple or a dict
-of keyword arguments in; a tensor, tuple, dict or ``ModelOutput`` out; ``loss_fn=None`` when the
+of keyword arguments in, a target of a tensor, a tuple or a dict of tensors; a tensor, tuple,
+dict or ``ModelOutput`` out; ``loss_fn=None`` when the
 model returns its loss. Every form plans and trains like one device on emulated ranks; malformed
 batches are refused naming what was wrong and what is valid. Mean cross-entropy with -100
 targets and class weights: the count is one planned scalar all-reduce."""
@@ -74,6 +75,15 @@ FORMS: dict[str, tuple[str, Callable | None, Callable, Callable]] = {
                  lambda m, d: _ce(m(d["x"], d["scale"]), d["labels"])),
     "dict-in-target": ("dict", _ce, lambda d: ({"x": d["x"], "scale": d["scale"]}, d["labels"]),
                        lambda m, d: _ce(m(x=d["x"], scale=d["scale"]), d["labels"])),
+    # A target of several tensors, given to the loss in its form (a loss of several heads).
+    "tuple-target": ("tensor", lambda out, t: _ce(out, t[0]) + (out.logsumexp(-1) * t[1]).mean(),
+                     lambda d: (d["x"], (d["labels"], d["scale"])),
+                     lambda m, d: _ce(m(d["x"]), d["labels"])
+                     + (m(d["x"]).logsumexp(-1) * d["scale"]).mean()),
+    "dict-target": ("tensor", lambda out, t: _ce(out, t["y"]) + (out.mean(-1) * t["w"]).sum(),
+                    lambda d: (d["x"], {"y": d["labels"], "w": d["scale"]}),
+                    lambda m, d: _ce(m(d["x"]), d["labels"]) + (m(d["x"]).mean(-1)
+                                                               * d["scale"]).sum()),
     "kwargs-own-loss-dict": ("dict", None, lambda d: dict(d), lambda m, d: m(**d)["loss"]),
     "kwargs-own-loss-tuple": ("tuple", None, lambda d: dict(d), lambda m, d: m(**d)[0]),
     "kwargs-own-loss-tensor": ("tensor", None, lambda d: dict(d), lambda m, d: m(**d)),
@@ -110,7 +120,12 @@ def test_batch_and_output_forms_train_like_one_device(form: str, method: str, sh
 
 @pytest.mark.parametrize("batch,needles", [
     ((torch.ones(N, D),), ["(inputs, target)", "dict of keyword arguments", "length 1"]),
-    ((torch.ones(N, D), [1, 2]), ["target is a list", "tensor or None"]),
+    ((torch.ones(N, D), [1, 2]), ["target is a list of tensors, but entry '0' is a int",
+                                  "tuple or dict of tensors"]),
+    ((torch.ones(N, D), {"y": torch.ones(N), "n": 3}), ["target is a dict of tensors, but "
+                                                         "entry 'n' is a int"]),
+    ((torch.ones(N, D), ()), ["target is a tuple of tensors, but it is empty"]),
+    ((torch.ones(N, D), 3.0), ["target is a float"]),
     (((torch.ones(N, D), 3), torch.ones(N)), ["positional input 1 is a int", "not a tensor"]),
     ("x", ["got a str"]),
     ({}, ["no input tensor"]),

@@ -366,7 +366,7 @@ def test_file_model_on_meta_and_list_structures(model_file: Path) -> None:
         ("two_items", r"returned a tuple of length 2; expected \(model: nn.Module"),
         ("not_a_module", r"returned a model of type str, not an nn.Module"),
         ("loss_not_callable", r"loss_fn of type int, which is not callable"),
-        ("bad_target", r"does not fit \(the target is a list, not a tensor or None"),
+        ("bad_target", r"does not fit \(the target is a list of tensors, but entry '0' is a float"),
         ("batch_of_three", r"does not fit \(a batch is \(inputs, target\).*got a tuple of length 3"),
         ("returns_none", r"returned a NoneType; expected"),
         ("missing", r"has no function 'missing'; functions defined there: \['bad_target', .*'make'"),

@@ -3,8 +3,9 @@
 One convention for ``example_batch`` (tracing) and ``Trainer.step(batch)`` (running):
 
 * ``(inputs, target)``: ``inputs`` is one tensor, a tuple/list of tensors (positional
-  arguments of ``model``) or a dict of keyword arguments; ``target`` is a tensor (passed to
-  ``loss_fn(output, target)``) or None (``loss_fn(output)``, or the model's own loss);
+  arguments of ``model``) or a dict of keyword arguments; ``target`` is a tensor, a tuple/list
+  of tensors or a dict of them (passed to ``loss_fn(output, target)`` in that form: a loss of
+  several heads) or None (``loss_fn(output)``, or the model's own loss);
 * a dict of keyword arguments alone, e.g. ``{"input_ids": ids, "attention_mask": mask,
   "labels": labels}``: the same as ``(that_dict, None)``.
 
@@ -23,8 +24,11 @@ from typing import Any, Callable
 import torch
 
 _CONVENTION = ("a batch is (inputs, target) with inputs a tensor, a tuple of tensors or a dict "
-               "of keyword arguments and target a tensor or None, or a dict of keyword "
-               "arguments alone")
+               "of keyword arguments and target a tensor, a tuple or dict of tensors, or None; "
+               "or a dict of keyword arguments alone")
+
+# The forms a target may take, as `BatchLayout.target_kind` names them.
+_TARGET_KINDS = {torch.Tensor: "tensor", tuple: "tuple", list: "list"}
 
 
 @dataclass(frozen=True)
@@ -32,27 +36,48 @@ class BatchLayout:
     """How the batch's tensors, flattened in placeholder order, rebuild the model's call.
 
     Tensors come as ``positional`` inputs (named ``input{i}``), then the ``keywords`` (named by
-    their key), then the target (named ``target``) if ``has_target``. ``static`` holds the
-    non-tensor keyword arguments, fixed at trace time.
+    their key), then the target's (`target_names`). ``static`` holds the non-tensor keyword
+    arguments, fixed at trace time. ``target_kind``: None (no target), "tensor", "tuple",
+    "list" or "dict", whose ``target_keys`` (a dict's keys, a sequence's indices) name its
+    tensors.
     """
 
     positional: int
     keywords: tuple[str, ...]
     static: tuple[tuple[str, Any], ...]
-    has_target: bool
+    target_kind: str | None = None
+    target_keys: tuple[str, ...] = ()
+
+    @property
+    def has_target(self) -> bool:
+        return self.target_kind is not None
+
+    def target_names(self) -> tuple[str, ...]:
+        """The target's tensors' names: ``target``, or ``target.KEY`` for each of a dict's
+        keys or a sequence's indices."""
+        if self.target_kind == "tensor":
+            return ("target",)
+        return tuple(f"target.{k}" for k in self.target_keys)
 
     def names(self) -> tuple[str, ...]:
         """Placeholder name of every batch tensor, in order."""
         return (tuple(f"input{i}" for i in range(self.positional)) + self.keywords
-                + (("target",) if self.has_target else ()))
+                + self.target_names())
 
     def call(self, tensors: list[torch.Tensor]
-             ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor | None]:
+             ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
         """``(args, kwargs, target)`` of the model call from the flattened ``tensors``."""
         args = tuple(tensors[:self.positional])
         k = self.positional + len(self.keywords)
         kwargs = dict(zip(self.keywords, tensors[self.positional:k])) | dict(self.static)
-        return args, kwargs, tensors[k] if self.has_target else None
+        rest = tensors[k:]
+        if self.target_kind is None:
+            return args, kwargs, None
+        if self.target_kind == "tensor":
+            return args, kwargs, rest[0]
+        if self.target_kind == "dict":
+            return args, kwargs, dict(zip(self.target_keys, rest))
+        return args, kwargs, (tuple if self.target_kind == "tuple" else list)(rest)
 
 
 def _parts(batch: Any) -> tuple[Any, Any]:
@@ -87,17 +112,43 @@ def flatten_batch(batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
                             f"not a tensor; {_CONVENTION}")
     else:
         raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
-    if target is not None and not isinstance(target, torch.Tensor):
-        raise TypeError(f"the target is a {type(target).__name__}, not a tensor or None; "
-                        f"{_CONVENTION}")
+    kind, keys, targets = _target_parts(target)
     if not positional and not keywords:
         raise TypeError(f"the batch holds no input tensor; {_CONVENTION}")
-    if target is not None and "target" in keywords:
-        raise TypeError("a keyword input named 'target' clashes with the batch's target; pass "
-                        "the target inside the keyword dict or rename it")
-    layout = BatchLayout(len(positional), tuple(keywords), static, target is not None)
-    tensors = list(positional) + list(keywords.values()) + ([target] if target is not None else [])
+    layout = BatchLayout(len(positional), tuple(keywords), static, kind, keys)
+    clash = sorted(set(keywords) & set(layout.target_names()))
+    if clash:
+        raise TypeError(f"a keyword input named {clash[0]!r} clashes with the batch's target; "
+                        "pass the target inside the keyword dict or rename it")
+    tensors = list(positional) + list(keywords.values()) + targets
     return layout, dict(zip(layout.names(), tensors))
+
+
+def _target_parts(target: Any) -> tuple[str | None, tuple[str, ...], list[torch.Tensor]]:
+    """The target's kind, keys and tensors (`BatchLayout`). Raises TypeError for a target of
+    another form, or one whose entries are not all tensors."""
+    if target is None:
+        return None, (), []
+    if isinstance(target, torch.Tensor):
+        return "tensor", (), [target]
+    if isinstance(target, Mapping):
+        keys = list(target)
+        values = list(target.values())
+        kind = "dict"
+        bad_key = [k for k in keys if not isinstance(k, str)]
+        if bad_key:
+            raise TypeError(f"a target dict must have string keys; got {bad_key[0]!r}")
+    elif type(target) in _TARGET_KINDS:
+        keys, values, kind = [str(i) for i in range(len(target))], list(target), \
+            _TARGET_KINDS[type(target)]
+    else:
+        raise TypeError(f"the target is a {type(target).__name__}; {_CONVENTION}")
+    bad = [k for k, v in zip(keys, values) if not isinstance(v, torch.Tensor)]
+    if bad or not values:
+        what = f"entry {bad[0]!r} is a {type(values[keys.index(bad[0])]).__name__}" if bad \
+            else "it is empty"
+        raise TypeError(f"the target is a {kind} of tensors, but {what}; {_CONVENTION}")
+    return kind, tuple(keys), values
 
 
 def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.Tensor]:
@@ -115,13 +166,25 @@ def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.T
         out = {f"input{i}": v for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
     else:
         raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
-    if isinstance(target, torch.Tensor):
-        out["target"] = target
+    out |= _present_targets(target)
     known = set(traced.names()) if traced is not None else set(out)
     if set(out) - known:
         raise ValueError(f"the batch holds tensors {sorted(set(out) - known)} the traced "
                          f"example batch does not ({sorted(known)})")
     return out
+
+
+def _present_targets(target: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a rank-local batch's target by name; entries left out (None) skipped."""
+    if isinstance(target, torch.Tensor):
+        return {"target": target}
+    if isinstance(target, Mapping):
+        items = list(target.items())
+    elif isinstance(target, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(target)]
+    else:
+        return {}
+    return {f"target.{k}": v for k, v in items if isinstance(v, torch.Tensor)}
 
 
 def check_static(traced: BatchLayout, given: BatchLayout) -> None:
@@ -173,7 +236,7 @@ def model_loss(out: Any) -> torch.Tensor:
                      f"given labels=...), or pass a loss_fn")
 
 
-def step_loss(loss_fn: Callable | None, out: Any, target: torch.Tensor | None) -> Any:
+def step_loss(loss_fn: Callable | None, out: Any, target: Any) -> Any:
     """The loss of one step: ``loss_fn(out, target)``, ``loss_fn(out)`` or the model's own."""
     if loss_fn is None:
         if target is not None:

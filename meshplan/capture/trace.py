@@ -283,8 +283,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
     # an optimizer's state.
     roles = ([("param" if v.requires_grad else "buffer", k) for k, v in params.items()]
              + [("buffer", k) for k in buffers]
-             + [("target" if k == "target" and layout.has_target else "input", k)
-                for k in batch])
+             + [("target" if k in layout.target_names() else "input", k) for k in batch])
     renames = {**renames, **merge_common_subexpressions(gm)}
     return Traced(gm, tuple(roles), layout, renamed(saved, renames, gm))
 
