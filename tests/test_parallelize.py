@@ -511,3 +511,39 @@ def test_two_calls_summed_into_one_backward_train_as_one_device(method, microbat
         assert_matches((losses, state, []), (ref, {n: p.detach() for n, p in
                                                    model.named_parameters()}),
                        plan, OptimizerSpec("sgd"))
+
+
+def _unbackpropagated_first(comm, p2p, plan: meshplan.Plan, w, data: list, zero: bool) -> tuple:
+    """A call whose loss is never backpropagated (a look at the loss with gradients on), then
+    the loop; ``zero``: with ``optimizer.zero_grad()`` after that call."""
+    model, opt, sched = parallel(w, plan, comm=comm, p2p=p2p, captured=_capture(w, plan))
+    model(data[0])
+    if zero:
+        opt.zero_grad()
+    return train_steps(model, opt, sched, data[1:]), model.full_state_dict()
+
+
+@pytest.mark.parametrize("kw", [dict(method="megatron:dp=1,tp=1,pp=2", microbatches=2),
+                                dict(mesh_shape=(1, 2), method="data", microbatches=2)],
+                         ids=["pipeline", "micro-batches"])
+def test_a_call_never_backpropagated_is_refused_at_the_step_unless_zeroed(kw) -> None:
+    """Where a plan runs part of each call's backward inside the call (a pipeline's schedule,
+    earlier micro-batches), a call whose backward never runs leaves gradients one device's
+    would not have: the step refuses them, naming zero_grad, and after zero_grad the loop
+    trains as one device."""
+    spec = "gpt:hidden=32,layers=4,heads=4,seq=8,vocab=64,batch=8"
+    plan = _plan(spec, "local:2", **kw)
+    w = build_workload(spec, device="cpu", seed=0)
+    data = batches(w, 3)
+
+    def run(zero: bool) -> list:
+        if plan.num_stages > 1:
+            return run_emulated_stages(_unbackpropagated_first, plan.stage_meshes(), plan, w,
+                                       data, zero)
+        return run_emulated(lambda comm, *a: _unbackpropagated_first(comm, None, *a),
+                            plan.mesh_shape, plan, w, data, zero)
+    with pytest.raises(RuntimeError, match=r"loss.backward\(\) never ran.*optimizer.zero_grad"):
+        run(False)
+    ref_losses, ref_params = _reference(spec, data[1:])
+    for losses, state in run(True):
+        assert_matches((losses, state, []), (ref_losses, ref_params), plan, ADAMW)

@@ -93,8 +93,11 @@ class ParallelModel(nn.Module):
         self._pending: tuple[str, torch.optim.Optimizer | None] | None = None  # a checkpoint
         self._pending_state: dict[str, torch.Tensor] | None = None   # `load_state_dict`
         # Calls whose last backward the caller has yet to run (`clip_grad_norm_` waits; a
-        # call made while one is due runs without overlapping its all-reduce).
+        # call made while one is due runs without overlapping its all-reduce); of those, the
+        # calls that ran part of their backward inside (earlier micro-batches, a pipeline's
+        # schedule), whose gradients a step would take though their backward never ran.
         self._backwards_due = 0
+        self._eager_due = 0
         # ``model.eval()``: whether the model computes the training program in evaluation mode
         # too, by batch shape; and the whole model evaluation runs where it does not.
         self._same_in_eval: dict[tuple, bool] = {}
@@ -118,12 +121,16 @@ class ParallelModel(nn.Module):
                          self._comm, captured=self._captured, local_batches=local)
             self._trainer, trainers, prepare, guard = tr, [tr], tr.prepare_gradients, tr.guard
             settled = tr.settled
-        engine_settled = settled
+        engine_settled, engine_prepare = settled, prepare
 
         def settled() -> None:   # a loss whose backward never ran is not due past the step
-            self._backwards_due = 0
+            self._backwards_due = self._eager_due = 0
             self._eval_model = None   # (a step in evaluation mode: gathered again)
             engine_settled()
+
+        def prepare() -> None:
+            self._check_no_eager_due("optimizer.step()")
+            engine_prepare()
         _repoint(self._optimizer, model, trainers, prepare, settled, guard)
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
@@ -142,7 +149,9 @@ class ParallelModel(nn.Module):
         if self._pipeline is not None:
             value = self._pipeline.step(batch, apply=False)
             whole = torch.as_tensor(value, dtype=self._anchor.dtype, device=self._anchor.device)
-            return _GuardedBackward.apply(self._anchor, whole, self._pipeline.scale_loss)
+            if not torch.is_grad_enabled():
+                return whole
+            return self._due(whole, self._pipeline.scale_loss, eager=True)
         tr = self._trainer
         assert tr is not None
         tr.serve(batch)
@@ -176,9 +185,32 @@ class ParallelModel(nn.Module):
                     tr.scale_loss(grad)
                     grad = torch.ones_like(grad)
                 torch.autograd.backward(last, grad)
-            self._backwards_due = max(self._backwards_due - 1, 0)
+        return self._due(whole, backward, eager=bool(done))
+
+    def _due(self, whole: torch.Tensor, backward: Callable[[torch.Tensor], None], eager: bool
+             ) -> torch.Tensor:
+        """``whole`` as the loss returned, whose ``loss.backward()`` runs ``backward``; the
+        call is due until it does (``eager``: it ran part of its backward inside)."""
         self._backwards_due += 1
-        return _GuardedBackward.apply(self._anchor, whole, backward)
+        self._eager_due += eager
+
+        def run(grad: torch.Tensor) -> None:
+            backward(grad)
+            self._backwards_due = max(self._backwards_due - 1, 0)
+            self._eager_due = max(self._eager_due - eager, 0)
+        return _GuardedBackward.apply(self._anchor, whole, run)
+
+    def _check_no_eager_due(self, what: str) -> None:
+        """Raise RuntimeError where a call of this step whose loss was never backpropagated
+        left gradients: one device's would add none."""
+        if self._eager_due:
+            raise RuntimeError(
+                f"{what} with the gradients of a call whose loss.backward() never ran: this "
+                "plan runs part of each call's backward inside the call (its earlier "
+                "micro-batches, a pipeline's schedule), so that call's gradients are already "
+                "in the step's, where one device's would have none. Call loss.backward() on "
+                "it, or optimizer.zero_grad() after a call you do not backpropagate (or make "
+                "that call under torch.no_grad() or model.eval())")
 
     def train(self, mode: bool = True) -> "ParallelModel":
         """nn.Module's: in evaluation mode (``model.eval()``) a call returns the loss the model
@@ -263,7 +295,7 @@ class ParallelModel(nn.Module):
         them (nn.Module's own would clear the parameters of nothing: the shards are the
         trainers', not this module's)."""
         self._optimizer.zero_grad(set_to_none=set_to_none)
-        self._backwards_due = 0
+        self._backwards_due = self._eager_due = 0
         for t in self._trainers():
             for p in t.params:
                 if p.compute is not None and p.compute.grad is not None:
