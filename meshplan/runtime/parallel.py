@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -132,6 +133,8 @@ class ParallelModel(nn.Module):
             self._check_no_eager_due("optimizer.step()")
             engine_prepare()
         _repoint(self._optimizer, model, trainers, prepare, settled, guard)
+        _hook_grad_scaler()
+        self._optimizer._meshplan_unscale = self._unscaled   # type: ignore[attr-defined]
         if self._pending is not None:   # `load_checkpoint` before the first call
             from meshplan.runtime.checkpoint import apply_checkpoint
             apply_checkpoint(self._pending[0], self, self._pending[1])
@@ -339,6 +342,29 @@ class ParallelModel(nn.Module):
                 t.load_state(state)
         return _IncompatibleKeys(missing, unexpected)
 
+    def _unscaled(self, unscale: Callable[[], dict]) -> dict:
+        """A GradScaler's ``unscale`` of this rank's update gradients (`_hook_grad_scaler`):
+        first the step's gradients synchronized, as one device's are complete after backward;
+        then its finding of an inf or NaN made the same on every rank (any rank's, of any
+        stage), so that every rank skips the step alike and lowers its scale alike."""
+        engine = self._pipeline or self._trainer
+        assert engine is not None
+        if self._backwards_due:
+            raise RuntimeError("GradScaler.unscale_ (or step) before loss.backward(): the "
+                               "step's last backward has not run; call "
+                               "scaler.scale(loss).backward() first")
+        with engine.guard.running():
+            engine.synchronize_gradients()
+            found = unscale()
+            largest = self._pipeline.norm_total(math.inf) if self._pipeline is not None \
+                else engine.norm_part(math.inf)
+            if self._pipeline is not None:
+                self._pipeline.p2p.wait_all()
+        bad = float(not bool(torch.isfinite(largest)))
+        for flag in found.values():
+            flag.fill_(bad)
+        return found
+
     def _trainers(self) -> list[Trainer]:
         if self._pipeline is not None:
             return list(self._pipeline.trainers.values())
@@ -411,6 +437,29 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
         p2p = p2p or (ProcessGroupP2P(dev) if plan.num_stages > 1 else None)
     return ParallelModel(model, optimizer, plan, loss_fn, comm, p2p, captured,
                          example_batch if local_batches else None), optimizer
+
+
+def _hook_grad_scaler() -> None:
+    """torch's GradScaler (``torch.amp`` and ``torch.cuda.amp``) unscales, and checks for
+    infs, the gradients its optimizer's parameters hold; a plan synchronizes them at the step,
+    after the scaler has read them, and each rank holds only its shards, so the ranks could
+    decide apart whether to skip the step. For an optimizer `parallelize` repointed, the
+    scaler's unscaling runs through `ParallelModel._unscaled`; for any other, as it was.
+    Installed once, at the first parallel model's first call."""
+    cls = torch.amp.GradScaler
+    original = cls._unscale_grads_
+    if getattr(original, "_meshplan", False):
+        return
+
+    @functools.wraps(original)
+    def unscale_grads(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any,
+                      **kwargs: Any) -> Any:
+        own = getattr(optimizer, "_meshplan_unscale", None)
+        if own is None:
+            return original(scaler, optimizer, *args, **kwargs)
+        return own(lambda: original(scaler, optimizer, *args, **kwargs))
+    unscale_grads._meshplan = True   # type: ignore[attr-defined]
+    cls._unscale_grads_ = unscale_grads   # type: ignore[method-assign]
 
 
 class _GuardedBackward(torch.autograd.Function):

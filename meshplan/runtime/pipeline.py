@@ -296,7 +296,7 @@ class PipelineTrainer:
         parts summed across stages, clipped by the global norm over every stage."""
         self.synchronize_gradients()
         if next(iter(self.trainers.values())).spec.max_grad_norm is not None:
-            total = self._norm_total(2.0)
+            total = self.norm_total(2.0)
             for t in self.trainers.values():
                 t.clip(total)
         # Gloo moves an isend's data only once its peer posts the receive: a rank whose last
@@ -309,10 +309,10 @@ class PipelineTrainer:
         """The step's gradients synchronized, clipped to ``max_norm`` by their global norm
         over every stage, as one device clips (`runtime/grad_norm.py`); returns that norm."""
         self.synchronize_gradients()
-        return clip_engines(self._norm_total(norm_type), norm_type, max_norm,
+        return clip_engines(self.norm_total(norm_type), norm_type, max_norm,
                             error_if_nonfinite, self.trainers.values())
 
-    def _norm_total(self, norm_type: float) -> torch.Tensor:
+    def norm_total(self, norm_type: float) -> torch.Tensor:
         """`Trainer.norm_part` over every stage of the pipeline, the same on every rank (a
         parameter several stages share counted by its first)."""
         largest = math.isinf(norm_type)
