@@ -166,7 +166,7 @@ class ParallelModel(nn.Module):
             for k, (piece, scale) in enumerate(zip(micro[:-1], scales)):   # the last backward
                 loss = tr.run_microbatch(piece, rng, scale, k)                # is the caller's
                 if torch.is_grad_enabled():
-                    (loss / len(micro)).backward()
+                    (loss / len(micro) * tr.eager_scale()).backward()
                     tr.own_gradients()
                 done.append(loss.detach())
             # The caller's loss.backward() is the step's last, unless an earlier call's is due
@@ -184,10 +184,10 @@ class ParallelModel(nn.Module):
 
         def backward(grad: torch.Tensor) -> None:
             with tr.guard.running():
-                if done:   # the earlier ones ran unscaled: the step takes the scale at once
-                    tr.scale_loss(grad)
-                    grad = torch.ones_like(grad)
-                torch.autograd.backward(last, grad)
+                if done:   # the earlier ones ran at the eager scale: the step takes the
+                    tr.scale_loss(grad)   # ratio of the loop's to it at once
+                    grad = tr.eager_scale().to(last.dtype)   # (backward runs without grad
+                torch.autograd.backward(last, grad)           # mode: a seed, not a product)
         return self._due(whole, backward, eager=bool(done))
 
     def _due(self, whole: torch.Tensor, backward: Callable[[torch.Tensor], None], eager: bool

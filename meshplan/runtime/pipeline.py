@@ -234,7 +234,8 @@ class PipelineTrainer:
                     box[e.value] = g if e.value not in box else box[e.value] + g
             elif ins.op == "RUN" and ins.kind == "backward":
                 loss, sent = kept[key]
-                outs = [loss / count] if loss is not None else []
+                # At the loop's scale of the last step (`Trainer.eager_scale`).
+                outs = [loss / count * t.eager_scale()] if loss is not None else []
                 seeds: list[torch.Tensor | None] = [None] * len(outs)
                 for name, value in sent.items():
                     if name in grads.get(key, {}):

@@ -209,6 +209,12 @@ class Trainer:
         # The scale the caller's backward gave a step part of whose backward ran unscaled
         # inside the model's call (`scale_loss`), applied at synchronization.
         self._loss_scale: torch.Tensor | None = None
+        # The scale that backward inside the call runs at (`eager_scale`): the loop's scale of
+        # the step before (a GradScaler's, a division by accumulation steps), so the half
+        # precision gradients inside carry it as one device's backward does (a GradScaler's
+        # guard against underflow, and its overflows where one device's overflow).
+        self._eager_scale: torch.Tensor | None = None
+        self._last_scale: torch.Tensor | None = None
         # A step failing on one rank fails alike on every rank (`runtime/failure.py`).
         self.guard = StepGuard([comm.rebuild] if isinstance(comm, ProcessGroupComm) else [],
                                self.undo_step, active=isinstance(comm, ProcessGroupComm))
@@ -593,6 +599,8 @@ class Trainer:
         if not self._synced:
             self._synchronize()
             scale = self._loss_scale
+            if scale is not None and self._eager_scale is not None:
+                scale = scale / self._eager_scale
             if scale is not None and not bool((scale == 1).all()):
                 self.scale_gradients(scale)
             self._synced = True
@@ -600,7 +608,7 @@ class Trainer:
     def settled(self) -> None:
         """The step's gradients were applied or dropped: the next are synchronized anew."""
         self._synced = False
-        self._loss_scale = None
+        self._loss_scale = self._eager_scale = None
 
     def scale_loss(self, grad: torch.Tensor) -> None:
         """The gradient ``grad`` the caller's ``loss.backward()`` gave a loss it scaled
@@ -612,6 +620,8 @@ class Trainer:
         grad = grad.detach()
         if grad.device.type == "meta":   # shapes only: nothing to scale
             return
+        self.eager_scale()   # fixed before this step's scale is known
+        self._last_scale = grad.clone()
         if self._loss_scale is None:
             self._loss_scale = grad.clone()
         elif not bool((grad == self._loss_scale).all()):
@@ -622,6 +632,17 @@ class Trainer:
                 "loop's scale to the step's gradients at once, which needs every call of a "
                 "step scaled alike. Scale each call's loss alike, or call backward on the loss "
                 "as returned and let the plan accumulate (plan the larger batch)")
+
+    def eager_scale(self) -> torch.Tensor:
+        """The scale this step's backward runs at inside the model's call: the loop's scale
+        of the last step that gave one (1 before), the same for every call of a step;
+        `synchronize_gradients` takes the ratio of the step's own to it. A 0-dim fp32 tensor
+        (a loss times it promotes as one device's ``scaler.scale(loss)`` does)."""
+        if self._eager_scale is None:
+            last = self._last_scale
+            self._eager_scale = torch.ones((), device=self.device) if last is None else \
+                last.to(torch.float32).reshape(())
+        return self._eager_scale
 
     def update(self) -> None:
         """The optimizer step on the synchronized (and clipped) gradients; ZeRO-2 compute copies
