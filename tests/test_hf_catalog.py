@@ -51,7 +51,8 @@ def test_a_config_json_names_its_architecture(tmp_path) -> None:
     assert simulate(plan).step_time_s > 0
 
 
-@pytest.mark.parametrize("name", ["t5-base", "bert-base", "qwen2.5-7b", "gemma-2-9b"])
+@pytest.mark.parametrize("name", ["t5-base", "bert-base", "qwen2.5-7b", "gemma-2-9b",
+                                  "phi-3-mini"])
 def test_each_architecture_plans(name: str) -> None:
     # Shrunk by overrides, each family's own forward and loss trace and plan.
     w = build_workload(f"hf:{name},layers=1,vocab=256,batch=4,seq=16")

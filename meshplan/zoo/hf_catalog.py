@@ -41,6 +41,27 @@ CATALOG: dict[str, tuple[str, dict[str, Any], float]] = {
                                    num_key_value_heads=8, vocab_size=128256,
                                    max_position_embeddings=131072, rope_theta=500000.0,
                                    tie_word_embeddings=True), 1236),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32,
+                                 vocab_size=32000, max_position_embeddings=4096), 6738),
+    "llama-2-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824,
+                                  num_hidden_layers=40, num_attention_heads=40,
+                                  num_key_value_heads=40, vocab_size=32000,
+                                  max_position_embeddings=4096), 13016),
+    "llama-2-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672,
+                                  num_hidden_layers=80, num_attention_heads=64,
+                                  num_key_value_heads=8, vocab_size=32000,
+                                  max_position_embeddings=4096), 68977),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=32000,
+                                   max_position_embeddings=32768, sliding_window=4096),
+                   7242),
+    "phi-3-mini": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32,
+                                vocab_size=32064, max_position_embeddings=4096,
+                                original_max_position_embeddings=4096, pad_token_id=32000),
+                   3821),
     "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336,
                                      num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, vocab_size=32000,
@@ -51,6 +72,21 @@ CATALOG: dict[str, tuple[str, dict[str, Any], float]] = {
                                       num_key_value_heads=8, vocab_size=32768,
                                       num_local_experts=8, num_experts_per_tok=2,
                                       max_position_embeddings=65536, rope_theta=1e6), 140621),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864,
+                                   num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, vocab_size=151936,
+                                   max_position_embeddings=32768, rope_theta=1e6,
+                                   tie_word_embeddings=True), 494),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960,
+                                   num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, vocab_size=151936,
+                                   max_position_embeddings=32768, rope_theta=1e6,
+                                   tie_word_embeddings=True), 1544),
+    "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, intermediate_size=11008,
+                                 num_hidden_layers=36, num_attention_heads=16,
+                                 num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1e6,
+                                 tie_word_embeddings=True), 3086),
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4,
                                  vocab_size=152064, max_position_embeddings=32768,
@@ -178,6 +214,11 @@ def build_hf_model(model_type: str, fields: dict[str, Any], device: str = "meta"
     # Given at construction: a config derives fields from others (Qwen2's layer types from
     # its layer count, tied embeddings).
     config = t.AutoConfig.for_model(model_type, **fields, use_cache=False)
+    # A vocabulary shrunk by the fields (``vocab=256``) leaves the published padding token
+    # past its end (Phi-3's 32000): the embedding would refuse it as its padding index.
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and pad >= vocab:
+        config.pad_token_id = None
     kind = {"bert": t.AutoModelForMaskedLM, "t5": t.AutoModelForSeq2SeqLM}.get(
         model_type, t.AutoModelForCausalLM)
     with torch.device(device):
