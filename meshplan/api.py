@@ -18,6 +18,7 @@ from torch import nn
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.memo import made_already
 from meshplan.capture.to_ir import capture
+from meshplan.capture.trace import uncompiled
 from meshplan.collector import cycle_collector_paused
 from meshplan.cost.cluster import Cluster, cluster_to_dict, parse_cluster_spec
 from meshplan.cost.memory import OptimizerState, unsharded_state_bytes
@@ -687,7 +688,8 @@ def recompute_layering(graph: Any, num_devices: int) -> Any:
 def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
          cluster: Cluster | str, **kwargs: Any) -> Plan:
     with cycle_collector_paused():   # its full collections walk all planning holds
-        return _plan_once(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
+        return _plan_once(uncompiled(model), loss_fn, optimizer, example_batch, cluster,
+                          **kwargs)
 
 
 def _plan_once(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,

@@ -547,3 +547,26 @@ def test_a_call_never_backpropagated_is_refused_at_the_step_unless_zeroed(kw) ->
     ref_losses, ref_params = _reference(spec, data[1:])
     for losses, state in run(True):
         assert_matches((losses, state, []), (ref_losses, ref_params), plan, ADAMW)
+
+
+def _compiled_loop(comm, plan: meshplan.Plan, w, data: list) -> tuple:
+    import copy
+    from user_loop import optimizer_for
+    model = torch.compile(copy.deepcopy(w.model))   # never run compiled: meshplan runs it
+    opt, sched = optimizer_for(model)
+    model, opt = meshplan.parallelize(model, opt, plan, w.loss_fn, comm=comm)
+    return train_steps(model, opt, sched, data), model.full_state_dict()
+
+
+def test_a_compiled_model_plans_and_trains_as_the_module_it_wraps() -> None:
+    """``torch.compile(model)`` given to plan and parallelize: the module it wraps is traced
+    and run, its state under its own names (not ``_orig_mod.``)."""
+    w = build_workload(MLP, device="cpu", seed=0)
+    data = batches(w, 2)
+    plan = meshplan.plan(torch.compile(w.model), w.loss_fn, "adamw", w.example_batch,
+                         "local:2", mesh_shape=(1, 2), method="zero2", memory_budget_gb=0,
+                         dtype="fp32")
+    ref = _reference(MLP, data)
+    for losses, state in run_emulated(_compiled_loop, (1, 2), plan, w, data):
+        assert set(state) == set(w.model.state_dict())
+        assert_matches((losses, state, []), ref, plan, ADAMW)

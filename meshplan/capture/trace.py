@@ -232,6 +232,16 @@ def _name_placeholders_as_retraced(gm: GraphModule, saved: set[str]) -> set[str]
     return {renames.get(x, x) for x in saved}
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``), else ``model`` itself:
+    meshplan traces and runs the step's program on its own, and the wrapper would name every
+    parameter ``_orig_mod.NAME`` and make dynamo trace the capture."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return model
+
+
 def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Traced:
     """Trace one step's loss (``loss_fn(model(...), target)``, ``loss_fn(model(...))`` or the
     model's own loss when ``loss_fn`` is None; see ``capture/batch.py`` for the batch forms)

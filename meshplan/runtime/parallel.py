@@ -41,6 +41,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from meshplan.capture.batch import whole_loss
 from meshplan.capture.memo import captured_in_mode
+from meshplan.capture.trace import uncompiled
 from meshplan.plan.plan import Plan
 from meshplan.runtime.comm import Comm, ProcessGroupComm
 from meshplan.runtime.failure import StepGuard
@@ -410,6 +411,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, got {type(optimizer).__name__}")
+    model = uncompiled(model)
     owned = {id(p) for p in model.parameters()}
     stray = [i for i, g in enumerate(optimizer.param_groups)
              if any(id(p) not in owned for p in g["params"])]
