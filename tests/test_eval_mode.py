@@ -159,3 +159,42 @@ def test_a_pipeline_of_a_model_unlike_in_evaluation_evaluates_the_whole_model() 
         params.update(state)
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _predicting(comm, plan, model, train, held_out, p2p=None) -> tuple:
+    mine = copy.deepcopy(model)
+    par, opt = meshplan.parallelize(mine, torch.optim.SGD(mine.parameters(), lr=0.1), plan,
+                                    LOSS, comm=comm, p2p=p2p)
+    with pytest.raises(RuntimeError, match=r"call model.eval\(\) first"):
+        par.predict(held_out[0])
+    _loop(par, opt, train, [], lambda i, b: par(b))
+    par.eval()
+    out = [par.predict(b) for b in held_out]
+    par.train()
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(mesh_shape=(1, 2), method="zero3"),
+                                dict(method="megatron:dp=1,tp=1,pp=2", microbatches=1)],
+                         ids=["zero3", "pipeline"])
+def test_predict_gives_the_outputs_of_one_devices_model_in_evaluation(kw) -> None:
+    """``model.predict(batch)`` after ``model.eval()``: the logits one device's model gives in
+    evaluation mode after the same steps, on every rank (a validation pass's metrics)."""
+    model, train, held_out = _net(), _data(2), _data(3)[1:]
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for i, ((x,), t) in enumerate(train):
+        torch.manual_seed(i)
+        LOSS(ref_model(x), t).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_model.eval()
+    with torch.no_grad():
+        ref = [ref_model(x) for (x,), _ in held_out]
+    plan = _plan(model, LOSS, train[0], "local:2", **kw)
+    run = (lambda f, *a: run_emulated_stages(lambda c, p, *b: f(c, *b, p), plan.stage_meshes(),
+                                             *a)) if plan.num_stages > 1 else \
+        (lambda f, *a: run_emulated(f, plan.mesh_shape, *a))
+    for outs in run(_predicting, plan, model, train, held_out):
+        for got, want in zip(outs, ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

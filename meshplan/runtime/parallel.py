@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from meshplan.capture.batch import whole_loss
+from meshplan.capture.batch import flatten_batch, whole_loss
 from meshplan.capture.memo import captured_in_mode
 from meshplan.capture.trace import uncompiled
 from meshplan.plan.plan import Plan
@@ -251,17 +251,39 @@ class ParallelModel(nn.Module):
                 "yet: save a checkpoint (meshplan.save_checkpoint) and evaluate the model "
                 "loaded from it, or evaluate with the global batch")
         device = self._comm.device
-        if self._eval_model is None:   # gathered once per pass: nothing changes the state
-            engine = self._pipeline or self._trainer
-            assert engine is not None
+        with torch.no_grad(), autocast_for(self._plan.dtype, device.type):
+            return whole_loss(self._whole_copy(), self._loss_fn, batch, device).detach()
+
+    def _whole_copy(self) -> nn.Module:
+        """The model whole on this rank's device, in evaluation mode, with the plan's state
+        (gathered once per evaluation pass: nothing changes the state until ``train()``)."""
+        if self._eval_model is None:
             state = self.full_state_dict()
-            self._eval_model = copy.deepcopy(self._model[0]).to(device)
+            self._eval_model = copy.deepcopy(self._model[0]).to(self._comm.device)
             # Every parameter and every buffer the program reads; one it never reads is the
             # model's own, as it was given.
             self._eval_model.load_state_dict(state, strict=False)
             self._eval_model.eval()
+        return self._eval_model
+
+    def predict(self, batch: Any) -> Any:
+        """What the model returns for ``batch``'s inputs (a target is ignored), as one
+        device's model returns it in evaluation mode, without gradients: logits for the
+        metrics of a validation pass beside its loss. Call it after ``model.eval()`` on every
+        rank (the pass's first call gathers the state into a whole copy of the model on each
+        rank, as the evaluation loss of a model with dropout does: a whole model's memory per
+        rank until ``model.train()``); the inputs given are run whole (the global batch, or the
+        rows a rank loaded). Raises RuntimeError in training mode."""
+        if self.training:
+            raise RuntimeError("predict runs the model in evaluation mode: call model.eval() "
+                               "first (and model.train() before the next training step)")
+        if self._trainer is None and self._pipeline is None:
+            self._start(batch)
+        layout, tensors = flatten_batch(batch)
+        device = self._comm.device
+        args, kwargs, _ = layout.call([t.to(device) for t in tensors.values()])
         with torch.no_grad(), autocast_for(self._plan.dtype, device.type):
-            return whole_loss(self._eval_model, self._loss_fn, batch, device).detach()
+            return self._whole_copy()(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
