@@ -473,3 +473,32 @@ def test_a_stage_without_parameters_trains(opt: OptimizerSpec, method: str, devi
                     name="free-tail")
     assert [len(s.plan.params) for s in plan.stages] == [2, 0]
     _trains_like_one_device(plan, w, opt)
+
+
+def _many(comm, p2p, plan, model, batch) -> tuple:
+    tr = PipelineTrainer(plan, copy.deepcopy(model), nn.functional.mse_loss, batch, comm, p2p)
+    return tr.step(batch), tr.whole_state()
+
+
+def test_more_micro_batches_than_a_fixed_tag_field_held() -> None:
+    """A step's messages are tagged by fields as wide as the pipeline needs: 1,100
+    micro-batches (the tags held 1,024 before), the step one device's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(1)
+    batch = ((torch.randn(1100, 4, generator=g),), torch.randn(1100, 2, generator=g))
+    one = copy.deepcopy(model)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    loss = nn.functional.mse_loss(one(batch[0][0]), batch[1])
+    loss.backward()
+    opt.step()
+    plan = api.plan(model, nn.functional.mse_loss, OptimizerSpec("sgd", lr=0.1), batch,
+                    "local:2", method="megatron:dp=1,tp=1,pp=2", microbatches=1100,
+                    memory_budget_gb=0,
+                    dtype="fp32")
+    for got, state in run_emulated_stages(_many, plan.stage_meshes(), plan, model, batch,
+                                          timeout_s=300):
+        assert got == pytest.approx(loss.item(), rel=1e-6)
+        for name, value in one.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)

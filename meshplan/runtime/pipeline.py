@@ -28,6 +28,7 @@ under interleaving one per micro-batch and chunk), the accounting the schedule's
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -117,6 +118,8 @@ class PipelineTrainer:
                       for k, (name, stages) in enumerate(self._moves.shared.items())
                       for me in stages if me in self.stages]
         self._shared = self._moves.shared
+        self._tag = _Tags.fitting(max(plan.microbatches, len(self._shared)),
+                                  max(len(self.program.exchanges), plan.num_stages))
         self.held = 0
         self.peak_held = 0
         self._synced = False   # `synchronize_gradients`
@@ -344,7 +347,8 @@ class PipelineTrainer:
         mine = self._my_tile(e, kind)
         for n, tr in enumerate(move.transfers):
             if tr.src == self.rank:
-                self.p2p.send(local[_local_slices(tr.box, mine)], tr.dst, _tag(kind, j, k, n),
+                self.p2p.send(local[_local_slices(tr.box, mine)], tr.dst,
+                              self._tag(kind, j, k, n),
                               kind)
 
     def _receive(self, k: int, e: Exchange, kind: str, j: int) -> torch.Tensor:
@@ -356,7 +360,7 @@ class PipelineTrainer:
             if tr.dst != self.rank:
                 continue
             shape = tuple(b - a for a, b in tr.box)
-            piece = self.p2p.recv(shape, tr.src, _tag(kind, j, k, n))
+            piece = self.p2p.recv(shape, tr.src, self._tag(kind, j, k, n))
             if out is None:
                 out = torch.zeros(tuple(b - a for a, b in box), dtype=piece.dtype,
                                   device=piece.device)
@@ -383,11 +387,13 @@ class PipelineTrainer:
         mine = out[along(me)]
         for q, r in enumerate(g.ranks):
             if r != self.rank:
-                self.p2p.send(mine, r, _tag("gather", j, k, me * 4 + _KINDS[kind]), "gather")
+                self.p2p.send(mine, r, self._tag("gather", j, k, me * 4 + _KINDS[kind]),
+                              "gather")
         for q, r in enumerate(g.ranks):
             if r != self.rank:
                 shape = tuple(out[along(q)].shape)
-                out[along(q)] = self.p2p.recv(shape, r, _tag("gather", j, k, q * 4 + _KINDS[kind]))
+                out[along(q)] = self.p2p.recv(shape, r,
+                                              self._tag("gather", j, k, q * 4 + _KINDS[kind]))
         return out
 
     def _my_tile(self, e: Exchange, kind: str) -> Box:
@@ -411,7 +417,7 @@ class PipelineTrainer:
                 for n, tr in enumerate(there.transfers):
                     if tr.src == self.rank:
                         self.p2p.send(grad[_local_slices(tr.box, mine_box)], tr.dst,
-                                      _tag("tied", k, me, n), "tied")
+                                      self._tag("tied", k, me, n), "tied")
         totals = []
         for k, name, me, moves in self._tied:
             grad = param(me, name).compute.grad
@@ -423,7 +429,7 @@ class PipelineTrainer:
                     if tr.dst == self.rank:
                         shape = tuple(b - a for a, b in tr.box)
                         part[_local_slices(tr.box, mine_box)] = self.p2p.recv(
-                            shape, tr.src, _tag("tied", k, i, n))
+                            shape, tr.src, self._tag("tied", k, i, n))
                 parts[i] = part
             order = self._shared[name]
             total = parts[order[0]].clone()
@@ -442,7 +448,7 @@ class PipelineTrainer:
         alike (a part of the gradient norm), the same on every rank: each mesh's first rank
         sends its value to the other meshes' ranks, and each rank combines the values in mesh
         order."""
-        tag = _tag("norm", 0, 0, 0)
+        tag = self._tag("norm", 0, 0, 0)
         meshes = self.program.meshes
         if self.rank == meshes[self.mesh][0]:
             for r in self._ranks_beside(self.mesh):
@@ -461,7 +467,7 @@ class PipelineTrainer:
         last = self.plan.num_stages - 1
         home = self.program.schedule.mesh_of(last)
         meshes = self.program.meshes
-        tag = _tag("loss", 0, 0, 0)
+        tag = self._tag("loss", 0, 0, 0)
         if self.mesh == home:
             assert total is not None
             loss = self.trainers[last]._report(total / count)
@@ -503,10 +509,11 @@ class PipelineTrainer:
             if self.rank == ranks[0]:
                 for k, name in enumerate(names):
                     for r in self._ranks_beside(m):
-                        self.p2p.send(mine[name], r, _state_tag(k), "state")
+                        self.p2p.send(mine[name], r, self._tag.counting("state", k), "state")
             elif self.rank not in ranks:
                 for k, name in enumerate(names):
-                    got = self.p2p.recv(tuple(shapes[name]), ranks[0], _state_tag(k))
+                    got = self.p2p.recv(tuple(shapes[name]), ranks[0],
+                                        self._tag.counting("state", k))
                     out.setdefault(name, got)
         self.p2p.wait_all()
         return out
@@ -518,17 +525,41 @@ def _local_slices(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
-def _state_tag(k: int) -> int:
-    """The tag of a mesh's ``k``-th whole parameter or buffer (`whole_state`): a step's tag
-    fields taken as one counter, so a stage may hold 2^28 of them."""
-    return _tag("state", k // (64 * 4096), k // 4096 % 64, k % 4096)
+# A tag is below 2^31 (a transport's may be a 32-bit int): the kind in its top 3 bits, then
+# the fields of the message within its kind.
+_FIELD_BITS = 28
 
 
-def _tag(kind: str, microbatch: int, exchange: int, piece: int) -> int:
-    """A message tag unique per (kind, micro-batch, exchange, piece) within one step, below
-    2^31 (a transport's tag may be a 32-bit int)."""
-    if not (microbatch < 1024 and exchange < 64 and piece < 4096):
-        raise NotImplementedError(f"the pipeline runtime tags at most 1024 micro-batches, 64 "
-                                  f"values crossing stages and 4096 transfers per value; got "
-                                  f"micro-batch {microbatch}, value {exchange}, transfer {piece}")
-    return ((_KINDS[kind] * 1024 + microbatch) * 64 + exchange) * 4096 + piece
+@dataclass(frozen=True)
+class _Tags:
+    """Message tags unique per (kind, micro-batch, exchange, piece) within one step: the
+    micro-batch field (or a tied parameter's index) ``first`` bits wide, the exchange (or a
+    stage) ``second`` bits, as wide as the pipeline needs, the piece (a transfer of a value)
+    the rest. Every rank derives the same widths from the plan."""
+
+    first: int
+    second: int
+
+    @staticmethod
+    def fitting(firsts: int, seconds: int) -> "_Tags":
+        """The widths holding ``firsts`` and ``seconds`` distinct values."""
+        return _Tags(max(firsts - 1, 1).bit_length(), max(seconds - 1, 1).bit_length())
+
+    def __call__(self, kind: str, microbatch: int, exchange: int, piece: int) -> int:
+        rest = _FIELD_BITS - self.first - self.second
+        if not (microbatch < 1 << self.first and exchange < 1 << self.second
+                and piece < 1 << max(rest, 0)):
+            raise NotImplementedError(
+                f"the pipeline runtime's message tags hold {1 << self.first} micro-batches, "
+                f"{1 << self.second} values crossing stages and {1 << max(rest, 0)} transfers "
+                f"per value here; got micro-batch {microbatch}, value {exchange}, transfer "
+                f"{piece}: plan fewer micro-batches")
+        return (((_KINDS[kind] << self.first | microbatch) << self.second | exchange) << rest
+                | piece)
+
+    def counting(self, kind: str, k: int) -> int:
+        """The tag of the ``k``-th message of a kind that has no step fields (`whole_state`)."""
+        if k >= 1 << _FIELD_BITS:
+            raise NotImplementedError(f"the pipeline runtime tags at most 2^{_FIELD_BITS} "
+                                      f"messages of a kind; got message {k}")
+        return _KINDS[kind] << _FIELD_BITS | k
