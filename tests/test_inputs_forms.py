@@ -226,3 +226,50 @@ def test_cli_file_model_returning_its_loss_and_a_kwargs_batch(
     doc = json.loads(out)
     kinds = [(c["kind"], c["bytes"]) for c in doc["collectives"]]
     assert ("all_reduce", 4) in kinds, kinds  # the -100 count, planned
+
+
+class Nested(nn.Module):
+    """Inputs nested as a multimodal loader gives them: a tuple of two positional tensors,
+    and a dict of tensors with a static flag beside them, as keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(D, 32), nn.Linear(D, 32), nn.Linear(32, C)
+
+    def forward(self, pair: tuple, text: dict) -> torch.Tensor:
+        x, y = pair
+        h = torch.relu(self.a(x) + self.b(y))
+        if text["gate"]:
+            h = h * text["scale"].unsqueeze(-1)
+        return self.out(h)
+
+
+def _nested_batch(seed: int) -> Any:
+    d = _data(seed)
+    return ({"pair": (d["x"], d["x"].flip(0)), "text": {"scale": d["scale"], "gate": True}},
+            {"y": d["labels"]})
+
+
+@pytest.mark.parametrize("method,shape", [("data", (1, 4)), ("megatron", (2, 2))])
+def test_nested_inputs_and_targets_train_like_one_device(method: str, shape) -> None:
+    torch.manual_seed(0)
+    model = Nested()
+    loss_fn = lambda out, t: _ce(out, t["y"])   # noqa: E731
+    example = _nested_batch(0)
+    plan = api.plan(model, loss_fn, SGD, example, "local:4", mesh_shape=shape, method=method,
+                    memory_budget_gb=0)
+    data = [_nested_batch(s) for s in (1, 2, 3)]
+    ref_model = copy.deepcopy(model)
+    opt = make_optimizer(SGD, ref_model.parameters())
+    losses = []
+    for inputs, target in data:
+        loss = loss_fn(ref_model(**inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref = (losses, {k: v.detach().clone() for k, v in ref_model.named_parameters()})
+    w = Workload(model=model, loss_fn=loss_fn, example_batch=example, name="nested")
+    for result in run_emulated(train_rank, shape, plan, w, data,
+                               capture(model, loss_fn, example)):
+        assert_matches(result, ref, plan, SGD)

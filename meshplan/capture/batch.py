@@ -25,59 +25,86 @@ import torch
 
 _CONVENTION = ("a batch is (inputs, target) with inputs a tensor, a tuple of tensors or a dict "
                "of keyword arguments and target a tensor, a tuple or dict of tensors, or None; "
-               "or a dict of keyword arguments alone")
+               "or a dict of keyword arguments alone (tuples, lists and dicts may nest)")
 
-# The forms a target may take, as `BatchLayout.target_kind` names them.
-_TARGET_KINDS = {torch.Tensor: "tensor", tuple: "tuple", list: "list"}
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where the ``index``-th batch tensor goes in a call's arguments (`BatchLayout`)."""
+
+    index: int
 
 
 @dataclass(frozen=True)
 class BatchLayout:
     """How the batch's tensors, flattened in placeholder order, rebuild the model's call.
 
-    Tensors come as ``positional`` inputs (named ``input{i}``), then the ``keywords`` (named by
-    their key), then the target's (`target_names`). ``static`` holds the non-tensor keyword
-    arguments, fixed at trace time. ``target_kind``: None (no target), "tensor", "tuple",
-    "list" or "dict", whose ``target_keys`` (a dict's keys, a sequence's indices) name its
-    tensors.
+    ``args``, ``kwargs`` (key, value) and ``target`` are the call's arguments as the batch
+    gave them, tuples, lists and dicts nested as they were, each tensor replaced by its
+    `_Slot`; any other value (``use_cache=False``, None) stays, fixed at trace time. The
+    tensors are named in order (`names`): a positional input ``input{i}``, a keyword its key,
+    the target ``target``, and a tensor nested in one of these that name, a dot, and its path
+    (``input0.1``, ``text.ids``, ``target.y``). ``targets``: how many of the last names are
+    the target's.
     """
 
-    positional: int
-    keywords: tuple[str, ...]
-    static: tuple[tuple[str, Any], ...]
-    target_kind: str | None = None
-    target_keys: tuple[str, ...] = ()
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    target: Any
+    tensor_names: tuple[str, ...]
+    targets: int
 
     @property
     def has_target(self) -> bool:
-        return self.target_kind is not None
+        return self.target is not None
 
     def target_names(self) -> tuple[str, ...]:
-        """The target's tensors' names: ``target``, or ``target.KEY`` for each of a dict's
-        keys or a sequence's indices."""
-        if self.target_kind == "tensor":
-            return ("target",)
-        return tuple(f"target.{k}" for k in self.target_keys)
+        """The names of the target's tensors."""
+        return self.tensor_names[len(self.tensor_names) - self.targets:]
 
     def names(self) -> tuple[str, ...]:
         """Placeholder name of every batch tensor, in order."""
-        return (tuple(f"input{i}" for i in range(self.positional)) + self.keywords
-                + self.target_names())
+        return self.tensor_names
+
+    def static(self) -> tuple[tuple[str, Any], ...]:
+        """Every value of the call that is not a batch tensor, by its name (as `names`)."""
+        out: list[tuple[str, Any]] = []
+        for name, value in _named(self.args, self.kwargs, self.target):
+            if not isinstance(value, _Slot):
+                out.append((name, value))
+        return tuple(out)
 
     def call(self, tensors: list[torch.Tensor]
-             ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], Any]:
+             ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """``(args, kwargs, target)`` of the model call from the flattened ``tensors``."""
-        args = tuple(tensors[:self.positional])
-        k = self.positional + len(self.keywords)
-        kwargs = dict(zip(self.keywords, tensors[self.positional:k])) | dict(self.static)
-        rest = tensors[k:]
-        if self.target_kind is None:
-            return args, kwargs, None
-        if self.target_kind == "tensor":
-            return args, kwargs, rest[0]
-        if self.target_kind == "dict":
-            return args, kwargs, dict(zip(self.target_keys, rest))
-        return args, kwargs, (tuple if self.target_kind == "tuple" else list)(rest)
+        def fill(value: Any) -> Any:
+            if isinstance(value, _Slot):
+                return tensors[value.index]
+            if isinstance(value, Mapping):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, (tuple, list)):
+                return type(value)(fill(v) for v in value)
+            return value
+        return (tuple(fill(a) for a in self.args), {k: fill(v) for k, v in self.kwargs},
+                fill(self.target))
+
+
+def _leaves(value: Any, name: str) -> list[tuple[str, Any]]:
+    """Every leaf of nested tuples, lists and dicts, by its dotted path from ``name``."""
+    if isinstance(value, Mapping):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{name}.{k}")]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{name}.{i}")]
+    return [(name, value)]
+
+
+def _named(args: Any, kwargs: Any, target: Any) -> list[tuple[str, Any]]:
+    """The leaves of a call's positional inputs, keyword inputs and target, by name."""
+    out = [leaf for i, a in enumerate(args) for leaf in _leaves(a, f"input{i}")]
+    out += [leaf for k, v in kwargs for leaf in _leaves(v, k)]
+    if target is not None:
+        out += _leaves(target, "target")
+    return out
 
 
 def _parts(batch: Any) -> tuple[Any, Any]:
@@ -89,66 +116,79 @@ def _parts(batch: Any) -> tuple[Any, Any]:
                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
 
 
+def _call_parts(inputs: Any) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...]]:
+    """The positional and keyword inputs of a batch's ``inputs``."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), ()
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"keyword inputs must have string keys; got {bad[0]!r}")
+        return (), tuple(inputs.items())
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), ()
+    raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
+
+
 def flatten_batch(batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
     """The layout of ``batch`` and its tensors by placeholder name, in placeholder order.
 
     Raises TypeError naming the offending part when ``batch`` follows no valid form.
     """
     inputs, target = _parts(batch)
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if isinstance(inputs, Mapping):
-        bad = [k for k in inputs if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"keyword inputs must have string keys; got {bad[0]!r}")
-        positional: tuple = ()
-        keywords = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        static = tuple((k, v) for k, v in inputs.items() if not isinstance(v, torch.Tensor))
-    elif isinstance(inputs, (tuple, list)):
-        positional, keywords, static = tuple(inputs), {}, ()
-        bad = [i for i, t in enumerate(positional) if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise TypeError(f"positional input {bad[0]} is a {type(positional[bad[0]]).__name__}, "
-                            f"not a tensor; {_CONVENTION}")
-    else:
-        raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
-    kind, keys, targets = _target_parts(target)
-    if not positional and not keywords:
+    args, kwargs = _call_parts(inputs)
+    for name, value in (leaf for i, a in enumerate(args) for leaf in _leaves(a, f"input{i}")):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"positional input {name.removeprefix('input')} is a "
+                            f"{type(value).__name__}, not a tensor; {_CONVENTION}")
+    _check_target(target)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def slot(value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+            return _Slot(len(tensors) - 1)
+        if isinstance(value, Mapping):
+            bad = [k for k in value if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"{name} is a dict with a key {bad[0]!r}; nested dicts of "
+                                "a batch must have string keys")
+            return {k: slot(v, f"{name}.{k}") for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(slot(v, f"{name}.{i}") for i, v in enumerate(value))
+        return value
+
+    slotted_args = tuple(slot(a, f"input{i}") for i, a in enumerate(args))
+    slotted_kwargs = tuple((k, slot(v, k)) for k, v in kwargs)
+    if not tensors:
         raise TypeError(f"the batch holds no input tensor; {_CONVENTION}")
-    layout = BatchLayout(len(positional), tuple(keywords), static, kind, keys)
-    clash = sorted(set(keywords) & set(layout.target_names()))
-    if clash:
-        raise TypeError(f"a keyword input named {clash[0]!r} clashes with the batch's target; "
-                        "pass the target inside the keyword dict or rename it")
-    tensors = list(positional) + list(keywords.values()) + targets
-    return layout, dict(zip(layout.names(), tensors))
+    num_inputs = len(tensors)
+    if target is not None:
+        clash = sorted(set(tensors) & {name for name, _ in _leaves(target, "target")})
+        if clash:
+            raise TypeError(f"a keyword input named {clash[0]!r} clashes with the batch's "
+                            "target; pass the target inside the keyword dict or rename it")
+    slotted_target = slot(target, "target") if target is not None else None
+    targets = len(tensors) - num_inputs
+    layout = BatchLayout(slotted_args, slotted_kwargs, slotted_target, tuple(tensors), targets)
+    return layout, tensors
 
 
-def _target_parts(target: Any) -> tuple[str | None, tuple[str, ...], list[torch.Tensor]]:
-    """The target's kind, keys and tensors (`BatchLayout`). Raises TypeError for a target of
-    another form, or one whose entries are not all tensors."""
-    if target is None:
-        return None, (), []
-    if isinstance(target, torch.Tensor):
-        return "tensor", (), [target]
-    if isinstance(target, Mapping):
-        keys = list(target)
-        values = list(target.values())
-        kind = "dict"
-        bad_key = [k for k in keys if not isinstance(k, str)]
-        if bad_key:
-            raise TypeError(f"a target dict must have string keys; got {bad_key[0]!r}")
-    elif type(target) in _TARGET_KINDS:
-        keys, values, kind = [str(i) for i in range(len(target))], list(target), \
-            _TARGET_KINDS[type(target)]
-    else:
+def _check_target(target: Any) -> None:
+    """Raise TypeError for a target that is not None or tensors in tuples, lists and dicts
+    (string keys), none of them empty."""
+    if target is None or isinstance(target, torch.Tensor):
+        return
+    if not isinstance(target, (Mapping, tuple, list)):
         raise TypeError(f"the target is a {type(target).__name__}; {_CONVENTION}")
-    bad = [k for k, v in zip(keys, values) if not isinstance(v, torch.Tensor)]
-    if bad or not values:
-        what = f"entry {bad[0]!r} is a {type(values[keys.index(bad[0])]).__name__}" if bad \
-            else "it is empty"
-        raise TypeError(f"the target is a {kind} of tensors, but {what}; {_CONVENTION}")
-    return kind, tuple(keys), values
+    kind = "dict" if isinstance(target, Mapping) else type(target).__name__
+    if not target:
+        raise TypeError(f"the target is a {kind} of tensors, but it is empty; {_CONVENTION}")
+    for name, value in _leaves(target, "target"):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"the target is a {kind} of tensors, but entry "
+                            f"{name.removeprefix('target.')!r} is a {type(value).__name__}; "
+                            f"{_CONVENTION}")
 
 
 def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.Tensor]:
@@ -158,15 +198,8 @@ def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.T
     if batch is None:
         return {}
     inputs, target = _parts(batch)
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if isinstance(inputs, Mapping):
-        out = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    elif isinstance(inputs, (tuple, list)):
-        out = {f"input{i}": v for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
-    else:
-        raise TypeError(f"inputs are a {type(inputs).__name__}; {_CONVENTION}")
-    out |= _present_targets(target)
+    args, kwargs = _call_parts(inputs)
+    out = {name: v for name, v in _named(args, kwargs, target) if isinstance(v, torch.Tensor)}
     known = set(traced.names()) if traced is not None else set(out)
     if set(out) - known:
         raise ValueError(f"the batch holds tensors {sorted(set(out) - known)} the traced "
@@ -174,27 +207,15 @@ def present_tensors(batch: Any, traced: BatchLayout | None) -> dict[str, torch.T
     return out
 
 
-def _present_targets(target: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a rank-local batch's target by name; entries left out (None) skipped."""
-    if isinstance(target, torch.Tensor):
-        return {"target": target}
-    if isinstance(target, Mapping):
-        items = list(target.items())
-    elif isinstance(target, (tuple, list)):
-        items = [(str(i), v) for i, v in enumerate(target)]
-    else:
-        return {}
-    return {f"target.{k}": v for k, v in items if isinstance(v, torch.Tensor)}
-
-
 def check_static(traced: BatchLayout, given: BatchLayout) -> None:
     """Raise ValueError if ``given`` (a step's batch) does not fit the traced layout."""
     if given.names() != traced.names():
         raise ValueError(f"the batch holds tensors {list(given.names())}, the traced example "
                          f"batch {list(traced.names())}; give the same inputs at every step")
-    if given.static != traced.static:
-        raise ValueError(f"non-tensor keyword inputs {dict(given.static)} differ from the traced "
-                         f"ones {dict(traced.static)}; they are fixed when the plan is made")
+    if given.static() != traced.static():
+        raise ValueError(f"non-tensor keyword inputs {dict(given.static())} differ from the "
+                         f"traced ones {dict(traced.static())}; they are fixed when the plan "
+                         "is made")
 
 
 def batch_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
