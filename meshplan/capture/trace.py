@@ -280,6 +280,7 @@ def trace(model: nn.Module, loss_fn: Callable | None, example_batch: Any) -> Tra
         except Exception as exc:  # noqa: BLE001 - torch's own failures, re-explained
             raise explain_trace_failure(exc, model, modules) from exc
     drop_empty_cat_operands(gm)
+    dense_embedding_gradients(gm)
     renames = fold_batched_matmuls(gm)
     loss = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     if isinstance(loss, (list, tuple)) and len(loss) == 1:
@@ -323,6 +324,29 @@ def stand_ins(model: nn.Module, by_tensor: dict[int, torch.Tensor]) -> Iterator[
     finally:
         for table, attr, t in slots:
             table[attr] = t
+
+
+def dense_embedding_gradients(gm: GraphModule) -> None:
+    """``nn.Embedding(sparse=True)`` and ``EmbeddingBag``'s: gradients computed dense. A plan
+    accumulates, synchronizes, shards and clips gradients as dense tensors (a sparse one failed
+    in the first accumulation); the values, and plain SGD's steps on them, are the same."""
+    changed = False
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        names = [a.name for a in schema.arguments]
+        if "sparse" not in names:
+            continue
+        at = names.index("sparse")
+        if at < len(node.args) and node.args[at] is True:
+            node.args = (*node.args[:at], False, *node.args[at + 1:])
+            changed = True
+        elif node.kwargs.get("sparse") is True:
+            node.kwargs = {**node.kwargs, "sparse": False}
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def drop_empty_cat_operands(gm: GraphModule) -> None:
