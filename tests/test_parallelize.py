@@ -590,14 +590,7 @@ def _sparse_loop(comm, plan, start, data) -> tuple:
     model = copy.deepcopy(start)
     model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan,
                                       torch.nn.functional.mse_loss, comm=comm)
-    losses = []
-    for batch in data:
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.full_state_dict()
+    return train_steps(model, opt, None, data), model.full_state_dict()
 
 
 @pytest.mark.parametrize("method, microbatches", [("data", 1), ("zero3", 2)])

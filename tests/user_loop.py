@@ -38,14 +38,16 @@ def one_device(w: Any, data: list) -> tuple[list[float], dict]:
 
 
 def train_steps(model: Any, opt: torch.optim.Optimizer, sched: Any, data: list) -> list[float]:
-    """The loop on a rank, with a model and optimizer from ``meshplan.parallelize``."""
+    """The loop on a rank, with a model and optimizer from ``meshplan.parallelize`` (and a
+    scheduler, or None)."""
     losses = []
     for batch in data:
         loss = model(batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     return losses
 
