@@ -140,3 +140,53 @@ def test_backward_inside_the_call_runs_at_the_loops_scale(method, mesh):
         run_emulated(rank, plan.mesh_shape)
     for norms in runs:
         assert norms == pytest.approx(ref, rel=2e-3)
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                         nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("method,mesh", [("data", (1, 2)), ("megatron:dp=1,tp=1,pp=2", None)])
+def test_a_cross_entropy_is_fp32_as_autocast_computes_it(method, mesh):
+    """The loss's log-softmax runs at fp32 from half logits, as autocast's cross-entropy does:
+    a GradScaler's default scale (2^16, past fp16's largest value) seeds backward without
+    overflowing, and the loop skips no step that one device does not."""
+    g = torch.Generator().manual_seed(1)
+    data = [((torch.randn(8, 16, generator=g),), torch.randint(0, 10, (8,), generator=g))
+            for _ in range(3)]
+    start = _classifier()
+
+    def run(model, opt, call) -> list:
+        scaler = torch.amp.GradScaler("cpu")   # the default scale, 65536
+        out = []
+        for batch in data:
+            loss = call(batch)
+            assert loss.dtype == torch.float32
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out.append((loss.item(), scaler.get_scale()))
+        return out
+    one = copy.deepcopy(start)
+
+    def call(batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.cross_entropy(one(*batch[0]), batch[1])
+    ref = run(one, torch.optim.SGD(one.parameters(), lr=0.1), call)
+    kw = {} if mesh is None else dict(mesh_shape=mesh)
+    plan = api.plan(start, F.cross_entropy, "sgd", data[0], "local:2", method=method,
+                    dtype="fp16", memory_budget_gb=0, **kw)
+
+    def rank(comm, p2p=None):
+        model = copy.deepcopy(start)
+        model, opt = meshplan.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          plan, F.cross_entropy, comm=comm, p2p=p2p)
+        return run(model, opt, model)
+    runs = run_emulated_stages(rank, plan.stage_meshes()) if plan.num_stages > 1 else \
+        run_emulated(rank, plan.mesh_shape)
+    for got in runs:
+        assert [s for _, s in got] == [s for _, s in ref] == [65536.0] * 3
+        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in ref], rel=2e-3)
