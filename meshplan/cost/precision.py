@@ -7,8 +7,7 @@ parameters (their memory, gradients and optimizer state are counted by `meshplan
 the half type — here the contractions `HALF_OPS` — and every other op at the promoted type of
 its inputs, as eager PyTorch does. So the cost graph is the traced graph with dtypes propagated
 that way: a matmul's output is half, a bias or residual add with an fp32 operand (a parameter,
-the fp32 embedding) is fp32; a cross-entropy's log-softmax is fp32 from a half input, as
-autocast computes it (`FP32_OPS`); normalizations and the NLL keep their data operand's dtype (as
+the fp32 embedding) is fp32; normalizations and the NLL keep their data operand's dtype (as
 torch's mixed-dtype kernels do under fp32 weights), and so do the statistics they exchange
 across a split batch or class dim (batch norm's are float64 sums whatever it is). Compute is
 priced at the output's dtype peak (`OpCosts.compute_cost` reads it), collectives, transfers and
@@ -79,18 +78,6 @@ def runs_half(node: Node) -> bool:
     return node.op in HALF_OPS or node.half_bias
 
 
-# Ops autocast computes at fp32 from a half input: the log-softmax of a cross-entropy, in CUDA
-# autocast's fp32 list and under the CPU's through cross-entropy's own entry. Its loss, the
-# NLL after it and the seed of backward are then fp32, as one device's (a GradScaler's
-# default scale, 2^16, is past fp16's largest value).
-FP32_OPS = frozenset({"log_softmax"})
-
-
-def runs_fp32(node: Node) -> bool:
-    """Whether mixed precision runs ``node`` at fp32 whatever its operands' dtypes."""
-    return node.op in FP32_OPS
-
-
 # Ops whose output keeps their data operand's dtype under fp32 parameters (torch's mixed-dtype
 # normalization kernels) rather than promoting.
 FOLLOW_DATA_OPS = frozenset({"layer_norm", "batch_norm", "nll_loss"})
@@ -119,8 +106,6 @@ def _autocast_dtype(node: Node, target: str, dtypes: dict[str, str]) -> str:
         return node.out.dtype
     if runs_half(node):
         return target
-    if runs_fp32(node):
-        return "float32"
     if node.op in FOLLOW_DATA_OPS and dtypes[node.inputs[0]] in _FLOATS:
         return dtypes[node.inputs[0]]
     floats = {dtypes[i] for i in node.inputs if dtypes[i] in _FLOATS}

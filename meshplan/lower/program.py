@@ -30,7 +30,7 @@ from meshplan.capture.signature_rules import LIKE_OPS
 from meshplan.capture.trace import Traced
 from meshplan.cost.collectives import uneven_gather_impl
 from meshplan.cost.mesh import LogicalMesh, with_shares
-from meshplan.cost.precision import DTYPES, runs_fp32, runs_half
+from meshplan.cost.precision import DTYPES, runs_half
 from meshplan.ir.graph import BUFFER_WRITE, Graph, Node
 from meshplan.lower import local_ops, microbatch
 from meshplan.lower.grain import cut_units
@@ -236,9 +236,6 @@ class _Lowerer:
         if self.half is not None and runs_half(node):
             cast = zero3.cast if self.gathers else local_ops.cast_float
             operands = [self.out.call_function(cast, (o, self.half)) for o in operands]
-        elif self.half is not None and runs_fp32(node):
-            operands = [self.out.call_function(local_ops.cast_float, (o, torch.float32))
-                        for o in operands]
         out_layout = _layout(dec.output, len(node.out.shape))
         result = op_output(node.sig, shardeds, node.out.shape, out_layout, self.pos,
                            self._units(node.name, len(node.out.shape)))
