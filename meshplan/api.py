@@ -842,7 +842,6 @@ def _count_graph(model: nn.Module, loss_fn: Callable | None, example_batch: Any,
         raise MicrobatchError(num, batch_size(micro), e) from e
 
 
-
 def _infeasible_or_none(solve: Callable[[], Any]) -> InfeasiblePlanError | None:
     """The InfeasiblePlanError ``solve`` raises; None where it finds a plan or cannot lay the
     program out (another ValueError)."""

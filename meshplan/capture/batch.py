@@ -78,15 +78,24 @@ class BatchLayout:
              ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """``(args, kwargs, target)`` of the model call from the flattened ``tensors``."""
         def fill(value: Any) -> Any:
-            if isinstance(value, _Slot):
-                return tensors[value.index]
-            if isinstance(value, Mapping):
-                return {k: fill(v) for k, v in value.items()}
-            if isinstance(value, (tuple, list)):
-                return type(value)(fill(v) for v in value)
-            return value
+            return _rebuilt(value, "", lambda _, leaf: tensors[leaf.index]
+                            if isinstance(leaf, _Slot) else leaf)
         return (tuple(fill(a) for a in self.args), {k: fill(v) for k, v in self.kwargs},
                 fill(self.target))
+
+
+def _rebuilt(value: Any, name: str, leaf: Callable[[str, Any], Any]) -> Any:
+    """Nested tuples, lists and dicts as ``value`` has them, each leaf replaced by ``leaf(its
+    dotted path from name, it)``. Raises TypeError for a dict key that is not a string."""
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{name} is a dict with a key {bad[0]!r}; nested dicts of a batch "
+                            "must have string keys")
+        return {k: _rebuilt(v, f"{name}.{k}", leaf) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuilt(v, f"{name}.{i}", leaf) for i, v in enumerate(value))
+    return leaf(name, value)
 
 
 def _leaves(value: Any, name: str) -> list[tuple[str, Any]]:
@@ -137,26 +146,21 @@ def flatten_batch(batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
     """
     inputs, target = _parts(batch)
     args, kwargs = _call_parts(inputs)
-    for name, value in (leaf for i, a in enumerate(args) for leaf in _leaves(a, f"input{i}")):
+    for name, value in _named(args, (), None):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"positional input {name.removeprefix('input')} is a "
                             f"{type(value).__name__}, not a tensor; {_CONVENTION}")
     _check_target(target)
     tensors: dict[str, torch.Tensor] = {}
 
+    def add(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value   # fixed at trace time
+        tensors[name] = value
+        return _Slot(len(tensors) - 1)
+
     def slot(value: Any, name: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors[name] = value
-            return _Slot(len(tensors) - 1)
-        if isinstance(value, Mapping):
-            bad = [k for k in value if not isinstance(k, str)]
-            if bad:
-                raise TypeError(f"{name} is a dict with a key {bad[0]!r}; nested dicts of "
-                                "a batch must have string keys")
-            return {k: slot(v, f"{name}.{k}") for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(slot(v, f"{name}.{i}") for i, v in enumerate(value))
-        return value
+        return _rebuilt(value, name, add)
 
     slotted_args = tuple(slot(a, f"input{i}") for i, a in enumerate(args))
     slotted_kwargs = tuple((k, slot(v, k)) for k, v in kwargs)

@@ -131,7 +131,7 @@ class ParallelModel(nn.Module):
             engine_settled()
 
         def prepare() -> None:
-            self._check_no_eager_due("optimizer.step()")
+            self._check_no_eager_due()
             engine_prepare()
         _repoint(self._optimizer, model, trainers, prepare, settled, guard)
         _hook_grad_scaler()
@@ -204,13 +204,13 @@ class ParallelModel(nn.Module):
             self._eager_due = max(self._eager_due - eager, 0)
         return _GuardedBackward.apply(self._anchor, whole, run)
 
-    def _check_no_eager_due(self, what: str) -> None:
+    def _check_no_eager_due(self) -> None:
         """Raise RuntimeError where a call of this step whose loss was never backpropagated
         left gradients: one device's would add none."""
         if self._eager_due:
             raise RuntimeError(
-                f"{what} with the gradients of a call whose loss.backward() never ran: this "
-                "plan runs part of each call's backward inside the call (its earlier "
+                "optimizer.step() with the gradients of a call whose loss.backward() never "
+                "ran: this plan runs part of each call's backward inside the call (its earlier "
                 "micro-batches, a pipeline's schedule), so that call's gradients are already "
                 "in the step's, where one device's would have none. Call loss.backward() on "
                 "it, or optimizer.zero_grad() after a call you do not backpropagate (or make "

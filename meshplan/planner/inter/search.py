@@ -179,15 +179,15 @@ def _runnable(graph_for: GraphFor, counts: list[int]) -> list[int]:
     at one sample a micro-batch). The walk starts from the most, so this traces nothing it
     would not; fewer micro-batches hold more samples, so the counts below run too. Raises the
     MicrobatchError of the fewest where none runs."""
-    for i in reversed(range(len(counts))):
+    top = len(counts)
+    while True:
         try:
-            graph_for(counts[i])
+            graph_for(counts[top - 1])
+            return counts[:top]
         except MicrobatchError:
-            if i == 0:
+            top -= 1
+            if top == 0:
                 raise
-            continue
-        return counts[:i + 1]
-    return counts
 
 
 # The methods whose search may answer one stage over every device.
