@@ -116,3 +116,43 @@ def test_a_plan_is_the_plan_made_with_every_variant_priced(spec: str, cluster: s
     assert lazy.microbatches == eager.microbatches
     assert lazy.predicted["step_time_s"] == eager.predicted["step_time_s"]
     assert _decisions(lazy) == _decisions(eager)
+
+
+@pytest.mark.parametrize("spec,cluster,budget,microbatches", CASES,
+                         ids=[c[0].split(":")[0] for c in CASES])
+def test_a_walked_count_is_priced_as_far_as_its_best(spec: str, cluster: str, budget: float,
+                                                     microbatches: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk reads a count's best estimate only: its first search (no bound to beat, the
+    walk's first count) stops once the best pipeline is priced, "whole" (the candidates within
+    the margin priced too) is left to the counts solved whole, and searching on from there
+    runs no DP again and gives the same best."""
+    w = build_workload(spec, device="meta")
+    asked: dict = {}
+
+    def grab(graph_for, counts, req):   # noqa: ANN001 - the search's own signature
+        asked.update(graph_for=graph_for, req=req)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "search_pipeline", grab)
+    with pytest.raises(KeyboardInterrupt):
+        api.plan(w.model, w.loss_fn, "adam", w.example_batch, cluster, dtype="fp16",
+                 memory_budget_gb=budget)
+    monkeypatch.setenv("MESHPLAN_WORKERS", "1")
+    first = search._search_one(asked["graph_for"], microbatches, asked["req"])
+    assert not first.whole and not first.bound
+    profiler = first.found.profiler
+    runs = [0]
+    dp = search.solve_stage_dp
+
+    def counted(problem):   # noqa: ANN001 - the DP's own signature
+        runs[0] += 1
+        return dp(problem)
+
+    monkeypatch.setattr(search, "solve_stage_dp", counted)
+    revealed = set(profiler._revealed)
+    again = first.again(float("inf"), True)
+    assert again.whole and again.estimate == first.estimate
+    assert again.found.solution.stages == first.found.solution.stages
+    # No DP ran for what the first search knew; one more per round of reveals the margin took.
+    assert runs[0] == 0 if profiler._revealed == revealed else runs[0] > 0

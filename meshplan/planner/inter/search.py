@@ -322,7 +322,8 @@ def interleaved_if_chosen(best: FoundPipeline, req: PipelineRequest,
 class _Searched:
     """One micro-batch count's search: the pipelines its DPs found, estimated by parts, and the
     best of them by that estimate. Searched only as far as a walk needed (`_settled`), the
-    estimate is a lower bound (``bound``) that ``again(stop)`` searches further."""
+    estimate is a lower bound (``bound``) that ``again(stop)`` searches further;
+    ``again(math.inf, True)`` prices every candidate `_whole_round` weighs (``whole``)."""
 
     found: FoundPipeline
     candidates: tuple[PipelineSolution, ...]
@@ -330,7 +331,7 @@ class _Searched:
     redo: Callable[[float | None], tuple[PipelineSolution, ...]] | None = None
     bound: bool = False   # ``estimate`` only bounds the count's from below
     whole: bool = True    # the candidates `_whole_round` weighs are priced (`_settled`)
-    again: Callable[[float], "_Searched"] | None = None
+    again: Callable[[float, bool], "_Searched"] | None = None
 
     @property
     def estimate(self) -> float:
@@ -460,7 +461,7 @@ class _CountSearch:
         searched = self.tried[i]
         assert searched is not None and searched.again is not None
         try:
-            self.tried[i] = searched.again(math.inf)
+            self.tried[i] = searched.again(math.inf, True)
         except NoPipelineError as e:
             self.errors.append(e)
             self.tried[i] = None
@@ -583,35 +584,41 @@ def _search_one(graph_for: GraphFor, b: int, req: PipelineRequest, stop: float =
             raise min(errors, key=lambda e: e.min_memory_bytes)
         return tuple(found)
 
-    def searched(stop: float) -> _Searched:
-        found, state = _settled(profiler, partial(candidates, req.budget), stop)
+    def searched(stop: float, whole: bool = False,
+                 found: tuple[PipelineSolution, ...] | None = None) -> _Searched:
+        found, state = _settled(profiler, partial(candidates, req.budget), stop, whole, found)
         best = min(found, key=lambda s: s.total_latency)
         return _Searched(FoundPipeline(best, profiler, fingerprint, traced.unsupported_ops),
                          found, lambda budget: _settled(profiler, partial(candidates, budget))[0],
-                         bound=state == "bound", whole=state == "whole", again=searched)
+                         bound=state == "bound", whole=state == "whole",
+                         again=lambda stop, whole=False: searched(stop, whole, found))
 
     return searched(stop)
 
 
 def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSolution, ...]],
-             stop: float = math.inf) -> tuple[tuple[PipelineSolution, ...], str]:
+             stop: float = math.inf, whole: bool = True,
+             found: tuple[PipelineSolution, ...] | None = None
+             ) -> tuple[tuple[PipelineSolution, ...], str]:
     """The DPs' pipelines (``candidates()``) with the deferred variants they use priced
     (`StageProfiler.reveal`), round by round, as far as the question needs: the best
     pipeline's ("best"), or a lower bound of it once that is at least ``stop`` ("bound"), or,
-    with ``stop`` infinite, also every pipeline `_whole_round` may weigh ("whole": those
-    within `REFINE_MARGIN` of the best and the fastest of equal stages). The DP on bounds
-    finds no slower a pipeline than on the plans they bound, and one priced throughout is
-    the one it finds with everything priced."""
+    with ``stop`` infinite and ``whole``, also every pipeline `_whole_round` may weigh
+    ("whole": those within `REFINE_MARGIN` of the best and the fastest of equal stages). The
+    DP on bounds finds no slower a pipeline than on the plans they bound, and one priced
+    throughout is the one it finds with everything priced. ``found``: the DPs' pipelines
+    already run on the profiler as it is (a search picked up where it stopped)."""
     while True:
-        found = candidates()
+        if found is None:
+            found = candidates()
         uses = [profiler.deferred_in(c.stages) for c in found]
         k = min(range(len(found)), key=lambda j: found[j].total_latency)
         best, need = found[k], set(uses[k])
         if need and best.total_latency >= stop:
             return found, "bound"
-        if not need and stop < math.inf:
+        if not need and (stop < math.inf or not whole):
             return found, "best"
-        if stop == math.inf:
+        if whole and stop == math.inf:
             # Those within the margin of the best's bound are priced with it, in one round.
             top = best.total_latency
             even = min((c.total_latency for c, used in zip(found, uses)
@@ -627,6 +634,7 @@ def _settled(profiler: StageProfiler, candidates: Callable[[], tuple[PipelineSol
         # runs where one a submesh takes 7), and pipelines that use one use their
         # neighbours.
         profiler.reveal(set().union(*(profiler.deferred_on(sub) for sub, _, _ in need)))
+        found = None
 
 
 def _with_hosts(problem: PipelineProblem, hosts: tuple[int, ...]) -> PipelineSolution:

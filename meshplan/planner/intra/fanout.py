@@ -30,7 +30,7 @@ from meshplan.planner.intra.layout import Axes
 from meshplan.cost.collectives import collective_cost
 from meshplan.planner.intra.op_costs import (OpCosts, dp_axes, local_bytes, recipe_cost,
                                              sync_cost, zero_counts)
-from meshplan.planner.intra.reshard import Recipe
+from meshplan.planner.intra.reshard import Recipe, reshard
 from meshplan.planner.intra.sfb import applies, factor_gathers
 
 Charge = tuple[Hashable, tuple, float]   # (unit, key, cost)
@@ -49,31 +49,50 @@ def operand_uses(graph: Graph) -> dict[str, list[Use]]:
 def use_charges(costs: OpCosts, node: Node, j: int, p: int, q: int) -> list[Charge] | None:
     """What reading operand ``j`` of ``node`` costs when its producer's root picks ``p`` and the
     node's root ``q``; None when the pair is forbidden (a parameter resharded before a use)."""
-    u = costs.g.by_name[node.inputs[j]]
-    recipe = costs.operand_recipe(node, j, p, q)
-    param = costs.param_root.get(u.name)
-    if param is not None and recipe.steps and not costs.ctx.param_reshard:
-        # A parameter is computed with in the layout it is kept in (its spec); keeping it
-        # in another layout is what the ZeRO-3 update mode is for.
-        return None
-    if param is not None and costs.nc.choices[param][p].mode == "sfb" \
-            and costs.sfb[param].consumer == node.name:
-        return sfb_charges(costs, node, j, p, q, recipe, param)
-    out: list[Charge] = []
-    if recipe.steps:
-        out.append((("v", u.name), ("move", u.name, recipe),
-                    recipe_cost(recipe, u.requires_grad, costs.ctx.mesh,
-                                costs.ctx.weights_of(node.name))))
-    if recipe.sync_axes:
-        choice = costs.nc.choices[param][p]
-        lay = choice.strategy.output
-        nbytes = local_bytes(costs.g.by_name[param], lay, costs.shape)
-        zero = zero_counts(choice.mode, costs.ctx, costs.g.by_name[param].kept is not False) \
-            if choice.mode != "replicated" else ()
-        out.append((("p", param), ("sync", param, choice.mode, lay, recipe.sync_axes),
-                    sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero,
-                              bucketed=costs.ctx.device is not None)))
-    return out
+    return _UseReader(costs, node, j).charges(p, q)
+
+
+class _UseReader:
+    """`use_charges` of one use (operand ``j`` of ``node``) at any pair of root choices: what
+    every pair shares (the value, its parameter, the node's collective weights) looked up
+    once, since a formulation prices hundreds of thousands of pairs."""
+
+    def __init__(self, costs: OpCosts, node: Node, j: int) -> None:
+        self.costs, self.node, self.j = costs, node, j
+        self.u = costs.g.by_name[node.inputs[j]]
+        self.param = costs.param_root.get(self.u.name)
+        self.sources = costs.nc.choices[self.u.name]
+        self.consumers = costs.nc.choices[node.name]
+        self.weights = costs.ctx.weights_of(node.name)
+        self.sfb = self.param is not None and self.param in costs.sfb and \
+            costs.sfb[self.param].consumer == node.name
+
+    def charges(self, p: int, q: int) -> list[Charge] | None:
+        costs, u, param = self.costs, self.u, self.param
+        strat = self.consumers[q].strategy
+        recipe = reshard(self.sources[p].strategy.output, strat.inputs[self.j], u.out.nbytes,
+                         costs.shape, strat.grad_partial[self.j], u.requires_grad,
+                         param is not None)
+        if param is not None and recipe.steps and not costs.ctx.param_reshard:
+            # A parameter is computed with in the layout it is kept in (its spec); keeping it
+            # in another layout is what the ZeRO-3 update mode is for.
+            return None
+        if self.sfb and costs.nc.choices[param][p].mode == "sfb":
+            return sfb_charges(costs, self.node, self.j, p, q, recipe, param)
+        out: list[Charge] = []
+        if recipe.steps:
+            out.append((("v", u.name), ("move", u.name, recipe),
+                        recipe_cost(recipe, u.requires_grad, costs.ctx.mesh, self.weights)))
+        if recipe.sync_axes:
+            choice = costs.nc.choices[param][p]
+            lay = choice.strategy.output
+            nbytes = local_bytes(costs.g.by_name[param], lay, costs.shape)
+            zero = zero_counts(choice.mode, costs.ctx, costs.g.by_name[param].kept is not False) \
+                if choice.mode != "replicated" else ()
+            out.append((("p", param), ("sync", param, choice.mode, lay, recipe.sync_axes),
+                        sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero,
+                                  bucketed=costs.ctx.device is not None)))
+        return out
 
 
 def sfb_charges(costs: OpCosts, node: Node, j: int, p: int, q: int, recipe: Recipe,
@@ -143,11 +162,12 @@ def charge_operands(costs: OpCosts) -> OperandCharges:
             # Classes numbered once: a pair's key is two ints, not two layouts hashed again.
             src_ids, dst_ids, width = _class_ids(src), _class_ids(dst), len(dst)
             memo: dict[int, list[Charge] | None] = {}
+            reader = _UseReader(costs, node, j)
             for p, q in _pairs(a, r, len(nc.choices[a]), len(nc.choices[r])):
                 k = src_ids[p] * width + dst_ids[q]
                 charges = memo.get(k, _UNSEEN)
                 if charges is _UNSEEN:
-                    charges = memo[k] = use_charges(costs, node, j, p, q)
+                    charges = memo[k] = reader.charges(p, q)
                 if charges is None:
                     out.add(a, r, p, q, math.inf)
                     continue
