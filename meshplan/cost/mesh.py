@@ -69,6 +69,17 @@ class LogicalMesh:
             raise ValueError(f"gather_impl must be one of {GATHER_IMPLS}, got "
                              f"{self.gather_impl!r}")
 
+    def __hash__(self) -> int:
+        # Remembered: a mesh keys the cost caches (a reshard's collectives, a parameter's
+        # synchronization), hashed about once per pair of choices a formulation prices. Of
+        # numbers only (the gather by its index, not its name), so the same in every process.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.alpha, self.beta, self.weights,
+                      GATHER_IMPLS.index(self.gather_impl)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def shares(self, axes: Sequence[int]) -> tuple[float, ...]:
         """Each member's fraction of a dim split over ``axes`` (outer axis first, the group's
         member order): products of the axes' weights, or 1/n each on an even mesh."""

@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Hashable, Sequence
 
 from meshplan.ir.graph import Graph, Node
 from meshplan.planner.intra.ilp_problem import SharedCost
-from meshplan.planner.intra.layout import Axes
+from meshplan.planner.intra.layout import Axes, Layout
 from meshplan.cost.collectives import collective_cost
+from meshplan.cost.mesh import LogicalMesh
 from meshplan.planner.intra.op_costs import (OpCosts, dp_axes, local_bytes, recipe_cost,
                                              sync_cost, zero_counts)
 from meshplan.planner.intra.reshard import Recipe, reshard
@@ -70,9 +72,10 @@ class _UseReader:
     def charges(self, p: int, q: int) -> list[Charge] | None:
         costs, u, param = self.costs, self.u, self.param
         strat = self.consumers[q].strategy
-        recipe = reshard(self.sources[p].strategy.output, strat.inputs[self.j], u.out.nbytes,
-                         costs.shape, strat.grad_partial[self.j], u.requires_grad,
-                         param is not None)
+        recipe, moved = _moved(self.sources[p].strategy.output, strat.inputs[self.j],
+                               u.out.nbytes, costs.shape, strat.grad_partial[self.j],
+                               u.requires_grad, param is not None, costs.ctx.mesh,
+                               self.weights)
         if param is not None and recipe.steps and not costs.ctx.param_reshard:
             # A parameter is computed with in the layout it is kept in (its spec); keeping it
             # in another layout is what the ZeRO-3 update mode is for.
@@ -81,8 +84,7 @@ class _UseReader:
             return sfb_charges(costs, self.node, self.j, p, q, recipe, param)
         out: list[Charge] = []
         if recipe.steps:
-            out.append((("v", u.name), ("move", u.name, recipe),
-                        recipe_cost(recipe, u.requires_grad, costs.ctx.mesh, self.weights)))
+            out.append((("v", u.name), ("move", u.name, recipe), moved))
         if recipe.sync_axes:
             choice = costs.nc.choices[param][p]
             lay = choice.strategy.output
@@ -93,6 +95,16 @@ class _UseReader:
                         sync_cost(choice.mode, recipe.sync_axes, nbytes, costs.ctx.mesh, zero,
                                   bucketed=costs.ctx.device is not None)))
         return out
+
+
+@lru_cache(maxsize=None)
+def _moved(src: Layout, dst: Layout, nbytes: int, shape: tuple[int, ...], grad_partial: Axes,
+           needs_grad: bool, param: bool, mesh: LogicalMesh, weights: tuple[float, float]
+           ) -> tuple[Recipe, float]:
+    """The recipe moving a value from ``src`` to ``dst`` and its collectives' cost: one cache
+    for both (the recipe, a tuple of steps, costs more to hash than its arguments)."""
+    recipe = reshard(src, dst, nbytes, shape, grad_partial, needs_grad, param)
+    return recipe, recipe_cost(recipe, needs_grad, mesh, weights)
 
 
 def sfb_charges(costs: OpCosts, node: Node, j: int, p: int, q: int, recipe: Recipe,

@@ -27,8 +27,8 @@ from meshplan.planner.intra.fanout import charge_operands, shared_costs
 from meshplan.planner.intra.ilp_problem import IlpEdge, IlpProblem
 # The cost evaluator lives in op_costs.py; its names are part of this module's interface.
 from meshplan.planner.intra.op_costs import (CostContext, OpCosts, dp_axes,  # noqa: F401
-                                             local_bytes, param_roots, recipe_cost, step_cost,
-                                             sync_cost)
+                                             is_kept, local_bytes, param_roots, recipe_cost,
+                                             step_cost, sync_cost)
 from meshplan.planner.intra.overlap_terms import overlap_terms
 
 
@@ -125,15 +125,27 @@ def formulate(nc: NodeChoices, ctx: CostContext, memory_budget: float | None, *,
     node_costs = operands.node_costs
     memory = {r: [0.0] * len(nc.choices[r]) for r in roots}
     working = {r: [0.0] * len(nc.choices[r]) for r in roots}
+    tie = ctx.tie_break
     for node in nc.graph.nodes:
         r = nc.root_of[node.name]
+        row, held, work = node_costs[r], memory[r], working[r]
+        # What a node can cost at all, asked once for its choices (a formulation has ~10^5
+        # node choices, most of them views and elementwise ops that cost only compute).
+        computes = ctx.device is not None and not node.is_source and node.flops != 0
+        param = node.role == "param"
+        syncs = node.sig is not None and node.sig.sync is not None
+        holds = node.role in ("param", "buffer") or is_kept(node)
         for p, choice in enumerate(nc.choices[node.name]):
-            node_costs[r][p] += costs.compute_cost(node, choice) + costs.update_cost(node, choice)
-            node_costs[r][p] += costs.stat_sync_cost(node, choice)
-            mem = costs.memory(node, choice)
-            memory[r][p] += mem
-            working[r][p] = max(working[r][p], costs.working(node, choice))
-            node_costs[r][p] += ctx.tie_break * mem
+            if computes or param:
+                row[p] += costs.compute_cost(node, choice) + costs.update_cost(node, choice)
+            if syncs:
+                row[p] += costs.stat_sync_cost(node, choice)
+            if holds:
+                mem = costs.memory(node, choice)
+                held[p] += mem
+                row[p] += tie * mem
+            if param:
+                work[p] = max(work[p], costs.working(node, choice))
     problem = IlpProblem(
         node_costs=tuple(tuple(node_costs[r]) for r in roots),
         edges=tuple(IlpEdge(index[a], index[r], tuple(tuple(row) for row in m))
