@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from meshplan.capture.ahead import CapturesAhead
 from meshplan.capture.batch import batch_size, split_microbatches
 from meshplan.capture.memo import made_already
 from meshplan.capture.to_ir import capture
@@ -809,11 +810,21 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
                    cl: Cluster, opts: IntraOptions, budget: float | None, step: "_TrainingStep",
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
                    method: str, schedule: str, microbatches: int | str, progress: bool) -> Plan:
-    @functools.lru_cache(maxsize=None)  # the count search asks for a count more than once
-    def graph_for(num: int) -> tuple[Any, str]:
-        graph = _count_graph(model, loss_fn, example_batch, num)
-        return graph, graph.fingerprint()
+    # The count search asks for a count more than once, and traces the next ahead.
+    graph_for = CapturesAhead(lambda num: _count_graph(model, loss_fn, example_batch, num))
+    try:
+        return _searched_pipeline(graph_for, example_batch, cl, opts, budget, step, counts,
+                                  num_layers, name, recompute, method, schedule, microbatches,
+                                  progress, opt)
+    finally:
+        graph_for.close()
 
+
+def _searched_pipeline(graph_for: CapturesAhead, example_batch: Any, cl: Cluster,
+                       opts: IntraOptions, budget: float | None, step: "_TrainingStep",
+                       counts: list[int], num_layers: int | None, name: str, recompute: str,
+                       method: str, schedule: str, microbatches: int | str, progress: bool,
+                       opt: Any) -> Plan:
     req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
                           step.dtype, num_layers, name, method, recompute, schedule, progress)
     fixed = None if microbatches == "auto" else int(microbatches)

@@ -55,9 +55,13 @@ class CountFloors:
         unless the extrapolation says it is well over)."""
         if self.budget is None:
             return True
-        if b not in self.traced and self._surely_over(b):
+        if self.skips_untraced(b):
             return False
         return self.floor(b) <= self.budget
+
+    def skips_untraced(self, b: int) -> bool:
+        """Whether `may_fit` says no to ``b`` micro-batches without tracing them."""
+        return b not in self.traced and self._surely_over(b)
 
     def _surely_over(self, b: int) -> bool:
         """Whether the floor at ``b``, extrapolated from the two fewest counts traced, exceeds

@@ -472,12 +472,21 @@ class _CountSearch:
         does one whose fastest pipeline is one stage where one stage at fewer micro-batches
         is weighed anyway (`_one_stage_ends`)."""
         while 0 <= i < len(self.counts) and i not in self.tried:
+            self._ahead(i + step)
             t = self.latency(i, previous)
             if t >= previous or (t == math.inf and step < 0):
                 return
             if step < 0 and self._one_stage_ends(i):
                 return
             previous, i = t, i + step
+
+    def _ahead(self, i: int) -> None:
+        """Have count ``i``'s program traced ahead, where the walk may come to it next and
+        ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it."""
+        ahead = getattr(self.graph_for, "ahead", None)
+        if ahead is not None and 0 <= i < len(self.counts) and i not in self.tried \
+                and not self._floors.skips_untraced(self.counts[i]):
+            ahead(self.counts[i])
 
     def _one_stage_ends(self, i: int) -> bool:
         """Whether one stage won at count ``i`` under "auto", whose one stage at the fewest

@@ -1,0 +1,98 @@
+"""A program traced at each micro-batch size, the next one a search will ask for traced ahead in
+a forked process while the search prices the current one.
+
+The pipeline search walks micro-batch counts one by one (`planner/inter/search.py`), each
+needing the program traced at its micro-batch size: five traces of MoE-70B, 5 s each on one
+core while the other waited, the search's one serial step. Its pricing of a count keeps both
+cores busy only part of the time (its DP runs, a pipeline's simulation and its whole solves'
+bookkeeping are serial), so a trace made beside it costs the search little of that.
+
+A trace made ahead is the trace this process would make (the child is this process forked, the
+program's graph comes back pickled), so plans are unchanged. A child that fails, or a count
+never made ahead, is traced here; one no longer wanted is stopped (`close`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable
+
+from meshplan.capture import memo
+
+Trace = Callable[[int], Any]   # micro-batch count -> the program's graph
+
+
+class CapturesAhead:
+    """``trace(count)`` memoized, with `ahead` to start a count's trace in a forked process."""
+
+    def __init__(self, trace: Trace) -> None:
+        self._trace = trace
+        self._made: dict[int, tuple[Any, str]] = {}
+        self._pending: dict[int, tuple[BaseProcess, Connection]] = {}
+
+    def __call__(self, count: int) -> tuple[Any, str]:
+        """The program at ``count`` micro-batches and its fingerprint."""
+        if count not in self._made:
+            graph = self._collect(count)
+            if graph is None:
+                graph = self._trace(count)
+            self._made[count] = graph, graph.fingerprint()
+        return self._made[count]
+
+    def ahead(self, count: int) -> None:
+        """Start tracing ``count`` in a forked process, unless it is made or under way."""
+        if count in self._made or count in self._pending or not _forks():
+            return
+        reader, writer = get_context("fork").Pipe(duplex=False)
+        # Under the capture lock: no thread is tracing while the process forks, so the child
+        # starts with make_fx's global patches undone and no lock held by a thread it lacks.
+        with memo._LOCK:
+            child = get_context("fork").Process(target=_trace_into, args=(self._trace, count,
+                                                                         writer), daemon=True)
+            child.start()
+        writer.close()
+        self._pending[count] = child, reader
+
+    def close(self) -> None:
+        """Stop the traces under way (the search ended without asking for them)."""
+        for child, reader in self._pending.values():
+            child.kill()
+            child.join()
+            reader.close()
+        self._pending.clear()
+
+    def _collect(self, count: int) -> Any | None:
+        """The graph a child traced for ``count``, or None when none did or it failed."""
+        pending = self._pending.pop(count, None)
+        if pending is None:
+            return None
+        child, reader = pending
+        try:
+            kind, graph = pickle.loads(reader.recv_bytes())
+        except (EOFError, OSError, pickle.UnpicklingError):
+            kind, graph = "failed", None   # the child died: trace here, and see why
+        finally:
+            reader.close()
+            child.join()
+        return graph if kind == "ok" else None
+
+
+def _trace_into(trace: Trace, count: int, writer: Connection) -> None:
+    """The child: ``trace(count)``'s graph, or word that it failed (the parent traces it again
+    and raises what it raises)."""
+    try:
+        out = ("ok", trace(count))
+    except BaseException:   # noqa: BLE001 - any failure is the parent's to report
+        out = ("failed", None)
+    writer.send_bytes(pickle.dumps(out))
+    writer.close()
+    os._exit(0)   # no atexit handlers, no torch teardown: the parent owns those
+
+
+def _forks() -> bool:
+    """Whether this platform forks (Linux does; macOS and Windows planners trace in place)."""
+    return hasattr(os, "fork") and "fork" in __import__("multiprocessing").get_all_start_methods()

@@ -1,0 +1,78 @@
+"""Programs traced ahead in a forked process (`capture/ahead.py`): the walk over micro-batch
+counts has the next count traced while it prices the current one. A trace made ahead must be
+the trace made in place, a failure must surface as the in-place trace's, and a trace no longer
+wanted must not outlive the search."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan.api as api
+import meshplan.planner.inter.search as search
+from meshplan.capture.ahead import CapturesAhead
+from meshplan.errors import MicrobatchError
+from meshplan.zoo.spec import build_workload
+
+SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128,batch=8"
+
+
+def _traces(spec: str = SPEC):
+    w = build_workload(spec, device="meta")
+    return lambda num: api._count_graph(w.model, w.loss_fn, w.example_batch, num)
+
+
+def test_a_trace_made_ahead_is_the_trace_made_in_place() -> None:
+    ahead, here = CapturesAhead(_traces()), CapturesAhead(_traces())
+    ahead.ahead(4)
+    assert 4 in ahead._pending
+    graph, fingerprint = ahead(4)
+    assert not ahead._pending
+    same, same_fingerprint = here(4)
+    assert fingerprint == same_fingerprint
+    assert [(n.name, n.op, n.inputs, n.out) for n in graph.nodes] == \
+        [(n.name, n.op, n.inputs, n.out) for n in same.nodes]
+    assert ahead(4)[0] is graph   # asked again: the same program
+
+
+def test_a_failed_trace_ahead_fails_in_place_as_it_would() -> None:
+    # Batch norm on one sample a channel: the model cannot run on one sample a micro-batch.
+    traces = _traces("wresnet:layers=26,width=2,batch=8")
+    graphs = CapturesAhead(traces)
+    graphs.ahead(8)
+    with pytest.raises(MicrobatchError):
+        graphs(8)
+    assert not graphs._pending
+
+
+def test_traces_no_longer_wanted_are_stopped() -> None:
+    graphs = CapturesAhead(_traces())
+    graphs.ahead(2)
+    child, _ = graphs._pending[2]
+    graphs.close()
+    assert not graphs._pending and not child.is_alive()
+    graphs(2)   # still traced in place when asked after all
+
+
+def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = build_workload(SPEC, device="meta")
+    asked: list[int] = []
+    ahead = CapturesAhead.ahead
+
+    def spy(self, count):   # noqa: ANN001 - the method's own signature
+        asked.append(count)
+        ahead(self, count)
+
+    monkeypatch.setattr(CapturesAhead, "ahead", spy)
+    searched: list[int] = []
+    one = search._search_one
+
+    def spy_search(graph_for, b, req, *rest):   # noqa: ANN001, ANN002
+        searched.append(b)
+        return one(graph_for, b, req, *rest)
+
+    monkeypatch.setattr(search, "_search_one", spy_search)
+    plan = api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x4",
+                    method="inter-only")
+    assert len(searched) > 1 and plan.num_stages >= 1
+    # Every count searched after the first was asked for ahead, before its search.
+    assert set(searched[1:]) <= set(asked)
