@@ -25,7 +25,7 @@ from meshplan.runtime.pool import WorkerPool
 torch.set_num_threads(1)
 
 # Under `make test` each pytest-xdist worker is one of the two cores' streams already: a plan
-# made in it prices on no forked workers of its own (`stage_costs._usable_cores`), which only
+# made in it prices on no forked workers of its own (`stage_costs.usable_cores`), which only
 # added forks and pickling on a busy machine (the planning-heavy files 123 -> 118 s, twice).
 # `test_stage_costs.py` still checks forked pricing against serial, asking for its workers.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -71,8 +71,17 @@ def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatc
         return one(graph_for, b, req, *rest)
 
     monkeypatch.setattr(search, "_search_one", spy_search)
-    plan = api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x4",
-                    method="inter-only")
-    assert len(searched) > 1 and plan.num_stages >= 1
+
+    def plan(workers: str) -> None:
+        monkeypatch.setenv("MESHPLAN_WORKERS", workers)
+        asked.clear()
+        searched.clear()
+        api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x4",
+                 method="inter-only")
+
+    plan("2")
+    assert len(searched) > 1
     # Every count searched after the first was asked for ahead, before its search.
     assert set(searched[1:]) <= set(asked)
+    plan("1")   # pricing on one core: a trace beside it would only take turns with it
+    assert len(searched) > 1 and not asked

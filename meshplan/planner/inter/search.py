@@ -78,7 +78,7 @@ from meshplan.plan.plan import Plan
 from meshplan.planner.inter.clustering import cluster_layers, default_num_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_layouts, kind_types
 from meshplan.planner.inter.interleave import MAX_CHUNKS, chunk_counts, interleave
-from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
+from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler, usable_cores
 from meshplan.planner.inter.stage_dp import solve_stage_dp
 from meshplan.planner.inter.stage_problem import (ClusterShape, DpStats, Links,
                                                   PipelineProblem,
@@ -482,10 +482,12 @@ class _CountSearch:
 
     def _ahead(self, i: int) -> None:
         """Have count ``i``'s program traced ahead, where the walk may come to it next and
-        ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it."""
+        ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it,
+        nor where the search prices on one core (`MESHPLAN_WORKERS=1`: a trace beside it
+        would only take turns with it)."""
         ahead = getattr(self.graph_for, "ahead", None)
-        if ahead is not None and 0 <= i < len(self.counts) and i not in self.tried \
-                and not self._floors.skips_untraced(self.counts[i]):
+        if ahead is not None and usable_cores() > 1 and 0 <= i < len(self.counts) \
+                and i not in self.tried and not self._floors.skips_untraced(self.counts[i]):
             ahead(self.counts[i])
 
     def _one_stage_ends(self, i: int) -> bool:

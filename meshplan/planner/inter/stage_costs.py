@@ -1330,7 +1330,7 @@ def _run_tasks(prof: StageProfiler, jobs: list[tuple[str, tuple]], workers: int 
     solve count), lazily and in order; on ``workers`` forked processes (default: the usable
     cores) when there are at least ``parallel_from`` jobs (default `PARALLEL_FROM_TASKS`):
     fork shares the program and the caches without pickling."""
-    workers = workers or _usable_cores()
+    workers = workers or usable_cores()
     if workers < 2 or len(jobs) < (parallel_from or PARALLEL_FROM_TASKS):
         for method, args in jobs:
             before = prof.solves
@@ -1354,7 +1354,7 @@ def _call_forked(job: tuple[str, tuple]) -> object:
     return getattr(_FORKED, method)(*args)
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     env = os.environ.get("MESHPLAN_WORKERS")
     if env:
         return max(1, int(env))
