@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from multiprocessing import get_context
+from multiprocessing import get_all_start_methods, get_context
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
@@ -85,14 +85,14 @@ def _trace_into(trace: Trace, count: int, writer: Connection) -> None:
     """The child: ``trace(count)``'s graph, or word that it failed (the parent traces it again
     and raises what it raises)."""
     try:
-        out = ("ok", trace(count))
-    except BaseException:   # noqa: BLE001 - any failure is the parent's to report
-        out = ("failed", None)
-    writer.send_bytes(pickle.dumps(out))
+        out = pickle.dumps(("ok", trace(count)))
+    except BaseException:   # noqa: BLE001 - any failure (a graph that will not pickle too)
+        out = pickle.dumps(("failed", None))   # is the parent's to report
+    writer.send_bytes(out)
     writer.close()
     os._exit(0)   # no atexit handlers, no torch teardown: the parent owns those
 
 
 def _forks() -> bool:
-    """Whether this platform forks (Linux does; macOS and Windows planners trace in place)."""
-    return hasattr(os, "fork") and "fork" in __import__("multiprocessing").get_all_start_methods()
+    """Whether processes fork here (not on Windows, whose planners trace in place)."""
+    return "fork" in get_all_start_methods()
