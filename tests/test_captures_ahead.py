@@ -85,3 +85,29 @@ def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatc
     assert set(searched[1:]) <= set(asked)
     plan("1")   # pricing on one core: a trace beside it would only take turns with it
     assert len(searched) > 1 and not asked
+
+
+def test_a_stuck_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that neither runs nor delivers (forked while a thread held a lock the trace
+    needs) is stopped, and the count traced here: the search must not hang on it."""
+    import os
+    import threading
+
+    import meshplan.capture.ahead as ahead_mod
+
+    monkeypatch.setattr(ahead_mod, "STUCK_AFTER_S", 0.5)
+    parent, trace = os.getpid(), _traces()
+    held = threading.Lock()
+    held.acquire()   # as a thread of the parent held it when the process forked
+
+    def blocking(num: int):
+        if os.getpid() != parent:
+            held.acquire()   # never released in the child
+        return trace(num)
+
+    graphs = CapturesAhead(blocking)
+    graphs.ahead(2)
+    child, _ = graphs._pending[2]
+    graph, fingerprint = graphs(2)
+    held.release()
+    assert not child.is_alive() and fingerprint == CapturesAhead(trace)(2)[1]

@@ -72,6 +72,9 @@ class CapturesAhead:
             return None
         child, reader = pending
         try:
+            if not _delivers(child, reader):
+                child.kill()   # stuck: a lock some thread held as the process forked
+                return None
             kind, graph = pickle.loads(reader.recv_bytes())
         except (EOFError, OSError, pickle.UnpicklingError):
             kind, graph = "failed", None   # the child died: trace here, and see why
@@ -79,6 +82,35 @@ class CapturesAhead:
             reader.close()
             child.join()
         return graph if kind == "ok" else None
+
+
+# Seconds a child may go without using the CPU or delivering before it is taken for stuck.
+STUCK_AFTER_S = 5.0
+
+
+def _delivers(child: BaseProcess, reader: Connection) -> bool:
+    """Whether ``child`` has its answer ready or dies trying (then `recv_bytes` says so):
+    False where it neither delivers nor runs for `STUCK_AFTER_S` (a process forked while
+    another thread held a lock the trace needs waits on it forever; a slow trace runs)."""
+    last = None
+    while not reader.poll(STUCK_AFTER_S):
+        if not child.is_alive():
+            return True
+        used = _cpu_ticks(child.pid)
+        if used is not None and used == last:
+            return False
+        last = used
+    return True
+
+
+def _cpu_ticks(pid: int | None) -> int | None:
+    """CPU clock ticks process ``pid`` has used (Linux's /proc), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])   # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _trace_into(trace: Trace, count: int, writer: Connection) -> None:
