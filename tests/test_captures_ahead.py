@@ -79,11 +79,11 @@ def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatc
         api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x4",
                  method="inter-only")
 
-    plan("2")
+    plan(str(search.AHEAD_ABOVE_CORES + 1))
     assert len(searched) > 1
     # Every count searched after the first was asked for ahead, before its search.
     assert set(searched[1:]) <= set(asked)
-    plan("1")   # pricing on one core: a trace beside it would only take turns with it
+    plan(str(search.AHEAD_ABOVE_CORES))   # few cores: a trace beside would take turns with it
     assert len(searched) > 1 and not asked
 
 
