@@ -813,31 +813,21 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
     # The count search asks for a count more than once, and traces the next ahead.
     graph_for = CapturesAhead(lambda num: _count_graph(model, loss_fn, example_batch, num))
     try:
-        return _searched_pipeline(graph_for, example_batch, cl, opts, budget, step, counts,
-                                  num_layers, name, recompute, method, schedule, microbatches,
-                                  progress, opt)
+        req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
+                              step.dtype, num_layers, name, method, recompute, schedule, progress)
+        fixed = None if microbatches == "auto" else int(microbatches)
+        if method == "megatron-grid":
+            return plan_megatron_grid(graph_for, batch_size(example_batch), fixed, req)
+        if is_megatron_spec(method):
+            spec = parse_megatron_spec(method)
+            if spec.mb is not None and fixed is not None:
+                raise ValueError(f"{method} fixes the micro-batch size (mb={spec.mb}); give "
+                                 f"microbatches='auto', not {fixed}")
+            return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
+                                 replace(req, method=str(spec)))
+        return search_pipeline(graph_for, counts, req)
     finally:
         graph_for.close()
-
-
-def _searched_pipeline(graph_for: CapturesAhead, example_batch: Any, cl: Cluster,
-                       opts: IntraOptions, budget: float | None, step: "_TrainingStep",
-                       counts: list[int], num_layers: int | None, name: str, recompute: str,
-                       method: str, schedule: str, microbatches: int | str, progress: bool,
-                       opt: Any) -> Plan:
-    req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
-                          step.dtype, num_layers, name, method, recompute, schedule, progress)
-    fixed = None if microbatches == "auto" else int(microbatches)
-    if method == "megatron-grid":
-        return plan_megatron_grid(graph_for, batch_size(example_batch), fixed, req)
-    if is_megatron_spec(method):
-        spec = parse_megatron_spec(method)
-        if spec.mb is not None and fixed is not None:
-            raise ValueError(f"{method} fixes the micro-batch size (mb={spec.mb}); give "
-                             f"microbatches='auto', not {fixed}")
-        return plan_megatron(graph_for, batch_size(example_batch), spec, counts,
-                             replace(req, method=str(spec)))
-    return search_pipeline(graph_for, counts, req)
 
 
 def _count_graph(model: nn.Module, loss_fn: Callable | None, example_batch: Any, num: int
