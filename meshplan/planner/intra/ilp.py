@@ -116,8 +116,8 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
     found, its ``gap`` > 0 (deterministic, unlike a time limit: the same problem gives the same
     answer on any machine; up to the limit the search is the unlimited one).
-    ``accept=(nodes, gap)`` stops after the first ``nodes`` nodes when the best assignment is
-    proved within the relative ``gap`` of the optimum, and otherwise searches again from it
+    ``accept=(nodes, gap)`` stops once ``nodes`` nodes are searched with the best assignment
+    proved within the relative ``gap`` of the optimum, and otherwise the search goes on
     (deterministic too: node counts, not time). ``start`` (a strategy index per node, say the
     answer of a tied or less constrained problem) is the first assignment the search keeps
     when it satisfies this problem, so the answer is never worse than it (highspy only).
