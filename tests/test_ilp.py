@@ -631,6 +631,30 @@ def test_a_solve_not_accepted_at_its_first_nodes_goes_on(solver: str, monkeypatc
     assert limited   # some searches were stopped by the node limit, not accepted or proved
 
 
+def test_a_highspy_without_interrupt_callbacks_probes_and_searches_again(monkeypatch) -> None:
+    """A highspy release without a subscribable MIP-interrupt callback (the package allows
+    highspy 1.7) accepts as scipy does: a probe of ``accept``'s nodes, then, not accepted,
+    the search again, whose answer or the probe's, the better, is kept."""
+    import highspy
+    from meshplan.planner.intra import ilp_backends
+    runs: list[dict] = []
+    counted = ilp_backends._run_highs
+
+    def counting(*args, **kwargs):
+        runs.append(kwargs)
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(ilp_backends, "_run_highs", counting)
+    monkeypatch.delattr(highspy.Highs, "cbMipInterrupt")
+    problem = memory_bound_dag(20, 5)
+    alone = solve(problem, max_nodes=3)
+    runs.clear()
+    got = solve(problem, max_nodes=3, accept=(1, 0.0))
+    assert [r.get("max_nodes") for r in runs] == [1, 3]
+    assert all(r.get("accept") is None for r in runs)
+    assert got.objective <= alone.objective
+
+
 def test_a_start_is_kept_unless_the_search_finds_better() -> None:
     """``start`` (a strategy per node: `api._refine` starts the unshared problem from the
     shared answer) is the search's first incumbent, so even one node returns no worse; a start

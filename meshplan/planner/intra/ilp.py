@@ -98,8 +98,8 @@ PLAN_REL_GAP = 1e-3
 # 1e-3 took 255 s on a stage it proves in 72 s). The pricings of short ranges too: MoE-2.4B's
 # first layer, "lean" on a (2, 4) mesh of one host, ran over 13 minutes without it.
 PLAN_MAX_NODES = 5000
-# ... and, where many such solves are made (the stage profiler's whole solves), stop after the
-# first 50 nodes when the plan found is proved within 0.5 % of the optimum (`solve`'s
+# ... and, where many such solves are made (the stage profiler's whole solves), stop once 50
+# nodes are searched with the plan found proved within 0.5 % of the optimum (`solve`'s
 # ``accept``). The root's heuristics find the plan, the proof is what costs: GPT-2.6B auto's
 # nine slowest whole solves (15-98 s each, 8-block stages on 2x4) were within 0.08-0.18 %
 # after 50 nodes (0.7-5.8 s), eight of them at the proved optimum and one 0.013 % above it.

@@ -109,10 +109,11 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     then spend minutes proving the last 0.1 % (GPT-2.6B's 8-block stage: 4.4 s to the plan,
     62 s to the proof); those first nodes are mostly the root, and such a search presolves
     without the rules only a long search gains from (`_PRESOLVE_RULES_OFF`). highspy checks
-    ``accept`` in one search as it goes (`_Accept`); scipy, without callbacks, probes
-    ``nodes`` nodes and then searches again from the start (the better point is returned). ``start``
-    (column indices and values, possibly of some columns only) is a known point the search
-    begins from (highspy; scipy takes none).
+    ``accept`` in one search as it goes (`_Accept`); scipy, and a highspy without a
+    subscribable MIP-interrupt callback (older releases), probe ``nodes`` nodes and then
+    search again from the start (the better point is returned). ``start`` (column indices
+    and values, possibly of some columns only) is a known point the search begins from
+    (highspy; scipy takes none).
 
     ``lp_first=None`` tries the LP relaxation first only when the model has no coupling rows.
 
@@ -143,7 +144,7 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         relaxed = run(model, relax=True, deadline=deadline)
         if relaxed.gap == 0.0 and _is_integral(relaxed.x, model.integral):
             return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
-    if accept is not None and solver == "highs":
+    if accept is not None and solver == "highs" and _interrupts():
         raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start,
                   rel_gap=rel_gap, light=True, accept=accept)
         return raw if raw is not None else _unlimited(run, model, deadline, rel_gap,
@@ -177,6 +178,11 @@ def _unlimited(run: Callable[..., RawSolution | None], model: MilpModel,
     raw = run(model, relax=False, deadline=deadline, rel_gap=rel_gap)
     assert raw is not None
     return raw
+
+
+def _interrupts() -> bool:
+    """Whether the installed highspy takes Python MIP-interrupt callbacks (`_Accept`)."""
+    return hasattr(_highspy().Highs, "cbMipInterrupt")
 
 
 class _Accept:
