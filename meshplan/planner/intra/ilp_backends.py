@@ -365,9 +365,9 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
                                  f"proved the {'LP relaxation' if relax else 'MILP'} infeasible)")
     info = h.getInfo()
     found = info.primal_solution_status == highspy.kSolutionStatusFeasible
-    if status == highspy.HighsModelStatus.kInterrupt and found:   # stopped by `_Accept`
-        return RawSolution(np.asarray(h.getSolution().col_value), float(info.mip_gap), how)
-    if status == highspy.HighsModelStatus.kTimeLimit and found:
+    # Stopped by the time limit or by `_Accept` (a MIP only) with a point found.
+    if status in (highspy.HighsModelStatus.kTimeLimit,
+                  highspy.HighsModelStatus.kInterrupt) and found:
         gap = np.inf if relax else float(info.mip_gap)  # a stopped LP proves nothing
         return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
     if status == highspy.HighsModelStatus.kTimeLimit:
