@@ -29,6 +29,7 @@ from meshplan.errors import (IlpCutOffError, InfeasibleIlpError, InfeasiblePlanE
                              MicrobatchError, NodeLimitError, NoPipelineError)
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import host_types
+from meshplan.planner.inter.price_sharing import shared_prices
 from meshplan.planner.inter.manual import plan_megatron, plan_megatron_grid
 from meshplan.planner.inter.megatron_spec import (SPEC_FORM, is_megatron_spec,
                                                   parse_megatron_spec)
@@ -308,32 +309,35 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
         # slowest, which even shares make exact. Either may win (HAP's VGG19: the 2-D plan).
         uniform_cluster = cl.submesh(f"{cl.name} (as its slowest device)", cl.num_hosts,
                                      cl.devices_per_host)
-        try:
-            uniform: Plan | None = plan(
-                model, loss_fn, optimizer, example_batch, uniform_cluster,
-                memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
-                prefer_reduce_scatter=prefer_reduce_scatter, share_blocks=share_blocks,
-                dtype=dtype, microbatches=microbatches, recompute=recompute,
-                num_layers=num_layers, schedule=schedule, name=name, progress=progress)
-        except (InfeasiblePlanError, NoPipelineError):
-            uniform = None
-        if uniform is not None:   # it runs on the mixed cluster, paced by its slowest type
-            uniform = replace(uniform, cluster=cluster_to_dict(cl))
-        # Pipelines whose stages are each of one device type, where the hosts are
-        # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
-        typed = None
-        if host_types(cl) is not None:
-            # At the uniform plan's micro-batch count when there is one: typed stages move
-            # the balance between stages, not the count's trade-off (bubble against per-batch
-            # cost), and each count prices every stage on each device type.
-            typed_counts = [uniform.microbatches] if uniform is not None else counts
+        # The typed search's stages on the slowest type are the uniform search's submeshes:
+        # it reads their prices (`planner/inter/price_sharing.py`).
+        with shared_prices():
             try:
-                typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
-                                       replace(opts, sfb="off"), budget, step, typed_counts,
-                                       num_layers, name, recompute, "auto", schedule,
-                                       microbatches, progress)
+                uniform: Plan | None = plan(
+                    model, loss_fn, optimizer, example_batch, uniform_cluster,
+                    memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
+                    prefer_reduce_scatter=prefer_reduce_scatter, share_blocks=share_blocks,
+                    dtype=dtype, microbatches=microbatches, recompute=recompute,
+                    num_layers=num_layers, schedule=schedule, name=name, progress=progress)
             except (InfeasiblePlanError, NoPipelineError):
-                typed = None
+                uniform = None
+            if uniform is not None:   # it runs on the mixed cluster, paced by its slowest type
+                uniform = replace(uniform, cluster=cluster_to_dict(cl))
+            # Pipelines whose stages are each of one device type, where the hosts are
+            # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
+            typed = None
+            if host_types(cl) is not None:
+                # At the uniform plan's micro-batch count when there is one: typed stages
+                # move the balance between stages, not the count's trade-off (bubble against
+                # per-batch cost), and each count prices every stage on each device type.
+                typed_counts = [uniform.microbatches] if uniform is not None else counts
+                try:
+                    typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
+                                           replace(opts, sfb="off"), budget, step,
+                                           typed_counts, num_layers, name, recompute, "auto",
+                                           schedule, microbatches, progress)
+                except (InfeasiblePlanError, NoPipelineError):
+                    typed = None
         plans = {"hetero": found, "uniform": uniform, "typed stages": typed}
         steps = {k: p.predicted["step_time_s"] if p is not None else None
                  for k, p in plans.items()}

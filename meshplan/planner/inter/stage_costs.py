@@ -55,6 +55,7 @@ from meshplan.cost.memory import OptimizerState
 from meshplan.cost.mesh import factor_pairs, logical_mesh
 from meshplan.errors import IlpCutOffError, InfeasibleIlpError
 from meshplan.ir.graph import Graph
+from meshplan.planner.inter import price_sharing
 from meshplan.planner.inter.clustering import Layering
 from meshplan.planner.inter.layer_parts import LayerParts, split_layers
 from meshplan.planner.inter.stage_graph import stage_graph, structure_key
@@ -247,6 +248,7 @@ class StageProfiler:
         # (submesh, logical shape, variant) of `LAZY_VARIANTS` priced for every layer.
         self._revealed: set[tuple] = set()
         self._dp_limit = math.inf if self.memory_limit is None else self.memory_limit
+        self._offered = False   # to the later profilers of a `price_sharing` scope
         # The kinds priced as the cluster's slowest device (`priced_as`).
         self._as_slowest = frozenset(k for k, t in enumerate(self.kinds)
                                      if t.figures == self.cluster.device.figures)
@@ -618,6 +620,11 @@ class StageProfiler:
         with parts are priced by them (`_by_parts`, checked first, so that a part only its
         layer needs is not priced where the layer is whole)."""
         submeshes = tuple(dict.fromkeys(self.priced_as(sub) for sub in submeshes))
+        if not self._offered:   # before anything is priced or summed
+            for base in price_sharing.priced_before():
+                self.adopt(base)
+            price_sharing.offer(self)
+            self._offered = True
         layers = self._distinct_layers()
         for m in layers:
             self._by_parts(m)
@@ -638,6 +645,56 @@ class StageProfiler:
             self._costed.update(costs)
             for pricer, made in zip(self._pricers(), plans):
                 pricer._free_plans.update(made)
+
+    def adopt(self, base: "StageProfiler") -> int:
+        """Take ``base``'s one-layer prices (every variant priced, the fastest plans lean
+        variants start from, which layers are priced by parts) wherever they were made on
+        this profiler's cost context: the same program at the same micro-batch count, layers
+        and options, and per submesh and logical shape the same `CostContext` (device type,
+        links, logical mesh) and in-flight micro-batches of "deep". There a price is what
+        this profiler would solve for (the solves are deterministic), so the plan is the one
+        made without sharing (`tests/test_price_sharing.py`). Call before pricing anything;
+        returns the prices taken."""
+        if not self._prices_like(base):
+            return 0
+        taken = 0
+        for mine, theirs in zip(self._pricers(), base._pricers()):
+            agrees: dict[tuple, bool] = {}
+
+            def same(submesh: Submesh, shape: tuple[int, int]) -> bool:
+                if (submesh, shape) not in agrees:
+                    agrees[(submesh, shape)] = \
+                        mine._context(submesh, shape) == theirs._context(submesh, shape) \
+                        and mine.deep_in_flight(submesh) == theirs.deep_in_flight(submesh)
+                return agrees[(submesh, shape)]
+
+            for key, cost in theirs._costed.items():
+                if key not in mine._costed and same(*key[1:3]):
+                    mine._costed[key] = cost
+                    taken += 1
+            plans = {**theirs._free_plans, **{k: s.solution for k, s in theirs._free.items()
+                                              if s is not None}}
+            for key, plan in plans.items():
+                if same(*key[1:]):
+                    mine._free_plans.setdefault(key, plan)
+            mine._revealed |= {r for r in theirs._revealed if same(*r[:2])}
+        self._gates.update(base._gates)
+        return taken
+
+    def _prices_like(self, base: "StageProfiler") -> bool:
+        """Whether ``base`` prices this profiler's layers as it does, given the same cost
+        context: the same layers (by structure) and parts, micro-batch count, options
+        (shared parameters included), optimizer state, and layers priced by parts where
+        this profiler would (`_by_parts` decides on `_sample_mesh`)."""
+        if (base.microbatches, base.options, base.optimizer_state, base.in_parts) != \
+                (self.microbatches, self.options, self.optimizer_state, self.in_parts):
+            return False
+        n = self.layering.num_layers
+        if base.layering.num_layers != n or \
+                [base.key(m, m + 1) for m in range(n)] != [self.key(m, m + 1) for m in range(n)]:
+            return False
+        spans = [p[0].spans if p is not None else None for p in (self._parts, base._parts)]
+        return spans[0] == spans[1] and self._sample_mesh() == base._sample_mesh()
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
              parallel_from: int | None = None) -> Iterator:
