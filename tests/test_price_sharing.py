@@ -18,7 +18,7 @@ from meshplan.cost.precision import with_compute_dtype
 from meshplan.planner.inter import price_sharing
 from meshplan.planner.inter.clustering import cluster_layers
 from meshplan.planner.inter.device_kinds import host_types, kind_types
-from meshplan.planner.inter.stage_costs import StageProfiler
+from meshplan.planner.inter.stage_costs import StageLabel, StageProfiler
 from meshplan.planner.intra.choices import IntraOptions
 from meshplan.runtime.optim import OptimizerSpec
 from meshplan.zoo.spec import build_workload
@@ -58,10 +58,14 @@ def test_prices_are_taken_only_where_made_on_the_same_context(program) -> None:
     mixed = _hosts(2, 3)
     base = _profiler(program, _as_slowest(mixed))
     base.prefetch(SUBMESHES, workers=1)
+    whole = base.whole_cost(0, 2, (2, 2), StageLabel((2, 2), "free", False), 2)
     typed = _profiler(program, mixed, kind_types(host_types(mixed), "fp32"))
     taken = typed.adopt(base)
     adopted = set(typed._costed)
-    assert taken == sum(len(p._costed) for p in typed._pricers()) > len(adopted) > 0
+    assert taken == sum(len(p._costed) for p in typed._pricers()) + 1 > len(adopted) > 0
+    # The stage solved whole, too (the same memory limit).
+    assert typed.whole_cost(0, 2, (2, 2, 1), StageLabel((2, 2), "free", False), 2) == whole
+    assert typed.solves == 0
     assert {k[1] for k in adopted} <= set(SUBMESHES)   # its layers' parts priced as well
     # What it took is what it would have priced: the same options, solved only where the
     # base did not price (a host-granular search lists the ring over hosts as (n, 1)).
@@ -81,6 +85,10 @@ def test_prices_are_taken_only_where_made_on_the_same_context(program) -> None:
     slower = _profiler(program, _as_slowest(_hosts(2, 3, Link(0.5e9, 50e-6))))
     slower.adopt(base)
     assert {k[1] for k in slower._costed} == {(1, 1), (1, 2)}
+    # Another memory limit: the prices, not the stages solved whole.
+    looser = _profiler(program, _as_slowest(mixed))
+    looser.memory_limit = 32 * 2**30
+    assert looser.adopt(base) == taken - 1 and not looser._whole_costs
     # Another micro-batch count, or other options: nothing.
     assert _profiler(program, _as_slowest(mixed), microbatches=4).adopt(base) == 0
     other = _profiler(program, _as_slowest(mixed))

@@ -648,16 +648,20 @@ class StageProfiler:
 
     def adopt(self, base: "StageProfiler") -> int:
         """Take ``base``'s one-layer prices (every variant priced, the fastest plans lean
-        variants start from, which layers are priced by parts) wherever they were made on
-        this profiler's cost context: the same program at the same micro-batch count, layers
-        and options, and per submesh and logical shape the same `CostContext` (device type,
-        links, logical mesh) and in-flight micro-batches of "deep". There a price is what
-        this profiler would solve for (the solves are deterministic), so the plan is the one
-        made without sharing (`tests/test_price_sharing.py`). Call before pricing anything;
-        returns the prices taken."""
+        variants start from, which layers are priced by parts) and, under the same memory
+        limit, its stages solved whole (and the bounds its cut-off solves proved), wherever
+        they were made on this profiler's cost context: the same program at the same
+        micro-batch count, layers and options, and per submesh and logical shape the same
+        `CostContext` (device type, links, logical mesh) and in-flight micro-batches of
+        "deep". There a price is what this profiler would solve for (the solves are
+        deterministic), so the plan is the one made without sharing
+        (`tests/test_price_sharing.py`). Call before pricing anything; returns the prices
+        taken."""
         if not self._prices_like(base):
             return 0
         taken = 0
+        wholes = ("_wholes", "_whole_costs", "_whole_floors") \
+            if base.memory_limit == self.memory_limit else ()
         for mine, theirs in zip(self._pricers(), base._pricers()):
             agrees: dict[tuple, bool] = {}
 
@@ -678,6 +682,12 @@ class StageProfiler:
                 if same(*key[1:]):
                     mine._free_plans.setdefault(key, plan)
             mine._revealed |= {r for r in theirs._revealed if same(*r[:2])}
+            for table in wholes:   # by `whole_key`: (structure, submesh, logical shape, ...)
+                ours, known = getattr(mine, table), getattr(theirs, table)
+                for key, value in known.items():
+                    if key not in ours and same(*key[1:3]):
+                        ours[key] = value
+                        taken += table == "_whole_costs"
         self._gates.update(base._gates)
         return taken
 
