@@ -17,35 +17,42 @@ their formulations) live.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_SCOPES: list[list[Any]] = []
+# Per thread: requests planned at once on several threads (emulated ranks) keep apart.
+_LOCAL = threading.local()
+
+
+def _scope() -> list[Any] | None:
+    return getattr(_LOCAL, "scope", None)
 
 
 @contextmanager
 def shared_prices() -> Iterator[None]:
     """A scope whose stage profilers read each other's prices (module docstring). Nested,
     the outer scope is the one shared."""
-    if _SCOPES:
+    if _scope() is not None:
         yield
         return
-    _SCOPES.append([])
+    _LOCAL.scope = []
     try:
         yield
     finally:
-        _SCOPES.pop()
+        _LOCAL.scope = None
 
 
 def priced_before() -> tuple[Any, ...]:
     """The profilers that started pricing earlier in the current scope, the latest first
     (none outside a scope)."""
-    return tuple(reversed(_SCOPES[-1])) if _SCOPES else ()
+    return tuple(reversed(_scope() or ()))
 
 
 def offer(profiler: Any) -> None:
     """Let the later profilers of the current scope read ``profiler``'s prices (nothing
     outside a scope)."""
-    if _SCOPES:
-        _SCOPES[-1].append(profiler)
+    scope = _scope()
+    if scope is not None:
+        scope.append(profiler)
