@@ -89,6 +89,11 @@ def test_prices_are_taken_only_where_made_on_the_same_context(program) -> None:
     looser = _profiler(program, _as_slowest(mixed))
     looser.memory_limit = 32 * 2**30
     assert looser.adopt(base) == taken - 1 and not looser._whole_costs
+    # Another link inside hosts: not even the prices of one device (which layers are priced
+    # by parts is decided on a mesh of two, on that link).
+    nvlink = mixed_cluster("v100+p100", [[V100] * 2] + [[P100] * 2] * 3,
+                           link_preset("nvlink-v100"), ETHERNET)
+    assert _profiler(program, _as_slowest(nvlink)).adopt(base) == 0
     # Another micro-batch count, or other options: nothing.
     assert _profiler(program, _as_slowest(mixed), microbatches=4).adopt(base) == 0
     other = _profiler(program, _as_slowest(mixed))

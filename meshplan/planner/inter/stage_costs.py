@@ -695,7 +695,8 @@ class StageProfiler:
         """Whether ``base`` prices this profiler's layers as it does, given the same cost
         context: the same layers (by structure) and parts, micro-batch count, options
         (shared parameters included), optimizer state, and layers priced by parts where
-        this profiler would (`_by_parts` decides on `_sample_mesh`)."""
+        this profiler would (`_by_parts` decides on `_sample_mesh`'s prices: the same
+        sample, on the same context)."""
         if (base.microbatches, base.options, base.optimizer_state, base.in_parts) != \
                 (self.microbatches, self.options, self.optimizer_state, self.in_parts):
             return False
@@ -704,7 +705,9 @@ class StageProfiler:
                 [base.key(m, m + 1) for m in range(n)] != [self.key(m, m + 1) for m in range(n)]:
             return False
         spans = [p[0].spans if p is not None else None for p in (self._parts, base._parts)]
-        return spans[0] == spans[1] and self._sample_mesh() == base._sample_mesh()
+        sample = self._sample_mesh()
+        return spans[0] == spans[1] and sample == base._sample_mesh() and \
+            (sample is None or self._context(*sample) == base._context(*sample))
 
     def _map(self, method: str, tasks: list[tuple], workers: int | None,
              parallel_from: int | None = None) -> Iterator:
