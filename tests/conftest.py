@@ -10,6 +10,7 @@ worker), and a test file runs whole on one worker (`--dist loadfile`).
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -24,6 +25,13 @@ from meshplan.runtime.pool import WorkerPool
 # busy machine). The worker processes use one thread each for the same reason (`pool.py`).
 torch.set_num_threads(1)
 
+# The test processes keep millions of objects alive (torch, transformers, captured programs in
+# their caches) and make millions more per file; Python's default thresholds (700, 10, 10) walked
+# them in a full collection every few seconds: 5.0 of `test_equivalence_zoo.py`'s 47 s and 4.7
+# of `test_hf_catalog.py` with `test_auto_vs_baselines.py`'s 84 s went to the cycle collector,
+# 2.6 and 1.9 s with these (peak RSS the same, 487 MB; the planner pauses it on its own).
+gc.set_threshold(50_000, 20, 100)
+
 # Under `make test` each pytest-xdist worker is one of the two cores' streams already: a plan
 # made in it prices on no forked workers of its own (`stage_costs.usable_cores`), which only
 # added forks and pickling on a busy machine (the planning-heavy files 123 -> 118 s, twice).
@@ -35,20 +43,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Under `--dist loadfile` each worker takes the next file in collection order when it is done
 # with one. Collected alphabetically, the longest files came late, and one worker ran them
 # alone at the end: the last 3 % of the tests took three of nine minutes. They go first,
-# longest first (seconds per file from `--durations=0`, 2026-11-29: 92 s for the launchers
-# down to 10 s), and the many short files fill in around them. xdist (3.6 on) orders the files
+# longest first (seconds per file from `--durations=0`, 2026-12-02: 161 s for the deferred
+# variants down to 28 s), and the many short files fill in around them. xdist (3.6 on) orders the files
 # by their number of tests instead unless told not to (`make test`'s --no-loadscope-reorder):
 # without it, the launchers' four tests ran last, alone.
-LONGEST_FIRST = ("test_launchers.py", "test_published_runs.py", "test_stage_costs.py",
-                 "test_hf_models.py", "test_partial_recompute.py", "test_inter_methods.py",
-                 "test_pipeline_runtime.py", "test_simulate.py", "test_auto_vs_baselines.py",
-                 "test_demo_pipeline.py", "test_random_plans.py", "test_checkpoint.py",
-                 "test_hetero_equivalence.py", "test_calibrate.py", "test_gpu_check.py",
-                 "test_ilp.py", "test_hf_catalog.py", "test_hetero_plan.py",
-                 "test_equivalence_gloo.py", "test_equivalence_zoo.py", "test_devices.py",
-                 "test_local_loading.py", "test_report.py", "test_training_step.py",
-                 "test_batch_shapes.py", "test_adafactor.py", "test_memory_may_bind.py",
-                 "test_infeasible.py", "test_stage_dp.py")
+LONGEST_FIRST = ("test_deferred_variants.py", "test_published_runs.py", "test_hf_models.py",
+                 "test_partial_recompute.py", "test_launchers.py", "test_random_plans.py",
+                 "test_inter_methods.py", "test_stage_costs.py", "test_simulate.py",
+                 "test_pipeline_runtime.py", "test_devices.py", "test_equivalence_zoo.py",
+                 "test_hf_catalog.py", "test_local_loading.py", "test_hetero_equivalence.py",
+                 "test_demo_pipeline.py", "test_gpu_check.py", "test_adafactor.py",
+                 "test_checkpoint.py", "test_memory_may_bind.py", "test_ilp.py",
+                 "test_hetero_plan.py", "test_training_step.py", "test_equivalence_gloo.py",
+                 "test_auto_vs_baselines.py", "test_parallelize.py", "test_batch_shapes.py",
+                 "test_stage_dp.py", "test_calibrate.py", "test_equivalence_emulated.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
