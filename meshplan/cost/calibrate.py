@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from scipy.optimize import linprog
 
 SIZES = tuple(1024 * 4 ** k for k in range(9))   # 1 KiB .. 64 MiB
 
@@ -172,6 +171,7 @@ def fit_link(group: int, sizes: tuple[int, ...], measured: list[float]) -> LinkF
         b_ub.append(t)
         a_ub.append([-1.0, -ci / scale, -t])
         b_ub.append(-t)
+    from scipy.optimize import linprog   # a second of every importer's start, needed here only
     found = linprog([0.0, 0.0, 1.0], A_ub=a_ub, b_ub=b_ub, bounds=[(0, None)] * 3,
                     method="highs")
     if not found.success:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import linprog
 
 from meshplan.cost.checks import check_nonnegative, check_positive
 
@@ -153,6 +152,9 @@ def balance(phases: Sequence[Phase], devices: Sequence[Device],
     for seg in range(g):
         equal[seg, seg * n:(seg + 1) * n] = 1.0
     bounds = [(0.0, 1.0)] * (g * n) + [(None, None)] * (k + g)
+    # Imported here: scipy.optimize is a second of every `meshplan` command's start (most plans
+    # never balance shards) and of every rank's.
+    from scipy.optimize import linprog
     out = linprog(cost, A_ub=np.array(rows), b_ub=np.array(upper), A_eq=equal,
                   b_eq=np.ones(g), bounds=bounds, method="highs")
     if out.status != 0:
