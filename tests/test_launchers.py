@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import meshplan
-from meshplan.runtime.pool import find_free_port
+from meshplan.runtime.launch_env import find_free_port
 from meshplan.zoo.spec import build_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +134,30 @@ def test_a_failing_process_stops_the_run(tmp_path: Path) -> None:
     assert done.returncode == 1 and time.monotonic() - start < 60
     assert "rank 1 exited with code 3" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_launcher_starts_its_ranks_without_torch(tmp_path: Path) -> None:
+    """`meshplan run`'s own process parses, finds a port and starts the ranks without importing
+    torch or the planner (4 s of imports here, on the ranks' way), each rank its world's
+    variables and the device asked for."""
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\n"
+                      "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_PORT', "
+                      "'MESHPLAN_DEVICE')\n"
+                      "json.dump({k: os.environ[k] for k in keys}, "
+                      "open(sys.argv[1] + os.environ['RANK'], 'w'))\n")
+    code = ("import sys; from meshplan.cli import main; "
+            f"code = main(['run', '--nproc', '2', '--device', 'cpu', {str(script)!r}, "
+            f"{str(tmp_path / 'rank')!r}]); "
+            "print(code, sorted(m for m in ('torch', 'numpy', 'meshplan.api') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == "0 []", done.stdout + done.stderr
+    seen = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    assert [s["RANK"] for s in seen] == ["0", "1"] and {s["WORLD_SIZE"] for s in seen} == {"2"}
+    assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
+    assert {s["MESHPLAN_DEVICE"] for s in seen} == {"cpu"}
 
 
 def test_a_failing_ray_rank_stops_the_run(tmp_path: Path) -> None:

@@ -14,9 +14,7 @@ import os
 
 import torch
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-# A launcher's --device, handed to the ranks of the script it starts (`meshplan run`).
-DEVICE_ENV = "MESHPLAN_DEVICE"
+from meshplan.runtime.launch_env import DEVICE_CHOICES, DEVICE_ENV
 
 
 def resolve_device(device: str | torch.device | None = None,

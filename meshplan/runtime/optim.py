@@ -17,9 +17,8 @@ from typing import Any, Iterable
 
 import torch
 
-from meshplan.cost.memory import OptimizerState
+from meshplan.cost.memory import OPTIMIZERS, OptimizerState
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
 _DEFAULT_LR = {"adafactor": 1e-2}  # torch's defaults where they differ from 1e-3
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ import torch.distributed as dist
 
 from meshplan.errors import StepFailed, WorkerError
 from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
+from meshplan.runtime.launch_env import find_free_port
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
 _HUNG_GRACE_S = 3.0  # how long the other peers of a silent rank get to time out too
@@ -49,13 +49,6 @@ class _Failure(NamedTuple):
     rank: int
     message: str
     trace: str
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class WorkerPool:

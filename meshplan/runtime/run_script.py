@@ -15,14 +15,13 @@ import os
 import subprocess
 import sys
 import time
-from typing import Sequence
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Sequence
 
 from meshplan.errors import WorkerError
-from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
-from meshplan.runtime.pool import find_free_port
+from meshplan.runtime.launch_env import DEVICE_CHOICES, DEVICE_ENV, find_free_port
+
+if TYPE_CHECKING:
+    import torch
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # How long a Ray started here waits for its runtime-env agent (Ray's own default: 30 s).
@@ -33,6 +32,10 @@ def init_world(timeout_s: float = 300.0, device: str | torch.device | None = Non
     """Join the torch.distributed world of the environment (torchrun's or ``meshplan run``'s
     variables), unless one is joined already: NCCL beside gloo when this rank computes on a
     GPU (`devices.resolve_device`), gloo on the CPU. Returns whether a world is joined."""
+    import torch
+    import torch.distributed as dist
+
+    from meshplan.runtime.devices import backend_for, resolve_device
     if dist.is_available() and dist.is_initialized():
         return True
     if not all(k in os.environ for k in ENV_KEYS):
