@@ -44,9 +44,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # with one. Collected alphabetically, the longest files came late, and one worker ran them
 # alone at the end: the last 3 % of the tests took three of nine minutes. They go first,
 # longest first (seconds per file from `--durations=0`, 2026-12-02: 161 s for the deferred
-# variants down to 28 s), and the many short files fill in around them. xdist (3.6 on) orders the files
-# by their number of tests instead unless told not to (`make test`'s --no-loadscope-reorder):
-# without it, the launchers' four tests ran last, alone.
+# variants down to 28 s), and the many short files fill in around them. xdist (3.6 on) orders
+# the files by their number of tests instead unless told not to (`make test`'s
+# --no-loadscope-reorder): without it, the launchers' four tests ran last, alone.
 LONGEST_FIRST = ("test_deferred_variants.py", "test_published_runs.py", "test_hf_models.py",
                  "test_partial_recompute.py", "test_launchers.py", "test_random_plans.py",
                  "test_inter_methods.py", "test_stage_costs.py", "test_simulate.py",

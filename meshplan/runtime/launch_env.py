@@ -1,6 +1,7 @@
 """What a launcher hands the ranks it starts, without importing torch: the device variable and
-a free rendezvous port. `meshplan run` starts its ranks from here in a fifth of a second; each
-rank imports torch itself (`devices.resolve_device` reads the variable)."""
+a free rendezvous port. `meshplan run` has its ranks started 0.4 s after the command (5 s when
+its launcher imported torch); each rank imports torch itself (`devices.resolve_device`
+reads the variable)."""
 
 from __future__ import annotations
 
