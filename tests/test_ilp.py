@@ -585,6 +585,35 @@ def test_a_node_limit_gives_the_best_plan_found(solver: str) -> None:
             solve(xla_toy(), max_nodes=bad)
 
 
+def test_the_first_assignment_found_is_allowed_and_the_same_every_time() -> None:
+    """``first_found``: the search's first point, whatever it costs (the tests' random plans
+    draw from the feasible set so): it breaks no forbidden entry, alias, memory budget nor
+    cost bound, and the same problem gives the same point (node counts, not a time limit)."""
+    rng = random.Random(77)
+    worse = 0
+    for _ in range(40):
+        problem = random_problem(rng)
+        expected = brute_force(problem)
+        if expected is None or math.isinf(expected[0]):
+            with pytest.raises(InfeasibleIlpError):
+                solve(problem, first_found=True)
+            continue
+        got = solve(problem, first_found=True, lp_first=False)
+        assert got.objective == pytest.approx(sum(evaluate(problem, got.choices)))
+        assert got.objective >= expected[0] - 1e-6
+        if problem.memory_budget is not None:
+            assert peak_memory(problem, got.choices) <= problem.memory_budget * (1 + 1e-9)
+        if problem.max_cost is not None:
+            assert got.objective <= problem.max_cost + 1e-6
+        assert solve(problem, first_found=True, lp_first=False).choices == got.choices
+    for seed in (1, 3, 5):   # larger: the first point is not always the optimum
+        problem = memory_bound_dag(24, seed)
+        got = solve(problem, first_found=True, lp_first=False)
+        assert peak_memory(problem, got.choices) <= problem.memory_budget * (1 + 1e-9)
+        worse += got.objective > solve(problem).objective * (1 + 1e-9)
+    assert worse   # it stopped before the optimum somewhere
+
+
 def test_accept_stops_early_only_within_its_gap() -> None:
     """``accept=(nodes, gap)``: the first ``nodes`` nodes' plan is kept when proved within
     ``gap`` of the optimum (whole stage solves: the proof, not the plan, is what costs), and

@@ -110,7 +110,8 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
           solver: str = DEFAULT_SOLVER, lp_first: bool | None = None,
           max_nodes: int | None = None, accept: tuple[int, float] | None = None,
           start: tuple[int, ...] | None = None, rel_gap: float = 0.0,
-          cutoff: float | None = None, search_on: bool = True) -> IlpSolution:
+          cutoff: float | None = None, search_on: bool = True,
+          first_found: bool = False) -> IlpSolution:
     """Return a minimum-cost assignment of ``problem`` with zero optimality gap (``rel_gap``:
     one proved within that relative gap of the optimum, `PLAN_REL_GAP`), or, when the
     search has explored ``max_nodes`` branch-and-bound nodes without proving one, the best
@@ -126,7 +127,9 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     proof of the optimum would end; scipy, without such an option, solves and compares).
     ``search_on`` False: a ``max_nodes`` search that finds no assignment raises
     NodeLimitError instead of searching on unlimited (a probe: with a cutoff, whether a
-    better assignment exists within so many nodes).
+    better assignment exists within so many nodes). ``first_found``: the first assignment
+    the search finds, whatever its cost (highspy; scipy solves on): any point of the feasible
+    set, the same on any machine (the tests' random plans, `tests/random_plans.py`).
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
@@ -151,7 +154,7 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
                         overlap=_overlap_spec(linear))
     raw = run_model(model, solver=solver, lp_first=lp_first, time_limit_s=time_limit_s,
                     max_nodes=max_nodes, accept=accept, rel_gap=rel_gap, cutoff=cutoff,
-                    search_on=search_on,
+                    search_on=search_on, first_found=first_found,
                     start=None if start is None else choice_start(reduced, model, start))
     choices = extract_choices(reduced, model, raw.x)
     node_cost, edge_cost = evaluate(problem, choices)

@@ -97,7 +97,7 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
               accept: tuple[int, float] | None = None,
               start: tuple[np.ndarray, np.ndarray] | None = None,
               rel_gap: float = 0.0, cutoff: float | None = None,
-              search_on: bool = True) -> RawSolution:
+              search_on: bool = True, first_found: bool = False) -> RawSolution:
     """Solve ``model`` to optimality with the named backend (with ``rel_gap`` > 0: until its
     best point is proved within that relative gap of the optimum), or stop after
     ``max_nodes`` branch-and-bound nodes with the best point found (a run without one goes on
@@ -120,6 +120,10 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
     ``cutoff``: only points of objective at most this are wanted; highspy then prunes by it
     (its ``objective_bound``) and raises IlpCutOffError when no point is that good (scipy has
     no such option: it solves as without one, and the caller compares).
+
+    ``first_found``: the first point the search finds, whatever its cost (highspy; scipy
+    searches on to the optimum): a point of the feasible set, in root-node time and the same
+    on any machine, where a time limit would give another point on a slower one.
 
     Raises ValueError for an unknown solver, InfeasibleIlpError when the model has no feasible
     point, TimeoutError when ``time_limit_s`` passes before any feasible point is found.
@@ -144,6 +148,10 @@ def run_model(model: MilpModel, *, solver: str, lp_first: bool | None,
         relaxed = run(model, relax=True, deadline=deadline)
         if relaxed.gap == 0.0 and _is_integral(relaxed.x, model.integral):
             return RawSolution(relaxed.x, 0.0, f"{solver}:lp")
+    if first_found and solver == "highs":
+        raw = run(model, relax=False, deadline=deadline, start=start, first=True)
+        assert raw is not None, "a search stopped at its first point has one"
+        return raw
     if accept is not None and solver == "highs" and _interrupts():
         raw = run(model, relax=False, deadline=deadline, max_nodes=max_nodes, start=start,
                   rel_gap=rel_gap, light=True, accept=accept)
@@ -315,10 +323,10 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
                max_nodes: int | None = None,
                start: tuple[np.ndarray, np.ndarray] | None = None,
                rel_gap: float = 0.0, objective_bound: float | None = None,
-               light: bool = False, accept: tuple[int, float] | None = None
-               ) -> RawSolution | None:
+               light: bool = False, accept: tuple[int, float] | None = None,
+               first: bool = False) -> RawSolution | None:
     """``light``: the presolve of a search that is mostly its root (`_PRESOLVE_RULES_OFF`);
-    ``accept``: `_Accept`'s stop."""
+    ``accept``: `_Accept`'s stop; ``first``: stop at the first point found."""
     highspy = _highspy()
     lp = _highs_lp(model)
     h = highspy.Highs()
@@ -339,6 +347,8 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         h.setOptionValue("time_limit", left)
     if max_nodes is not None and not relax:
         h.setOptionValue("mip_max_nodes", max_nodes)
+    if first and not relax:
+        h.setOptionValue("mip_max_improving_sols", 1)
     if light:
         h.setOptionValue("presolve_rule_off",
                          _presolve_rules_off((h.versionMajor(), h.versionMinor())))
@@ -372,8 +382,10 @@ def _run_highs(model: MilpModel, *, relax: bool, deadline: float | None,
         return RawSolution(np.asarray(h.getSolution().col_value), gap, how)
     if status == highspy.HighsModelStatus.kTimeLimit:
         raise TimeoutError("the ILP time limit passed before a feasible assignment was found")
-    if max_nodes is not None and status == highspy.HighsModelStatus.kSolutionLimit:
-        # The node limit: the best point so far and its gap, or None when there is none.
+    if (max_nodes is not None or first) and \
+            status == highspy.HighsModelStatus.kSolutionLimit:
+        # The node limit (or the first point's): the best point so far and its gap, or None
+        # when there is none.
         return RawSolution(np.asarray(h.getSolution().col_value), float(info.mip_gap), how) \
             if found else None
     raise RuntimeError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
