@@ -13,6 +13,10 @@ import platform
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+HAP_CLUSTER = str(Path(__file__).resolve().parent.parent / "examples" / "clusters" /
+                  "hap_v100_p100.yaml")
 
 CASES = {
     # name: (model spec, cluster, extra plan() keywords)
@@ -30,6 +34,17 @@ CASES = {
     # Every Megatron-LM configuration (dp, tp, pp, micro-batch size 1-8) of 8 GPUs.
     "gpt-1.3b-1x8-megatron-grid": ("gpt:preset=1.3b,batch=1024", "p3.16xlarge:1",
                                    {"method": "megatron-grid"}),
+    # The issue's other targets: Alpa's largest MoE on its 64 V100s (Adafactor, as Alpa
+    # trains its MoEs), and `auto` on HAP's mixed cluster (2 hosts of 8 V100, 6 of 8 P100)
+    # with HAP's four models.
+    "moe-70b-p3x8": ("moe:preset=70b,batch=1024", "p3.16xlarge:8",
+                     {"dtype": "fp16", "optimizer": "adafactor"}),
+    "hap-vgg19": ("vgg19:batch=4096", HAP_CLUSTER, {"dtype": "fp32"}),
+    "hap-vit": ("vit:hidden=768,layers=12,heads=12,patch=4,image=32,classes=10,batch=4096",
+                HAP_CLUSTER, {"dtype": "fp32"}),
+    "hap-bert-base": ("bert:preset=base,batch=4096", HAP_CLUSTER, {"dtype": "fp32"}),
+    "hap-bert-moe": ("moe:hidden=768,layers=12,heads=12,experts=128,seq=128,vocab=30522,"
+                     "capacity=2.5,expert_ffn=4,batch=2048", HAP_CLUSTER, {"dtype": "fp32"}),
 }
 
 _ONE_RUN = """
@@ -38,12 +53,15 @@ warnings.simplefilter("ignore")
 import meshplan.api as api
 from meshplan.zoo.spec import build_workload
 spec, cluster, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+optimizer = extra.pop("optimizer", "adamw")
 w = build_workload(spec)
 t0 = time.perf_counter()
-p = api.plan(w.model, w.loss_fn, "adamw", w.example_batch, cluster, name=spec, **extra)
+p = api.plan(w.model, w.loss_fn, optimizer, w.example_batch, cluster, name=spec, **extra)
 wall = time.perf_counter() - t0
+mixed = p.options.get("mixed_auto")
 print(json.dumps({"wall_s": wall, "stages": [[s.layers, s.submesh, s.mesh_shape, s.recompute]
                                              for s in p.stages],
+                  "chosen": mixed["chosen"] if mixed else None,
                   "microbatches": p.microbatches, "dtype": p.dtype, "ilp": p.ilp,
                   "step_s": p.predicted["step_time_s"],
                   "memory_gib": p.predicted["peak_memory_bytes"] / 2**30}))
@@ -80,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print(f"python {platform.python_version()}, {args.repeats} run(s) per case, fresh process "
           "each\n")
-    print("| case | wall s (median) | stages (layers, submesh, mesh, recompute) | B | dtype "
+    print("| case | wall s (median; runs) | stages (layers, submesh, mesh, recompute) | B | dtype "
           "| stage ILPs | predicted step s | peak GiB |")
     print("|---|---:|---|---:|---|---:|---:|---:|")
     for name in args.case or list(CASES):
         runs = [run_case(name) for _ in range(args.repeats)]
         r = runs[-1]
-        stages = describe_stages(r["stages"])
-        print(f"| {name} | {statistics.median(x['wall_s'] for x in runs):.1f} | {stages} | "
+        stages = describe_stages(r["stages"]) or "one stage, every device"
+        if r["chosen"]:   # a mixed cluster's "auto": which of its searches won
+            stages = f"{r['chosen']}: {stages}"
+        walls = ", ".join(f"{x['wall_s']:.1f}" for x in runs)
+        print(f"| {name} | {statistics.median(x['wall_s'] for x in runs):.1f} ({walls}) | "
+              f"{stages} | "
               f"{r['microbatches']} | {r['dtype']} | {r['ilp'].get('stage_solves', 0)} | "
               f"{r['step_s']:.4g} | {r['memory_gib']:.2f} |")
     return 0
