@@ -34,11 +34,13 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    # Remembered: the formulations read them per strategy pair, hundreds of thousands of
+    # times a stage search.
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 

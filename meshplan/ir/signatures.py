@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 Dims = tuple[str, ...]
 
@@ -59,7 +60,7 @@ class Signature:
     def size(self, atom: str) -> int:
         return dict(self.atom_sizes)[atom]
 
-    @property
+    @cached_property   # asked for per strategy and per follower: made once per signature
     def atoms(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for dims in (*self.inputs, self.output):

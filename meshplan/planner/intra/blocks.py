@@ -88,12 +88,23 @@ def _best_period(own: np.ndarray, near: np.ndarray, far: np.ndarray, min_block: 
     return best
 
 
-def repeated_blocks(graph: Graph, min_block: int = 4, max_kinds: int = 8) -> list[list[int]]:
+def repeated_blocks(graph: Graph, min_block: int = 4, max_kinds: int = 8
+                    ) -> tuple[tuple[int, ...], ...]:
     """Groups of node indices that must share decisions: each group holds the same op of every
     repeat of a block. Several kinds of block are found (a ResNet's stages), the largest first;
-    empty when nothing repeats at least twice."""
+    empty when nothing repeats at least twice. Remembered per graph: the stage search
+    formulates one layer's program on every submesh and logical mesh, and its blocks are the
+    program's, whatever the mesh."""
+    memo = graph.__dict__.setdefault("_repeated_blocks", {})   # beside its cached properties
+    key = (min_block, max_kinds, HUB_READERS)
+    if key not in memo:
+        memo[key] = _find_blocks(graph, min_block, max_kinds)
+    return memo[key]
+
+
+def _find_blocks(graph: Graph, min_block: int, max_kinds: int) -> tuple[tuple[int, ...], ...]:
     own, near, far = _keys(graph)
-    groups: list[list[int]] = []
+    groups: list[tuple[int, ...]] = []
     fresh = -1
     for _ in range(max_kinds):
         covered, period, start = _best_period(own, near, far, min_block)
@@ -102,8 +113,9 @@ def repeated_blocks(graph: Graph, min_block: int = 4, max_kinds: int = 8) -> lis
         repeats = covered // period + 1
         if repeats >= 4:  # pairs of layers: a pattern alternating layer by layer survives
             period, repeats = 2 * period, repeats // 2
-        groups += [[start + k + r * period for r in range(repeats)] for k in range(period)]
+        groups += [tuple(start + k + r * period for r in range(repeats))
+                   for k in range(period)]
         span = np.arange(start, start + repeats * period)
         own[span] = np.arange(fresh, fresh - len(span), -1)  # taken: never matches again
         fresh -= len(span)
-    return groups
+    return tuple(groups)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 Axes = tuple[int, ...]
@@ -35,7 +36,7 @@ class Layout:
     def replicated(ndim: int) -> Layout:
         return Layout(((),) * ndim)
 
-    @property
+    @cached_property   # read per strategy pair by the formulations: made once per layout
     def split_axes(self) -> Axes:
         return tuple(sorted(a for d in self.dims for a in d))
 

@@ -59,13 +59,18 @@ class CostContext:
 
     def rank_shares(self, axes: Axes) -> tuple[tuple[DeviceType, float], ...]:
         """The distinct (device type, share of the work) of the ranks when work is divided over
-        ``axes``: one entry on an even mesh of one type."""
+        ``axes``: one entry on an even mesh of one type. Remembered per axes: a formulation asks
+        once per node and work axes, and each answer walks every rank (64 on HAP's cluster)."""
+        memo = self.__dict__.setdefault("_rank_shares", {})   # not a field: eq and hash as before
+        if axes in memo:
+            return memo[axes]
         shape = self.mesh.shape
         types = self.devices or (self.device,) * (shape[0] * shape[1])
         per_axis = [self.mesh.shares((a,)) if a in axes else (1.0,) * shape[a] for a in (0, 1)]
-        return tuple(dict.fromkeys(
+        memo[axes] = out = tuple(dict.fromkeys(
             (types[i * shape[1] + j], per_axis[0][i] * per_axis[1][j])
             for i in range(shape[0]) for j in range(shape[1])))
+        return out
 
     def phase_counts(self, phase: str, node: str | None = None) -> tuple[tuple[str, int], ...]:
         """How often per step a collective the program issues in ``phase`` (while running

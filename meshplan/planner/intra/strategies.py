@@ -13,7 +13,7 @@ their main operand (`follow`), which is Alpa's follower merging.
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,7 +33,7 @@ class Strategy:
     grad_partial: tuple[Axes, ...]
     sync_axes: Axes = ()   # axes over which the op all-reduces its statistics (batch norm)
 
-    @property
+    @cached_property   # a key of the compute prices, read per choice and node
     def work_axes(self) -> Axes:
         """Mesh axes the op's arithmetic is divided over."""
         return tuple(sorted(a for _, axes in self.assign for a in axes))
