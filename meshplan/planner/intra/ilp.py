@@ -129,7 +129,8 @@ def solve(problem: IlpProblem, *, time_limit_s: float | None = None,
     NodeLimitError instead of searching on unlimited (a probe: with a cutoff, whether a
     better assignment exists within so many nodes). ``first_found``: the first assignment
     the search finds, whatever its cost (highspy; scipy solves on): any point of the feasible
-    set, the same on any machine (the tests' random plans, `tests/random_plans.py`).
+    set, the same on any machine (the tests' random plans, `tests/random_plans.py`); with a
+    ``start`` that satisfies the problem, that start.
 
     ``time_limit_s`` (seconds) bounds the solver's search; when it stops the search early the
     best assignment found is returned with its ``gap`` > 0. ``solver`` is ``"highs"``
