@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import StepFailed, WorkerError
-from meshplan.runtime.devices import DEVICE_CHOICES, DEVICE_ENV, backend_for, resolve_device
-from meshplan.runtime.launch_env import find_free_port
+from meshplan.runtime.devices import backend_for, resolve_device
+from meshplan.runtime.launch_env import DEVICE_CHOICES, DEVICE_ENV, find_free_port
 
 _STOP_GRACE_S = 5.0  # how long close() waits for workers to leave before terminating them
 _HUNG_GRACE_S = 3.0  # how long the other peers of a silent rank get to time out too
