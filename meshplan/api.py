@@ -17,7 +17,7 @@ from torch import nn
 
 from meshplan.capture.ahead import CapturesAhead
 from meshplan.capture.batch import batch_size, split_microbatches
-from meshplan.capture.memo import made_already
+from meshplan.capture.memo import program_made_already, remember_program
 from meshplan.capture.to_ir import capture
 from meshplan.capture.trace import uncompiled
 from meshplan.collector import cycle_collector_paused
@@ -746,16 +746,16 @@ def _few_samples_program(model: nn.Module, loss_fn: Callable | None, example_bat
     """The program of an even cut of ``example_batch`` of more than one sample: where one
     sample's program hides its batch (a size-1 dim folds away), such a cut's shows it as the
     whole batch's does. The fewest samples that the micro-batch-count search has traced
-    already (`capture`'s memo: GPT-3 175B on 1024 A100s searched 1 and 3 samples, and a trace
-    of 2 more took 2.9 s), else two (or the fewest that cut evenly), not the whole batch (a
+    already, here or ahead in a child (`memo.program_made_already`: GPT-3 175B on 1024 A100s
+    searched 1 and 3 samples, and a trace of 2 more took 2.9 s), else two (or the fewest that cut evenly), not the whole batch (a
     Llama-70B on meta: 7 s)."""
     size = batch_size(example_batch)
     cuts = [d for d in range(2, size + 1) if size % d == 0] or [size]
     for samples in cuts:
-        traced = made_already(model, loss_fn, split_microbatches(example_batch,
-                                                                 size // samples)[0])
-        if traced is not None:
-            return traced[1]
+        graph = program_made_already(model, loss_fn,
+                                     split_microbatches(example_batch, size // samples)[0])
+        if graph is not None:
+            return graph
     return capture(model, loss_fn, split_microbatches(example_batch, size // cuts[0])[0])[1]
 
 
@@ -815,7 +815,10 @@ def _plan_pipeline(model: nn.Module, loss_fn: Callable | None, opt: Any, example
                    counts: list[int], num_layers: int | None, name: str, recompute: str,
                    method: str, schedule: str, microbatches: int | str, progress: bool) -> Plan:
     # The count search asks for a count more than once, and traces the next ahead.
-    graph_for = CapturesAhead(lambda num: _count_graph(model, loss_fn, example_batch, num))
+    graph_for = CapturesAhead(
+        lambda num: _count_graph(model, loss_fn, example_batch, num),
+        lambda num, graph: remember_program(model, loss_fn,
+                                            split_microbatches(example_batch, num)[0], graph))
     try:
         req = PipelineRequest(cl, opts, opt.to_dict(), opt.state(), budget,
                               step.dtype, num_layers, name, method, recompute, schedule, progress)
@@ -839,6 +842,9 @@ def _count_graph(model: nn.Module, loss_fn: Callable | None, example_batch: Any,
     """The traced program of one of ``num`` micro-batches; MicrobatchError where the model
     fails on it and ``num`` is more than one (the counts below may still run)."""
     micro = split_microbatches(example_batch, num)[0]
+    made = program_made_already(model, loss_fn, micro)   # a trace made ahead included
+    if made is not None:
+        return made
     try:
         return capture(model, loss_fn, micro)[1]
     except (ValueError, RuntimeError) as e:

@@ -5,11 +5,14 @@ wanted must not outlive the search."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import meshplan.api as api
 import meshplan.planner.inter.search as search
-from meshplan.capture.ahead import CapturesAhead
+from meshplan.capture import memo
+from meshplan.capture.ahead import AHEAD_NICENESS, CapturesAhead
 from meshplan.errors import MicrobatchError
 from meshplan.zoo.spec import build_workload
 
@@ -83,7 +86,7 @@ def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatc
     assert len(searched) > 1
     # Every count searched after the first was asked for ahead, before its search.
     assert set(searched[1:]) <= set(asked)
-    plan(str(search.AHEAD_ABOVE_CORES))   # few cores: a trace beside would take turns with it
+    plan(str(search.AHEAD_ABOVE_CORES))   # one core: no idle cycles for a trace beside
     assert len(searched) > 1 and not asked
 
 
@@ -111,3 +114,47 @@ def test_a_stuck_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch)
     graph, fingerprint = graphs(2)
     held.release()
     assert not child.is_alive() and fingerprint == CapturesAhead(trace)(2)[1]
+
+
+class _Niceness:
+    """What a child's "trace" returns here: the niceness it ran at."""
+
+    def __init__(self) -> None:
+        self.value = os.nice(0)
+
+    def fingerprint(self) -> str:
+        return str(self.value)
+
+
+def test_a_trace_ahead_takes_only_the_cycles_the_search_leaves_idle() -> None:
+    graphs = CapturesAhead(lambda num: _Niceness())
+    graphs.ahead(2)
+    assert graphs(2)[0].value == min(os.nice(0) + AHEAD_NICENESS, 19)
+    assert graphs(3)[0].value == os.nice(0)   # traced in place: the search's own priority
+
+
+def test_a_program_made_ahead_is_the_one_later_searches_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count traced in a child is the program every later search of the request reads (the
+    typed-stage search reads the uniform search's stage prices by the program's signatures,
+    which a second trace would name anew), and the program of a few samples a plan's loss
+    scaling looks for (`api._few_samples_program`)."""
+    w = build_workload(SPEC, device="meta")
+    made: dict[int, object] = {}
+    collect = CapturesAhead._collect
+
+    def spy(self, count):   # noqa: ANN001 - the method's own signature
+        graph = collect(self, count)
+        if graph is not None:
+            made[count] = graph
+        return graph
+
+    monkeypatch.setattr(CapturesAhead, "_collect", spy)
+    monkeypatch.setenv("MESHPLAN_WORKERS", str(search.AHEAD_ABOVE_CORES + 1))
+    api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x4",
+             method="inter-only")
+    assert made
+    for count, graph in made.items():
+        micro = api.split_microbatches(w.example_batch, count)[0]
+        assert memo.program_made_already(w.model, w.loss_fn, micro) is graph
+        assert api._count_graph(w.model, w.loss_fn, w.example_batch, count) is graph

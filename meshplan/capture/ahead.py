@@ -29,8 +29,11 @@ Trace = Callable[[int], Any]   # micro-batch count -> the program's graph
 class CapturesAhead:
     """``trace(count)`` memoized, with `ahead` to start a count's trace in a forked process."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace,
+                 made_ahead: Callable[[int, Any], None] | None = None) -> None:
+        """``made_ahead(count, graph)``: told of each graph a child made."""
         self._trace = trace
+        self._made_ahead = made_ahead
         self._made: dict[int, tuple[Any, str]] = {}
         self._pending: dict[int, tuple[BaseProcess, Connection]] = {}
 
@@ -40,6 +43,8 @@ class CapturesAhead:
             graph = self._collect(count)
             if graph is None:
                 graph = self._trace(count)
+            elif self._made_ahead is not None:
+                self._made_ahead(count, graph)
             self._made[count] = graph, graph.fingerprint()
         return self._made[count]
 
@@ -84,6 +89,9 @@ class CapturesAhead:
         return graph if kind == "ok" else None
 
 
+# The child's niceness: it takes the cycles the search leaves idle (its serial steps), not
+# the pricing's turns on a busy core.
+AHEAD_NICENESS = 19
 # Seconds a child may go without using the CPU or delivering before it is taken for stuck.
 STUCK_AFTER_S = 5.0
 
@@ -116,6 +124,10 @@ def _cpu_ticks(pid: int | None) -> int | None:
 def _trace_into(trace: Trace, count: int, writer: Connection) -> None:
     """The child: ``trace(count)``'s graph, or word that it failed (the parent traces it again
     and raises what it raises)."""
+    try:
+        os.nice(AHEAD_NICENESS)
+    except OSError:
+        pass
     try:
         out = pickle.dumps(("ok", trace(count)))
     except BaseException:   # noqa: BLE001 - any failure (a graph that will not pickle too)

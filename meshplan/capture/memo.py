@@ -23,6 +23,10 @@ _LOCK = threading.RLock()
 # so neither id can be reused by another object while its entry exists.
 _RECENT = 8
 _CACHE: "collections.OrderedDict[Any, tuple[weakref.ref, Any, Any]]" = collections.OrderedDict()
+# Programs (`Graph`s) made in another process for the same arguments: a trace made ahead in a
+# forked child comes back as its graph only (its fx module does not pickle), kept as the
+# captures are.
+_GRAPHS: "collections.OrderedDict[Any, tuple[weakref.ref, Any, Any]]" = collections.OrderedDict()
 
 
 def _layout(x: Any) -> Any:
@@ -48,6 +52,33 @@ def made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> An
     with _LOCK:
         hit = _CACHE.get((id(model), _key(model, loss_fn, example_batch)))
         return hit[2] if hit is not None and hit[0]() is model and hit[1] is loss_fn else None
+
+
+def remember_program(model: torch.nn.Module, loss_fn: Any, example_batch: Any, graph: Any
+                     ) -> None:
+    """Keep ``graph``, the program of these arguments made in another process, for
+    `program_made_already`."""
+    with _LOCK:
+        key = (id(model), _key(model, loss_fn, example_batch))
+        _GRAPHS[key] = (weakref.ref(model), loss_fn, graph)
+        _GRAPHS.move_to_end(key)
+        while len(_GRAPHS) > _RECENT:
+            _GRAPHS.popitem(last=False)
+
+
+def program_made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any
+                         ) -> Any | None:
+    """The program (`Graph`) of these arguments made in another process (`remember_program`)
+    or captured here, or None (nothing is traced). The one made elsewhere first: where both
+    are kept, a search read that one (the capture here came after, for its fx module), and
+    a later search of the same request reads the same program, so that its stage prices,
+    keyed by the program's signatures, are the ones the first made (`price_sharing.py`)."""
+    with _LOCK:
+        hit = _GRAPHS.get((id(model), _key(model, loss_fn, example_batch)))
+        if hit is not None and hit[0]() is model and hit[1] is loss_fn:
+            return hit[2]
+        made = made_already(model, loss_fn, example_batch)
+        return None if made is None else made[1]
 
 
 def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,

@@ -418,8 +418,9 @@ def _peak_over_budget(profiler: StageProfiler, pipeline: PipelineSolution, budge
     return max(mesh_memory(memory, pipeline.chunks)) / budget
 
 
-# The walk traces counts ahead only where the search prices on more cores than this (`_ahead`).
-AHEAD_ABOVE_CORES = 2
+# The walk traces counts ahead only where the search prices on more cores than this (`_ahead`):
+# on one, the trace has no idle core to take.
+AHEAD_ABOVE_CORES = 1
 
 
 class _CountSearch:
@@ -487,10 +488,12 @@ class _CountSearch:
     def _ahead(self, i: int) -> None:
         """Have count ``i``'s program traced ahead, where the walk may come to it next and
         ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it,
-        nor where the search prices on `AHEAD_ABOVE_CORES` cores or fewer. A trace beside the
-        pricing gains what the pricing's serial steps leave idle and takes a share of the
-        cores where it runs on all of them: on 2, MoE-70B on 64 V100 searched 172.8 -> 163.5 s
-        with traces ahead, BERT-MoE on HAP's cluster 217.6 -> 239.1 s (session 71)."""
+        nor where the search prices on `AHEAD_ABOVE_CORES` cores or fewer. The trace runs
+        at the lowest priority (`ahead.AHEAD_NICENESS`), on the cycles the pricing's serial
+        steps leave idle: at the normal one it took a share of the cores where the pricing
+        runs on all of them (on 2, BERT-MoE on HAP's cluster searched 217.6 -> 239.1 s with
+        traces ahead, session 71); niced, on 2 cores, BERT-MoE 80.6 -> 73.1 s, GPT-3 175B on
+        1024 A100s 34.1 -> 30.1 s (session 77)."""
         ahead = getattr(self.graph_for, "ahead", None)
         if ahead is not None and usable_cores() > AHEAD_ABOVE_CORES \
                 and 0 <= i < len(self.counts) \
