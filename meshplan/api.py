@@ -391,8 +391,8 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
     # Counts no plan could fit by the memory floor are skipped unsolved, all but the last
     # (the fewest samples a micro-batch), which explains when none fits (MoE-70B on 64
     # V100s: 1-16 micro-batches, 4.5 s each to formulate and find infeasible).
-    floors = CountFloors(lambda b: capture(model, loss_fn, split_microbatches(
-        example_batch, b)[0])[1], step.dtype, opt.state(), math.prod(real_mesh.shape), budget,
+    floors = CountFloors(lambda b: _program(model, loss_fn, split_microbatches(
+        example_batch, b)[0]), step.dtype, opt.state(), math.prod(real_mesh.shape), budget,
         recompute=step.recompute)
     skipped: list[int] = []
 
@@ -842,15 +842,20 @@ def _count_graph(model: nn.Module, loss_fn: Callable | None, example_batch: Any,
     """The traced program of one of ``num`` micro-batches; MicrobatchError where the model
     fails on it and ``num`` is more than one (the counts below may still run)."""
     micro = split_microbatches(example_batch, num)[0]
-    made = program_made_already(model, loss_fn, micro)   # a trace made ahead included
-    if made is not None:
-        return made
     try:
-        return capture(model, loss_fn, micro)[1]
+        return _program(model, loss_fn, micro)
     except (ValueError, RuntimeError) as e:
         if num == 1 or isinstance(e, MicrobatchError):
             raise
         raise MicrobatchError(num, batch_size(micro), e) from e
+
+
+def _program(model: nn.Module, loss_fn: Callable | None, micro: Any) -> Any:
+    """The program (`Graph`) of one micro-batch ``micro``: the one made already, where the
+    count search traced it ahead in a child too (`memo.program_made_already`), else
+    captured."""
+    made = program_made_already(model, loss_fn, micro)
+    return made if made is not None else capture(model, loss_fn, micro)[1]
 
 
 def _infeasible_or_none(solve: Callable[[], Any]) -> InfeasiblePlanError | None:
@@ -939,8 +944,8 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
                opts: IntraOptions, budget: float | None, step: _TrainingStep) -> tuple:
     """Capture one micro-batch, cost it at the step's dtype and solve the ILP."""
     micro = split_microbatches(example_batch, step.microbatches)[0]
-    _, traced_graph = capture(model, loss_fn, micro)
-    graph = with_compute_dtype(traced_graph, step.dtype)
+    program = _program(model, loss_fn, micro)
+    graph = with_compute_dtype(program, step.dtype)
     choices = resolve_choices(graph, tuple(mesh.shape), opts)
     abstract = mesh is not real_mesh
     # The heuristic may gather a parameter that an earlier use placed (a tied embedding).
@@ -979,4 +984,4 @@ def _plan_step(model: nn.Module, loss_fn: Callable | None, opt: Any, example_bat
             raise ValueError(f"method {method!r} leaves no valid plan on a {tuple(mesh.shape)} "
                              f"mesh ({e}); try method 'auto' or another mesh shape") from None
         raise _infeasible(form, budget, cl, method) from None
-    return form, sol, graph, traced_graph.fingerprint(), ctx, segments, num_layers, step.replay
+    return form, sol, graph, program.fingerprint(), ctx, segments, num_layers, step.replay
