@@ -158,3 +158,32 @@ def test_a_program_made_ahead_is_the_one_later_searches_read(
         micro = api.split_microbatches(w.example_batch, count)[0]
         assert memo.program_made_already(w.model, w.loss_fn, micro) is graph
         assert api._count_graph(w.model, w.loss_fn, w.example_batch, count) is graph
+
+
+def test_a_starved_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that gets a small share of a core (niced, on a machine other work keeps busy)
+    is not waited for: the count is traced here, in about the time a trace takes."""
+    import time
+
+    import meshplan.capture.ahead as ahead_mod
+
+    monkeypatch.setattr(ahead_mod, "STUCK_AFTER_S", 0.5)
+    parent, trace = os.getpid(), _traces()
+
+    def starved(num: int):
+        if os.getpid() != parent:   # a tenth of a core, for far longer than a trace takes
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                busy = time.monotonic() + 0.005
+                while time.monotonic() < busy:
+                    pass
+                time.sleep(0.045)
+        return trace(num)
+
+    graphs = CapturesAhead(starved)
+    graphs.ahead(2)
+    child, _ = graphs._pending[2]
+    began = time.monotonic()
+    graph, fingerprint = graphs(2)
+    assert time.monotonic() - began < 20
+    assert not child.is_alive() and fingerprint == CapturesAhead(trace)(2)[1]

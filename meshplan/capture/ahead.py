@@ -92,23 +92,32 @@ class CapturesAhead:
 # The child's niceness: it takes the cycles the search leaves idle (its serial steps), not
 # the pricing's turns on a busy core.
 AHEAD_NICENESS = 19
-# Seconds a child may go without using the CPU or delivering before it is taken for stuck.
-STUCK_AFTER_S = 5.0
+# Seconds over which a child still tracing, with the parent waiting for it, must have run at
+# least `LEAST_SHARE` of a core (a fraction) to be waited for.
+STUCK_AFTER_S = 1.0
+LEAST_SHARE = 0.25
 
 
 def _delivers(child: BaseProcess, reader: Connection) -> bool:
     """Whether ``child`` has its answer ready or dies trying (then `recv_bytes` says so):
-    False where it neither delivers nor runs for `STUCK_AFTER_S` (a process forked while
-    another thread held a lock the trace needs waits on it forever; a slow trace runs)."""
-    last = None
+    False where, while the parent waits, it runs less than `LEAST_SHARE` of a core over
+    `STUCK_AFTER_S`, and the parent traces in place: a process forked while another thread
+    held a lock the trace needs waits on it forever, and a niced child on a machine whose
+    every core other work keeps busy would trace at a hundredth of a core's speed."""
+    last = _cpu_ticks(child.pid)
     while not reader.poll(STUCK_AFTER_S):
         if not child.is_alive():
             return True
         used = _cpu_ticks(child.pid)
-        if used is not None and used == last:
+        if used is None or last is None:
+            return False   # its progress cannot be seen: not waited for blind
+        if (used - last) / _TICKS_PER_S < LEAST_SHARE * STUCK_AFTER_S:
             return False
         last = used
     return True
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _cpu_ticks(pid: int | None) -> int | None:
