@@ -747,8 +747,8 @@ def _few_samples_program(model: nn.Module, loss_fn: Callable | None, example_bat
     sample's program hides its batch (a size-1 dim folds away), such a cut's shows it as the
     whole batch's does. The fewest samples that the micro-batch-count search has traced
     already, here or ahead in a child (`memo.program_made_already`: GPT-3 175B on 1024 A100s
-    searched 1 and 3 samples, and a trace of 2 more took 2.9 s), else two (or the fewest that cut evenly), not the whole batch (a
-    Llama-70B on meta: 7 s)."""
+    searched 1 and 3 samples, and a trace of 2 more took 2.9 s), else two (or the fewest that
+    cut evenly), not the whole batch (a Llama-70B on meta: 7 s)."""
     size = batch_size(example_batch)
     cuts = [d for d in range(2, size + 1) if size % d == 0] or [size]
     for samples in cuts:

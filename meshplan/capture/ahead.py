@@ -96,6 +96,7 @@ AHEAD_NICENESS = 19
 # least `LEAST_SHARE` of a core (a fraction) to be waited for.
 STUCK_AFTER_S = 1.0
 LEAST_SHARE = 0.25
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _delivers(child: BaseProcess, reader: Connection) -> bool:
@@ -116,8 +117,6 @@ def _delivers(child: BaseProcess, reader: Connection) -> bool:
         last = used
     return True
 
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _cpu_ticks(pid: int | None) -> int | None:

@@ -47,11 +47,28 @@ def _key(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any:
     return (id(loss_fn), _layout(example_batch), state, modes)
 
 
+def _held(table: "collections.OrderedDict", model: torch.nn.Module, loss_fn: Any,
+          example_batch: Any) -> Any | None:
+    """What ``table`` holds for these arguments (its entry's model and loss_fn the very
+    objects), or None."""
+    hit = table.get((id(model), _key(model, loss_fn, example_batch)))
+    return hit[2] if hit is not None and hit[0]() is model and hit[1] is loss_fn else None
+
+
+def _keep(table: "collections.OrderedDict", model: torch.nn.Module, loss_fn: Any,
+          example_batch: Any, value: Any) -> None:
+    """``value`` kept in ``table`` for these arguments, as its newest of `_RECENT`."""
+    key = (id(model), _key(model, loss_fn, example_batch))
+    table[key] = (weakref.ref(model), loss_fn, value)
+    table.move_to_end(key)
+    while len(table) > _RECENT:
+        table.popitem(last=False)
+
+
 def made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any | None:
     """The capture `captured_once` holds for these arguments, or None (nothing is traced)."""
     with _LOCK:
-        hit = _CACHE.get((id(model), _key(model, loss_fn, example_batch)))
-        return hit[2] if hit is not None and hit[0]() is model and hit[1] is loss_fn else None
+        return _held(_CACHE, model, loss_fn, example_batch)
 
 
 def remember_program(model: torch.nn.Module, loss_fn: Any, example_batch: Any, graph: Any
@@ -59,11 +76,7 @@ def remember_program(model: torch.nn.Module, loss_fn: Any, example_batch: Any, g
     """Keep ``graph``, the program of these arguments made in another process, for
     `program_made_already`."""
     with _LOCK:
-        key = (id(model), _key(model, loss_fn, example_batch))
-        _GRAPHS[key] = (weakref.ref(model), loss_fn, graph)
-        _GRAPHS.move_to_end(key)
-        while len(_GRAPHS) > _RECENT:
-            _GRAPHS.popitem(last=False)
+        _keep(_GRAPHS, model, loss_fn, example_batch, graph)
 
 
 def program_made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any
@@ -74,10 +87,10 @@ def program_made_already(model: torch.nn.Module, loss_fn: Any, example_batch: An
     a later search of the same request reads the same program, so that its stage prices,
     keyed by the program's signatures, are the ones the first made (`price_sharing.py`)."""
     with _LOCK:
-        hit = _GRAPHS.get((id(model), _key(model, loss_fn, example_batch)))
-        if hit is not None and hit[0]() is model and hit[1] is loss_fn:
-            return hit[2]
-        made = made_already(model, loss_fn, example_batch)
+        graph = _held(_GRAPHS, model, loss_fn, example_batch)
+        if graph is not None:
+            return graph
+        made = _held(_CACHE, model, loss_fn, example_batch)
         return None if made is None else made[1]
 
 
@@ -85,16 +98,11 @@ def captured_once(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
                   capture: Callable[[torch.nn.Module, Any, Any], Any]) -> Any:
     """``capture(model, loss_fn, example_batch)``, made once per key and under one lock."""
     with _LOCK:
-        key = (id(model), _key(model, loss_fn, example_batch))
-        hit = made_already(model, loss_fn, example_batch)
-        if hit is not None:
-            _CACHE.move_to_end(key)
-            return hit
-        result = capture(model, loss_fn, example_batch)
-        _CACHE[key] = (weakref.ref(model), loss_fn, result)
-        while len(_CACHE) > _RECENT:
-            _CACHE.popitem(last=False)
-        return result
+        hit = _held(_CACHE, model, loss_fn, example_batch)
+        if hit is None:
+            hit = capture(model, loss_fn, example_batch)
+        _keep(_CACHE, model, loss_fn, example_batch, hit)
+        return hit
 
 
 def captured_in_mode(model: torch.nn.Module, loss_fn: Any, example_batch: Any,
