@@ -143,15 +143,19 @@ def test_a_structure_key_does_not_depend_on_how_its_sets_were_built(gpt_graph) -
     layering = cluster_layers(gpt_graph, 6)
     g = stage_graph(gpt_graph, layering, 1, 3)
     assert structure_key(pickle.loads(pickle.dumps(g))) == structure_key(g)
-    # Each signature's set of atoms, widened (so that its hash table has collisions, whatever
-    # the process's string hashing), built in two orders: the same sets, printed otherwise.
+    # Each signature's set of atoms, widened and made of strings that all hash alike (so that the
+    # order a set prints its members in depends on the order they went in, and on nothing else:
+    # not on the process's string hashing), built in two orders: equal sets, printed otherwise.
     extra = tuple(chr(0x4000 + i) for i in range(24))
 
+    class Colliding(str):
+        def __hash__(self) -> int:
+            return 0
+
     def built(atoms: frozenset, reverse: bool) -> frozenset:
-        members = sorted({*atoms, *extra}, reverse=reverse)
         made: set = set()
-        for a in members:
-            made.add(a)
+        for a in sorted({*atoms, *extra}, reverse=reverse):
+            made.add(Colliding(a))
         return frozenset(made)
 
     def widened(reverse: bool):
