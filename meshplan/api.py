@@ -27,6 +27,7 @@ from meshplan.cost.mesh import GATHER_IMPLS, LogicalMesh, logical_mesh
 from meshplan.cost.precision import resolve_dtype, with_compute_dtype
 from meshplan.errors import (IlpCutOffError, InfeasibleIlpError, InfeasiblePlanError,
                              MicrobatchError, NodeLimitError, NoPipelineError)
+from meshplan.forked import Forked, forks, value_or_in_place
 from meshplan.plan.plan import Plan, StagePlan
 from meshplan.planner.inter.device_kinds import host_types
 from meshplan.planner.inter.price_sharing import shared_prices
@@ -299,45 +300,62 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
                              "every layer or nothing; give 'full', 'none' or 'auto'")
         fixed = check_mixed_request("hetero" if mixed_auto else method, mesh_shape, abstract,
                                     cl.num_devices, axis_weights)
-        found = _plan_mixed(model, loss_fn, opt, example_batch, cl,
-                            "hetero" if mixed_auto else method, opts, budget, step, counts,
-                            name, gather, t0, fixed, cut)
+
+        def uneven() -> Plan:
+            return _plan_mixed(model, loss_fn, opt, example_batch, cl,
+                               "hetero" if mixed_auto else method, opts, budget, step, counts,
+                               name, gather, t0, fixed, cut)
+
         if not mixed_auto:
-            return found
-        # The uneven program is one row of all devices; the uniform search (pipelines, 2-D
-        # meshes that keep tensor parallelism inside a host) prices every device as the
-        # slowest, which even shares make exact. Either may win (HAP's VGG19: the 2-D plan).
-        uniform_cluster = cl.submesh(f"{cl.name} (as its slowest device)", cl.num_hosts,
-                                     cl.devices_per_host)
-        # The typed search's stages on the slowest type are the uniform search's submeshes:
-        # it reads their prices (`planner/inter/price_sharing.py`).
-        with shared_prices():
-            try:
-                uniform: Plan | None = plan(
-                    model, loss_fn, optimizer, example_batch, uniform_cluster,
-                    memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
-                    prefer_reduce_scatter=prefer_reduce_scatter, share_blocks=share_blocks,
-                    dtype=dtype, microbatches=microbatches, recompute=recompute,
-                    num_layers=num_layers, schedule=schedule, name=name, progress=progress)
-            except (InfeasiblePlanError, NoPipelineError):
-                uniform = None
-            if uniform is not None:   # it runs on the mixed cluster, paced by its slowest type
-                uniform = replace(uniform, cluster=cluster_to_dict(cl))
-            # Pipelines whose stages are each of one device type, where the hosts are
-            # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
-            typed = None
-            if host_types(cl) is not None:
-                # At the uniform plan's micro-batch count when there is one: typed stages
-                # move the balance between stages, not the count's trade-off (bubble against
-                # per-batch cost), and each count prices every stage on each device type.
-                typed_counts = [uniform.microbatches] if uniform is not None else counts
+            return uneven()
+        # The uneven program's search (HAP's A*, in this process alone: 6.3 of BERT-MoE's 65
+        # s on HAP's cluster) runs in a child beside the two pipeline searches, on the cycles
+        # their serial steps leave idle, below the trace made ahead they wait on
+        # (`forked.py`); the same plan, or made here where the child cannot run.
+        beside = Forked(uneven, "idle") if forks() else None
+        try:
+            # The uneven program is one row of all devices; the uniform search (pipelines,
+            # 2-D meshes that keep tensor parallelism inside a host) prices every device as
+            # the slowest, which even shares make exact. Either may win (HAP's VGG19: the
+            # 2-D plan).
+            uniform_cluster = cl.submesh(f"{cl.name} (as its slowest device)", cl.num_hosts,
+                                         cl.devices_per_host)
+            # The typed search's stages on the slowest type are the uniform search's
+            # submeshes: it reads their prices (`planner/inter/price_sharing.py`).
+            with shared_prices():
                 try:
-                    typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
-                                           replace(opts, sfb="off"), budget, step,
-                                           typed_counts, num_layers, name, recompute, "auto",
-                                           schedule, microbatches, progress)
+                    uniform: Plan | None = plan(
+                        model, loss_fn, optimizer, example_batch, uniform_cluster,
+                        memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
+                        prefer_reduce_scatter=prefer_reduce_scatter,
+                        share_blocks=share_blocks, dtype=dtype, microbatches=microbatches,
+                        recompute=recompute, num_layers=num_layers, schedule=schedule,
+                        name=name, progress=progress)
                 except (InfeasiblePlanError, NoPipelineError):
-                    typed = None
+                    uniform = None
+                if uniform is not None:   # on the mixed cluster, paced by its slowest type
+                    uniform = replace(uniform, cluster=cluster_to_dict(cl))
+                # Pipelines whose stages are each of one device type, where the hosts are
+                # (`planner/inter/device_kinds.py`): slow devices get stages of their own.
+                typed = None
+                if host_types(cl) is not None:
+                    # At the uniform plan's micro-batch count when there is one: typed
+                    # stages move the balance between stages, not the count's trade-off
+                    # (bubble against per-batch cost), and each count prices every stage on
+                    # each device type.
+                    typed_counts = [uniform.microbatches] if uniform is not None else counts
+                    try:
+                        typed = _plan_pipeline(model, loss_fn, opt, example_batch, cl,
+                                               replace(opts, sfb="off"), budget, step,
+                                               typed_counts, num_layers, name, recompute,
+                                               "auto", schedule, microbatches, progress)
+                    except (InfeasiblePlanError, NoPipelineError):
+                        typed = None
+        except BaseException:
+            if beside is not None:
+                beside.stop()
+            raise
+        found = value_or_in_place(beside, uneven)
         plans = {"hetero": found, "uniform": uniform, "typed stages": typed}
         steps = {k: p.predicted["step_time_s"] if p is not None else None
                  for k, p in plans.items()}

@@ -63,6 +63,10 @@ class InfeasiblePlanError(ValueError):
             f"({min_memory_bytes:.0f} bytes). "
             + (advice or "Raise the budget, use more devices, or a smaller batch"))
 
+    def __reduce__(self) -> tuple:
+        # Made again from what it was made of (a plan searched in a child raises it here).
+        return type(self), (self.budget_bytes, self.min_memory_bytes, self.advice)
+
 
 class MicrobatchError(ValueError):
     """The model cannot run on the micro-batch a count of micro-batches gives: fewer samples
@@ -94,6 +98,9 @@ class NoPipelineError(ValueError):
         super().__init__(message)
         self.device_memory = device_memory
         self.min_memory_bytes = min_memory_bytes
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.device_memory, self.min_memory_bytes)
 
 
 class StepFailed(RuntimeError):

@@ -11,8 +11,9 @@ import pytest
 
 import meshplan.api as api
 import meshplan.planner.inter.search as search
+from meshplan import forked
 from meshplan.capture import memo
-from meshplan.capture.ahead import AHEAD_NICENESS, CapturesAhead
+from meshplan.capture.ahead import CapturesAhead
 from meshplan.errors import MicrobatchError
 from meshplan.zoo.spec import build_workload
 
@@ -50,7 +51,7 @@ def test_a_failed_trace_ahead_fails_in_place_as_it_would() -> None:
 def test_traces_no_longer_wanted_are_stopped() -> None:
     graphs = CapturesAhead(_traces())
     graphs.ahead(2)
-    child, _ = graphs._pending[2]
+    child = graphs._pending[2].process
     graphs.close()
     assert not graphs._pending and not child.is_alive()
     graphs(2)   # still traced in place when asked after all
@@ -96,9 +97,7 @@ def test_a_stuck_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch)
     import os
     import threading
 
-    import meshplan.capture.ahead as ahead_mod
-
-    monkeypatch.setattr(ahead_mod, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(forked, "STUCK_AFTER_S", 0.5)
     parent, trace = os.getpid(), _traces()
     held = threading.Lock()
     held.acquire()   # as a thread of the parent held it when the process forked
@@ -110,7 +109,7 @@ def test_a_stuck_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch)
 
     graphs = CapturesAhead(blocking)
     graphs.ahead(2)
-    child, _ = graphs._pending[2]
+    child = graphs._pending[2].process
     graph, fingerprint = graphs(2)
     held.release()
     assert not child.is_alive() and fingerprint == CapturesAhead(trace)(2)[1]
@@ -129,7 +128,7 @@ class _Niceness:
 def test_a_trace_ahead_takes_only_the_cycles_the_search_leaves_idle() -> None:
     graphs = CapturesAhead(lambda num: _Niceness())
     graphs.ahead(2)
-    assert graphs(2)[0].value == min(os.nice(0) + AHEAD_NICENESS, 19)
+    assert graphs(2)[0].value == min(os.nice(0) + forked.NICENESS, 19)
     assert graphs(3)[0].value == os.nice(0)   # traced in place: the search's own priority
 
 
@@ -165,9 +164,7 @@ def test_a_starved_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatc
     is not waited for: the count is traced here, in about the time a trace takes."""
     import time
 
-    import meshplan.capture.ahead as ahead_mod
-
-    monkeypatch.setattr(ahead_mod, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(forked, "STUCK_AFTER_S", 0.5)
     parent, trace = os.getpid(), _traces()
 
     def starved(num: int):
@@ -182,7 +179,7 @@ def test_a_starved_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatc
 
     graphs = CapturesAhead(starved)
     graphs.ahead(2)
-    child, _ = graphs._pending[2]
+    child = graphs._pending[2].process
     began = time.monotonic()
     graph, fingerprint = graphs(2)
     assert time.monotonic() - began < 20

@@ -225,6 +225,30 @@ def test_auto_on_a_mixed_cluster_is_the_faster_of_hetero_and_uniform() -> None:
             hetero.options["hetero"]["ratios"])
 
 
+def test_auto_on_a_mixed_cluster_searches_the_uneven_program_beside_the_pipelines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uneven program is searched in a child at the idle priority while the uniform and
+    typed-stage searches run here; the plan is the one searched in place."""
+    import meshplan.api as api
+
+    started: list[str] = []
+
+    class Spy(api.Forked):
+        def __init__(self, fn, priority: str = "nice") -> None:   # noqa: ANN001
+            started.append(priority)
+            super().__init__(fn, priority)
+
+    monkeypatch.setattr(api, "Forked", Spy)
+    beside = plan(MODELS["mlp"], four_speeds(), "auto")
+    assert started == ["idle"]
+    monkeypatch.setattr(api, "forks", lambda: False)
+    here = plan(MODELS["mlp"], four_speeds(), "auto")
+    assert started == ["idle"]
+    assert beside.options["mixed_auto"] == here.options["mixed_auto"]
+    assert (beside.method, beside.mesh_shape, beside.predicted) == \
+        (here.method, here.mesh_shape, here.predicted)
+
+
 def test_auto_takes_a_2d_plan_where_it_is_faster() -> None:
     # VGG19's classifier on HAP's cluster: a 2-D mesh keeps its tensor parallelism inside the
     # PCIe hosts, which the one-row uneven program cannot (benchmarks/hetero_hap.py). The

@@ -14,14 +14,10 @@ never made ahead, is traced here; one no longer wanted is stopped (`close`).
 
 from __future__ import annotations
 
-import os
-import pickle
-from multiprocessing import get_all_start_methods, get_context
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
-from meshplan.capture import memo
+from meshplan import forked
+from meshplan.forked import Forked
 
 Trace = Callable[[int], Any]   # micro-batch count -> the program's graph
 
@@ -35,7 +31,7 @@ class CapturesAhead:
         self._trace = trace
         self._made_ahead = made_ahead
         self._made: dict[int, tuple[Any, str]] = {}
-        self._pending: dict[int, tuple[BaseProcess, Connection]] = {}
+        self._pending: dict[int, Forked] = {}
 
     def __call__(self, count: int) -> tuple[Any, str]:
         """The program at ``count`` micro-batches and its fingerprint."""
@@ -50,101 +46,21 @@ class CapturesAhead:
 
     def ahead(self, count: int) -> None:
         """Start tracing ``count`` in a forked process, unless it is made or under way."""
-        if count in self._made or count in self._pending or not _forks():
+        if count in self._made or count in self._pending or not forked.forks():
             return
-        reader, writer = get_context("fork").Pipe(duplex=False)
-        # Under the capture lock: no thread is tracing while the process forks, so the child
-        # starts with make_fx's global patches undone and no lock held by a thread it lacks.
-        with memo._LOCK:
-            child = get_context("fork").Process(target=_trace_into, args=(self._trace, count,
-                                                                         writer), daemon=True)
-            child.start()
-        writer.close()
-        self._pending[count] = child, reader
+        trace = self._trace
+        # Niced, not idle: the search waits for this child before anything else.
+        self._pending[count] = Forked(lambda: trace(count), "nice")
 
     def close(self) -> None:
         """Stop the traces under way (the search ended without asking for them)."""
-        for child, reader in self._pending.values():
-            child.kill()
-            child.join()
-            reader.close()
+        for child in self._pending.values():
+            child.stop()
         self._pending.clear()
 
     def _collect(self, count: int) -> Any | None:
-        """The graph a child traced for ``count``, or None when none did or it failed."""
+        """The graph a child traced for ``count``, or None when none did, or it failed (traced
+        here, it fails as it would) or stalled."""
         pending = self._pending.pop(count, None)
-        if pending is None:
-            return None
-        child, reader = pending
-        try:
-            if not _delivers(child, reader):
-                child.kill()   # stuck: a lock some thread held as the process forked
-                return None
-            kind, graph = pickle.loads(reader.recv_bytes())
-        except (EOFError, OSError, pickle.UnpicklingError):
-            kind, graph = "failed", None   # the child died: trace here, and see why
-        finally:
-            reader.close()
-            child.join()
-        return graph if kind == "ok" else None
-
-
-# The child's niceness: it takes the cycles the search leaves idle (its serial steps), not
-# the pricing's turns on a busy core.
-AHEAD_NICENESS = 19
-# Seconds over which a child still tracing, with the parent waiting for it, must have run at
-# least `LEAST_SHARE` of a core (a fraction) to be waited for.
-STUCK_AFTER_S = 1.0
-LEAST_SHARE = 0.25
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _delivers(child: BaseProcess, reader: Connection) -> bool:
-    """Whether ``child`` has its answer ready or dies trying (then `recv_bytes` says so):
-    False where, while the parent waits, it runs less than `LEAST_SHARE` of a core over
-    `STUCK_AFTER_S`, and the parent traces in place: a process forked while another thread
-    held a lock the trace needs waits on it forever, and a niced child on a machine whose
-    every core other work keeps busy would trace at a hundredth of a core's speed."""
-    last = _cpu_ticks(child.pid)
-    while not reader.poll(STUCK_AFTER_S):
-        if not child.is_alive():
-            return True
-        used = _cpu_ticks(child.pid)
-        if used is None or last is None:
-            return False   # its progress cannot be seen: not waited for blind
-        if (used - last) / _TICKS_PER_S < LEAST_SHARE * STUCK_AFTER_S:
-            return False
-        last = used
-    return True
-
-
-
-def _cpu_ticks(pid: int | None) -> int | None:
-    """CPU clock ticks process ``pid`` has used (Linux's /proc), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])   # utime, stime
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _trace_into(trace: Trace, count: int, writer: Connection) -> None:
-    """The child: ``trace(count)``'s graph, or word that it failed (the parent traces it again
-    and raises what it raises)."""
-    try:
-        os.nice(AHEAD_NICENESS)
-    except OSError:
-        pass
-    try:
-        out = pickle.dumps(("ok", trace(count)))
-    except BaseException:   # noqa: BLE001 - any failure (a graph that will not pickle too)
-        out = pickle.dumps(("failed", None))   # is the parent's to report
-    writer.send_bytes(out)
-    writer.close()
-    os._exit(0)   # no atexit handlers, no torch teardown: the parent owns those
-
-
-def _forks() -> bool:
-    """Whether processes fork here (not on Windows, whose planners trace in place)."""
-    return "fork" in get_all_start_methods()
+        got = pending.outcome() if pending is not None else None
+        return got[1] if got is not None and got[0] == "ok" else None

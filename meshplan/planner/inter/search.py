@@ -489,7 +489,7 @@ class _CountSearch:
         """Have count ``i``'s program traced ahead, where the walk may come to it next and
         ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it,
         nor where the search prices on `AHEAD_ABOVE_CORES` cores or fewer. The trace runs
-        at the lowest priority (`ahead.AHEAD_NICENESS`), on the cycles the pricing's serial
+        at the lowest priority (`forked.NICENESS`), on the cycles the pricing's serial
         steps leave idle: at the normal one it took a share of the cores where the pricing
         runs on all of them (on 2, BERT-MoE on HAP's cluster searched 217.6 -> 239.1 s with
         traces ahead, session 71); niced, on 2 cores, BERT-MoE 80.6 -> 73.1 s, GPT-3 175B on
