@@ -156,7 +156,8 @@ def num_layers_for(row: pq.Row, method: str, override: int | None = None) -> int
 
 def run_plan(row: pq.Row, method: str, layers: int | None, timeout_s: float) -> dict:
     """Plan and simulate ``row`` with ``method`` in a fresh process (`plan_quality.run_child`);
-    ``wall_s`` is the child's whole life (imports and simulation included)."""
+    ``wall_s`` is the child's whole life (simulation included; not the imports, which its
+    fork server made once)."""
     return pq.run_child([_ONE_PLAN, row.spec, row.cluster, method, row.dtype,
                          json.dumps(row.optimizer), "-" if layers is None else str(layers)],
                         timeout_s)
