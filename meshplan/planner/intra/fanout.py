@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Hashable, Sequence
 
 from meshplan.ir.graph import Graph, Node
@@ -68,14 +67,21 @@ class _UseReader:
         self.weights = costs.ctx.weights_of(node.name)
         self.sfb = self.param is not None and self.param in costs.sfb and \
             costs.sfb[self.param].consumer == node.name
+        # What every move of this use shares, numbered once: a move is then keyed by four
+        # small things, not nine (the mesh's fields hashed at every pair).
+        self.context = _context_id((self.u.out.nbytes, costs.shape, self.u.requires_grad,
+                                    self.param is not None, costs.ctx.mesh, self.weights))
 
     def charges(self, p: int, q: int) -> list[Charge] | None:
         costs, u, param = self.costs, self.u, self.param
         strat = self.consumers[q].strategy
-        recipe, moved = _moved(self.sources[p].strategy.output, strat.inputs[self.j],
-                               u.out.nbytes, costs.shape, strat.grad_partial[self.j],
-                               u.requires_grad, param is not None, costs.ctx.mesh,
-                               self.weights)
+        src, dst, partial = self.sources[p].strategy.output, strat.inputs[self.j], \
+            strat.grad_partial[self.j]
+        key = (self.context, src, dst, partial)
+        found = _MOVES.get(key)
+        if found is None:
+            found = _MOVES[key] = _moved(src, dst, partial, *_CONTEXTS[self.context])
+        recipe, moved = found
         if param is not None and recipe.steps and not costs.ctx.param_reshard:
             # A parameter is computed with in the layout it is kept in (its spec); keeping it
             # in another layout is what the ZeRO-3 update mode is for.
@@ -97,12 +103,27 @@ class _UseReader:
         return out
 
 
-@lru_cache(maxsize=None)
-def _moved(src: Layout, dst: Layout, nbytes: int, shape: tuple[int, ...], grad_partial: Axes,
+# Moves by (context number, source layout, destination layout, gradient's partial axes), and
+# the contexts by number (`_context_id`): for the process's life, as the caches of the cost
+# functions below them are.
+_MOVES: dict[tuple, tuple[Recipe, float]] = {}
+_CONTEXTS: list[tuple] = []
+_CONTEXT_IDS: dict[tuple, int] = {}
+
+
+def _context_id(context: tuple) -> int:
+    """``context``'s number in `_CONTEXTS`, given at its first sight."""
+    found = _CONTEXT_IDS.get(context)
+    if found is None:
+        found = _CONTEXT_IDS[context] = len(_CONTEXTS)
+        _CONTEXTS.append(context)
+    return found
+
+
+def _moved(src: Layout, dst: Layout, grad_partial: Axes, nbytes: int, shape: tuple[int, ...],
            needs_grad: bool, param: bool, mesh: LogicalMesh, weights: tuple[float, float]
            ) -> tuple[Recipe, float]:
-    """The recipe moving a value from ``src`` to ``dst`` and its collectives' cost: one cache
-    for both (the recipe, a tuple of steps, costs more to hash than its arguments)."""
+    """The recipe moving a value from ``src`` to ``dst`` and its collectives' cost."""
     recipe = reshard(src, dst, nbytes, shape, grad_partial, needs_grad, param)
     return recipe, recipe_cost(recipe, needs_grad, mesh, weights)
 
