@@ -60,11 +60,13 @@ def test_traces_no_longer_wanted_are_stopped() -> None:
 def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     w = build_workload(SPEC, device="meta")
     asked: list[int] = []
+    priorities: dict[int, str] = {}
     ahead = CapturesAhead.ahead
 
-    def spy(self, count):   # noqa: ANN001 - the method's own signature
+    def spy(self, count, priority="nice"):   # noqa: ANN001 - the method's own signature
         asked.append(count)
-        ahead(self, count)
+        priorities.setdefault(count, priority)
+        ahead(self, count, priority)
 
     monkeypatch.setattr(CapturesAhead, "ahead", spy)
     searched: list[int] = []
@@ -87,8 +89,29 @@ def test_the_walk_has_the_next_count_traced_ahead(monkeypatch: pytest.MonkeyPatc
     assert len(searched) > 1
     # Every count searched after the first was asked for ahead, before its search.
     assert set(searched[1:]) <= set(asked)
+    assert all(priorities[c] == "nice" for c in asked)
     plan(str(search.AHEAD_ABOVE_CORES))   # one core: no idle cycles for a trace beside
     assert len(searched) > 1 and not asked
+
+
+def test_the_probe_is_traced_beside_the_walk_below_its_next_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe (the most micro-batches that give every device a sample: 8 of 64 on 8
+    devices), which the walk down from 64 seldom reaches, is traced ahead at the idle
+    priority once two counts are traced (its floor can then be extrapolated)."""
+    w = build_workload(SPEC.replace("batch=8", "batch=64"), device="meta")
+    asked: list[tuple[int, str]] = []
+    ahead = CapturesAhead.ahead
+
+    def spy(self, count, priority="nice"):   # noqa: ANN001 - the method's own signature
+        asked.append((count, priority))
+        ahead(self, count, priority)
+
+    monkeypatch.setattr(CapturesAhead, "ahead", spy)
+    monkeypatch.setenv("MESHPLAN_WORKERS", str(search.AHEAD_ABOVE_CORES + 1))
+    api.plan(w.model, w.loss_fn, "sgd", w.example_batch, "p3.16xlarge:1x8",
+             method="inter-only")
+    assert asked[:3] == [(32, "nice"), (16, "nice"), (8, "idle")]
 
 
 def test_a_stuck_trace_ahead_is_traced_in_place(monkeypatch: pytest.MonkeyPatch) -> None:

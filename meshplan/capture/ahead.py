@@ -44,13 +44,13 @@ class CapturesAhead:
             self._made[count] = graph, graph.fingerprint()
         return self._made[count]
 
-    def ahead(self, count: int) -> None:
-        """Start tracing ``count`` in a forked process, unless it is made or under way."""
+    def ahead(self, count: int, priority: str = "nice") -> None:
+        """Start tracing ``count`` in a forked process at ``priority`` (`forked.PRIORITIES`;
+        "nice" for the count a search waits on next), unless it is made or under way."""
         if count in self._made or count in self._pending or not forked.forks():
             return
         trace = self._trace
-        # Niced, not idle: the search waits for this child before anything else.
-        self._pending[count] = Forked(lambda: trace(count), "nice")
+        self._pending[count] = Forked(lambda: trace(count), priority)
 
     def close(self) -> None:
         """Stop the traces under way (the search ended without asking for them)."""

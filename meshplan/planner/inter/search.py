@@ -153,11 +153,7 @@ def search_pipeline(graph_for: GraphFor, counts: list[int], req: PipelineRequest
     search = _CountSearch(graph_for, _runnable(graph_for, sorted(counts)), req)
     top = len(search.counts) - 1
     search.walk(top, -1)
-    # Past some count the micro-batch no longer spreads over the devices (one sample cannot
-    # be data parallel), which breaks the convexity of eq. 2: also start from the most
-    # micro-batches that still give every device a sample, and walk both ways from there.
-    probe = max((i for i, b in enumerate(search.counts) if search.counts[-1] // b >=
-                 req.cluster.num_devices), default=None)
+    probe = search.probe
     if probe is not None and probe not in search.tried and search.fits(probe):
         before = search.best_latency()
         if search.latency(probe, before) < before:
@@ -418,7 +414,7 @@ def _peak_over_budget(profiler: StageProfiler, pipeline: PipelineSolution, budge
     return max(mesh_memory(memory, pipeline.chunks)) / budget
 
 
-# The walk traces counts ahead only where the search prices on more cores than this (`_ahead`):
+# The walk traces counts ahead only where the search prices on more cores than this (`ahead`):
 # on one, the trace has no idle core to take.
 AHEAD_ABOVE_CORES = 1
 
@@ -431,6 +427,12 @@ class _CountSearch:
         self.graph_for, self.counts, self.req = graph_for, counts, req
         self.tried: dict[int, _Searched | None] = {}
         self.errors: list[NoPipelineError] = []
+        # Past some count the micro-batch no longer spreads over the devices (one sample
+        # cannot be data parallel), which breaks the convexity of eq. 2: the search also
+        # starts from the most micro-batches that still give every device a sample
+        # (`search_pipeline`), and walks both ways from there.
+        self.probe = max((i for i, b in enumerate(counts)
+                          if counts[-1] // b >= req.cluster.num_devices), default=None)
         # The floor of plans that do not recompute, whatever ``req.recompute`` allows (module
         # docstring).
         self._floors = CountFloors(lambda b: graph_for(b)[0], req.dtype, req.optimizer_state,
@@ -477,15 +479,26 @@ class _CountSearch:
         does one whose fastest pipeline is one stage where one stage at fewer micro-batches
         is weighed anyway (`_one_stage_ends`)."""
         while 0 <= i < len(self.counts) and i not in self.tried:
-            self._ahead(i + step)
+            self.ahead(i + step)
             t = self.latency(i, previous)
+            self._probe_ahead(i + step)
             if t >= previous or (t == math.inf and step < 0):
                 return
             if step < 0 and self._one_stage_ends(i):
                 return
             previous, i = t, i + step
 
-    def _ahead(self, i: int) -> None:
+    def _probe_ahead(self, following: int) -> None:
+        """Have the probe traced beside the walk (the walk down seldom reaches it, and it is
+        then searched: BERT-MoE on HAP's cluster, 32 of 2048 micro-batches, 0.9 s to trace),
+        below the count the walk asks for next (``following``), once its floor can be
+        extrapolated from two counts traced (GPT-3 175B's probe, one micro-batch of the whole
+        batch, is well over the budget and never searched)."""
+        if self.probe is not None and self.probe != following and (
+                self.req.budget is None or len(self._floors.traced) >= 2):
+            self.ahead(self.probe, "idle")
+
+    def ahead(self, i: int, priority: str = "nice") -> None:
         """Have count ``i``'s program traced ahead, where the walk may come to it next and
         ``graph_for`` can (`capture/ahead.py`): not where its floor, extrapolated, skips it,
         nor where the search prices on `AHEAD_ABOVE_CORES` cores or fewer. The trace runs
@@ -493,12 +506,12 @@ class _CountSearch:
         steps leave idle: at the normal one it took a share of the cores where the pricing
         runs on all of them (on 2, BERT-MoE on HAP's cluster searched 217.6 -> 239.1 s with
         traces ahead, session 71); niced, on 2 cores, BERT-MoE 80.6 -> 73.1 s, GPT-3 175B on
-        1024 A100s 34.1 -> 30.1 s (session 77)."""
+        1024 A100s 34.1 -> 30.1 s (session 77). ``priority``: `forked.PRIORITIES`."""
         ahead = getattr(self.graph_for, "ahead", None)
         if ahead is not None and usable_cores() > AHEAD_ABOVE_CORES \
                 and 0 <= i < len(self.counts) \
                 and i not in self.tried and not self._floors.skips_untraced(self.counts[i]):
-            ahead(self.counts[i])
+            ahead(self.counts[i], priority)
 
     def _one_stage_ends(self, i: int) -> bool:
         """Whether one stage won at count ``i`` under "auto", whose one stage at the fewest
