@@ -324,7 +324,9 @@ def _plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_ba
             # submeshes: it reads their prices (`planner/inter/price_sharing.py`).
             with shared_prices():
                 try:
-                    uniform: Plan | None = plan(
+                    # The loss scaling of the plan returned is made once, by `plan`: not of
+                    # this one unless it wins.
+                    uniform: Plan | None = _plan_fitting(
                         model, loss_fn, optimizer, example_batch, uniform_cluster,
                         memory_budget_gb=memory_budget_gb, force_batch_dim=force_batch_dim,
                         prefer_reduce_scatter=prefer_reduce_scatter,
@@ -717,6 +719,14 @@ def plan(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_bat
 
 def _plan_once(model: nn.Module, loss_fn: Callable | None, optimizer: Any, example_batch: Any,
                cluster: Cluster | str, **kwargs: Any) -> Plan:
+    return _microbatch_loss(_plan_fitting(model, loss_fn, optimizer, example_batch, cluster,
+                                          **kwargs), model, loss_fn, example_batch)
+
+
+def _plan_fitting(model: nn.Module, loss_fn: Callable | None, optimizer: Any,
+                  example_batch: Any, cluster: Cluster | str, **kwargs: Any) -> Plan:
+    """`_plan`'s plan, searched again without the half copies where they are what does not
+    fit."""
     try:
         found = _plan(model, loss_fn, optimizer, example_batch, cluster, **kwargs)
     except InfeasiblePlanError as e:
@@ -731,7 +741,7 @@ def _plan_once(model: nn.Module, loss_fn: Callable | None, optimizer: Any, examp
             raise
         found = _plan(model, loss_fn, optimizer, example_batch, cluster,
                       **{**kwargs, "hold_half_copies": False})
-    return _microbatch_loss(found, model, loss_fn, example_batch)
+    return found
 
 
 def _microbatch_loss(found: Plan, model: nn.Module, loss_fn: Callable | None,

@@ -239,8 +239,19 @@ def test_auto_on_a_mixed_cluster_searches_the_uneven_program_beside_the_pipeline
             super().__init__(fn, priority)
 
     monkeypatch.setattr(api, "Forked", Spy)
+    scaled: list[meshplan.Plan] = []
+    loss = api._microbatch_loss
+
+    def scaling(found, *rest):   # noqa: ANN001, ANN002, ANN202
+        scaled.append(found)
+        return loss(found, *rest)
+
+    monkeypatch.setattr(api, "_microbatch_loss", scaling)
     beside = plan(MODELS["mlp"], four_speeds(), "auto")
     assert started == ["idle"]
+    # The loss scaling (a trace of the plan's micro-batch) of the plan returned only, not of
+    # the uniform search's too.
+    assert len(scaled) == 1 and scaled[0].predicted == beside.predicted
     monkeypatch.setattr(api, "forks", lambda: False)
     here = plan(MODELS["mlp"], four_speeds(), "auto")
     assert started == ["idle"]
