@@ -65,12 +65,6 @@ def _keep(table: "collections.OrderedDict", model: torch.nn.Module, loss_fn: Any
         table.popitem(last=False)
 
 
-def made_already(model: torch.nn.Module, loss_fn: Any, example_batch: Any) -> Any | None:
-    """The capture `captured_once` holds for these arguments, or None (nothing is traced)."""
-    with _LOCK:
-        return _held(_CACHE, model, loss_fn, example_batch)
-
-
 def remember_program(model: torch.nn.Module, loss_fn: Any, example_batch: Any, graph: Any
                      ) -> None:
     """Keep ``graph``, the program of these arguments made in another process, for

@@ -16,7 +16,7 @@ planner derives all strategies (Alpa's Table 3) from them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from functools import cached_property
 
 Dims = tuple[str, ...]
@@ -117,3 +117,21 @@ def signature_fits(sig: Signature, in_shapes: tuple[tuple[int, ...], ...],
             if all(a in sizes for a in d) and math.prod(sizes[a] for a in d) != n:
                 return False
     return True
+
+
+def canonical_text(value: object) -> str:
+    """``value``'s text (a signature's, any dataclass of tuples, sets and plain values) with
+    every set's members sorted, for fingerprints of program structure. A set prints in the
+    order of its hash table, which depends on the order its members went in, and unpickling
+    rebuilds it: a program traced ahead in a child (`capture/ahead.py`) printed other orders
+    of its signatures' ``unsplittable`` atoms than the same program traced here, and its
+    stages had other keys (BERT-MoE on HAP's cluster: the typed-stage search then read none
+    of the uniform search's prices, session 77)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(canonical_text(v) for v in value)) + "}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(canonical_text(v) for v in value) + ")"
+    if is_dataclass(value) and not isinstance(value, type):
+        return f"{type(value).__name__}(" + ", ".join(
+            f"{f.name}={canonical_text(getattr(value, f.name))}" for f in fields(value)) + ")"
+    return repr(value)

@@ -11,24 +11,12 @@ never enter it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any
 
 from meshplan.ir.graph import Graph, Node
+from meshplan.ir.signatures import canonical_text
 from meshplan.planner.inter.clustering import Layering
-
-
-def _canonical(value: Any) -> Any:
-    """Sets sorted and dataclasses flattened, so the text does not depend on hash order."""
-    if isinstance(value, (set, frozenset)):
-        return ("set", tuple(sorted((_canonical(v) for v in value), key=repr)))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__,
-                tuple(_canonical(getattr(value, f.name)) for f in dataclasses.fields(value)))
-    if isinstance(value, tuple):
-        return tuple(_canonical(v) for v in value)
-    return value
 
 
 def _operand(graph: Graph, name: str, local: dict[str, int], outside: dict[str, int]
@@ -44,7 +32,7 @@ def _node_key(graph: Graph, node: Node, local: dict[str, int], outside: dict[str
               ) -> tuple[Any, ...]:
     operands = tuple(_operand(graph, x, local, outside) for x in node.inputs)
     return (node.role, node.op, node.out.shape, node.out.dtype, node.flops,
-            _canonical(node.sig), operands)
+            canonical_text(node.sig), operands)
 
 
 def layer_signature(graph: Graph, layering: Layering, index: int) -> str:

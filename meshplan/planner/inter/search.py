@@ -481,21 +481,21 @@ class _CountSearch:
         while 0 <= i < len(self.counts) and i not in self.tried:
             self.ahead(i + step)
             t = self.latency(i, previous)
-            self._probe_ahead(i + step)
+            self._probe_ahead()
             if t >= previous or (t == math.inf and step < 0):
                 return
             if step < 0 and self._one_stage_ends(i):
                 return
             previous, i = t, i + step
 
-    def _probe_ahead(self, following: int) -> None:
+    def _probe_ahead(self) -> None:
         """Have the probe traced beside the walk (the walk down seldom reaches it, and it is
         then searched: BERT-MoE on HAP's cluster, 32 of 2048 micro-batches, 0.9 s to trace),
-        below the count the walk asks for next (``following``), once its floor can be
-        extrapolated from two counts traced (GPT-3 175B's probe, one micro-batch of the whole
-        batch, is well over the budget and never searched)."""
-        if self.probe is not None and self.probe != following and (
-                self.req.budget is None or len(self._floors.traced) >= 2):
+        below the count the walk asks for next (a count under way stays as it was started),
+        once its floor can be extrapolated from two counts traced (GPT-3 175B's probe, one
+        micro-batch of the whole batch, is well over the budget and never searched)."""
+        if self.probe is not None and (self.req.budget is None
+                                       or len(self._floors.traced) >= 2):
             self.ahead(self.probe, "idle")
 
     def ahead(self, i: int, priority: str = "nice") -> None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 
 from meshplan.ir.graph import Graph, Node
-from meshplan.ir.signatures import Signature, fresh_atoms
+from meshplan.ir.signatures import Signature, canonical_text, fresh_atoms
 from meshplan.planner.inter.clustering import Layering
 
 SINK_OP = "stage_output"
@@ -92,30 +92,13 @@ def _sink(node: Node) -> Node:
 def structure_key(graph: Graph) -> str:
     """A name-free fingerprint of ``graph``: equal for programs of the same ops, shapes, dtypes,
     signatures and wiring, whatever their nodes are called, and whatever order their sets
-    were built in (`_canonical`)."""
+    were built in (`signatures.canonical_text`)."""
     index = {n.name: k for k, n in enumerate(graph.nodes)}
     lines = [f"{n.role}|{n.op}|{tuple(index[i] for i in n.inputs)}|{n.out.shape}|"
-             f"{n.out.dtype}|{n.flops}|{n.requires_grad}|{_canonical(n.sig)}"
+             f"{n.out.dtype}|{n.flops}|{n.requires_grad}|{canonical_text(n.sig)}"
              + ("" if n.batch_dims is None else f"|batch={n.batch_dims}") for n in graph.nodes]
     lines.append(f"loss={index[graph.loss]}")
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:16]
-
-
-def _canonical(value: object) -> str:
-    """``value``'s text with every set's members sorted. A set prints in the order of its hash
-    table, which depends on the order its members went in, and unpickling rebuilds it: a
-    program traced ahead in a child (`capture/ahead.py`) printed other orders of its
-    signatures' ``unsplittable`` atoms than the same program traced here, and its stages had
-    other keys (BERT-MoE on HAP's cluster: the typed-stage search then read none of the
-    uniform search's prices, session 77)."""
-    if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(sorted(_canonical(v) for v in value)) + "}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_canonical(v) for v in value) + ")"
-    if is_dataclass(value) and not isinstance(value, type):
-        return f"{type(value).__name__}(" + ", ".join(
-            f"{f.name}={_canonical(getattr(value, f.name))}" for f in fields(value)) + ")"
-    return repr(value)
 
 
 def renamed(graph: Graph, prefix: str) -> Graph:

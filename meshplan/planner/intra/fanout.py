@@ -20,6 +20,7 @@ eq. 1 (deduplicated per cell); a key several pairs can need becomes one `SharedC
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -111,13 +112,17 @@ _CONTEXTS: list[tuple] = []
 _CONTEXT_IDS: dict[tuple, int] = {}
 
 
+_NUMBERING = threading.Lock()   # plans made on several threads number contexts apart
+
+
 def _context_id(context: tuple) -> int:
     """``context``'s number in `_CONTEXTS`, given at its first sight."""
-    found = _CONTEXT_IDS.get(context)
-    if found is None:
-        found = _CONTEXT_IDS[context] = len(_CONTEXTS)
-        _CONTEXTS.append(context)
-    return found
+    with _NUMBERING:
+        found = _CONTEXT_IDS.get(context)
+        if found is None:
+            found = _CONTEXT_IDS[context] = len(_CONTEXTS)
+            _CONTEXTS.append(context)
+        return found
 
 
 def _moved(src: Layout, dst: Layout, grad_partial: Axes, nbytes: int, shape: tuple[int, ...],
